@@ -1,0 +1,3 @@
+from megascale_data_ext.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,51 @@
+"""`megascale-data` command line: one subcommand per module in `megascale_data_ext.commands`.
+
+Each command module exposes ``NAME`` (e.g. ``"bench balance"`` or ``"prepare"``), ``HELP`` and
+``add_arguments(parser)`` plus ``run(args) -> int``. Multi-word names become nested
+subcommands, so ``bench balance`` and ``bench planner`` share a ``bench`` group.
+Discovery keeps this file untouched as commands are added.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import pkgutil
+from collections.abc import Sequence
+
+from megascale_data_ext import commands
+
+
+def _command_modules() -> list:
+    mods = []
+    for info in sorted(pkgutil.iter_modules(commands.__path__), key=lambda i: i.name):
+        if info.name.startswith("_"):
+            continue
+        mod = importlib.import_module(f"{commands.__name__}.{info.name}")
+        if hasattr(mod, "NAME") and hasattr(mod, "run"):
+            mods.append(mod)
+    return mods
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="megascale-data", description=__doc__.splitlines()[0])
+    top = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    groups: dict[str, argparse._SubParsersAction] = {}
+    for mod in _command_modules():
+        words = mod.NAME.split()
+        if len(words) == 1:
+            sub = top.add_parser(words[0], help=mod.HELP, description=mod.HELP)
+        else:
+            group = groups.get(words[0])
+            if group is None:
+                gp = top.add_parser(words[0], help=f"{words[0]} commands")
+                group = groups[words[0]] = gp.add_subparsers(dest="subcommand", required=True, metavar="SUBCOMMAND")
+            sub = group.add_parser(words[1], help=mod.HELP, description=mod.HELP)
+        mod.add_arguments(sub)
+        sub.set_defaults(_run=mod.run)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args._run(args) or 0)

@@ -1,0 +1,1 @@
+"""The data plane: pure Python/numpy planning (no Ray, no torch), testable in one process."""

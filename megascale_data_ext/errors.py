@@ -1,0 +1,44 @@
+"""Error hierarchy shared by every part of the service.
+
+User-facing problems raise one of these (never ``assert``): the message names the file,
+source, row or config field and says what to do about it.
+"""
+
+from __future__ import annotations
+
+
+class MegascaleDataError(Exception):
+    """Base class of every error this package raises on purpose."""
+
+
+class ConfigError(MegascaleDataError, ValueError):
+    """A configuration value is invalid; the message lists every problem found."""
+
+
+class ParallelLayoutError(ConfigError):
+    """Parallel sizes that cannot describe the world (e.g. world % (tp*cp*pp) != 0)."""
+
+
+class PlanError(MegascaleDataError):
+    """The planner cannot build a plan for a step (e.g. a sample that fits no microbatch)."""
+
+
+class SourceError(MegascaleDataError):
+    """A source cannot be opened or read: missing/corrupt file, wrong columns, empty source."""
+
+
+class SampleError(MegascaleDataError):
+    """One sample is bad (undecodable image, too long with truncation off).
+
+    Source Loaders skip and count these under a tolerance policy; the error carries where
+    the sample came from so the count report can name it.
+    """
+
+    def __init__(self, message: str, *, source: str | None = None, path: str | None = None, row: int | None = None):
+        where = ", ".join(f"{k}={v}" for k, v in (("source", source), ("file", path), ("row", row)) if v is not None)
+        super().__init__(f"{message} ({where})" if where else message)
+        self.source, self.path, self.row = source, path, row
+
+
+class ResumeError(MegascaleDataError, ValueError):
+    """A saved data state does not match the current configuration; names the changed field."""
