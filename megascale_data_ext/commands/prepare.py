@@ -1,0 +1,50 @@
+"""``megascale-data prepare``: raw text/JSONL/image folders → Parquet with cost columns."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from megascale_data_ext.errors import MegascaleDataError
+
+NAME = "prepare"
+HELP = (
+    "Convert text files, JSONL (text + optional image paths) or captioned image folders into Parquet "
+    "shards with precomputed cost columns (num_tokens, image_patches) for ahead-of-fetch balancing."
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--input", nargs="+", required=True, metavar="PATH", help=".txt, .jsonl files or directories")
+    parser.add_argument("--output", required=True, metavar="DIR", help="directory for the Parquet shards")
+    parser.add_argument("--kind", choices=["text", "image-text"], default="text", help="payload columns to write")
+    parser.add_argument("--tokenizer", default=None, metavar="PATH", help="tokenizer.json (default: byte-level)")
+    parser.add_argument("--patch-size", type=int, default=16, help="ViT patch edge in pixels (default 16)")
+    parser.add_argument("--max-image-patches", type=int, default=1024, help="patch cap per image (default 1024)")
+    parser.add_argument("--row-group-rows", type=int, default=1024, help="rows per Parquet row group")
+    parser.add_argument("--rows-per-file", type=int, default=100_000, help="rows per Parquet file")
+    parser.add_argument("--split-lines", action="store_true", help="one document per line of .txt inputs")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def run(args: argparse.Namespace) -> int:
+    from megascale_data_ext.sources.prepare import format_summary, prepare
+
+    try:
+        result = prepare(
+            args.input,
+            args.output,
+            kind=args.kind,
+            tokenizer=args.tokenizer,
+            patch_size=args.patch_size,
+            max_image_patches=args.max_image_patches,
+            row_group_rows=args.row_group_rows,
+            rows_per_file=args.rows_per_file,
+            split_lines=args.split_lines,
+            progress=not args.no_progress,
+        )
+    except MegascaleDataError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(format_summary(result, args.output))
+    return 0

@@ -1,0 +1,332 @@
+"""DGraph: the per-step, metadata-only graph of sample states (paper Sec. 4.1).
+
+Nodes are samples in a state (buffered -> sampled -> bucket -> microbatch bin -> client);
+edges are the primitive that moved them. Internally the graph is columnar (one numpy array
+per attribute) so a 4,096-GPU step plans in milliseconds; `lineage`, `__str__` and `to_dot()`
+make the state transitions visible.
+
+Primitives chain and return the graph::
+
+    plan = (DGraph.from_summary(summary, tree, step=s)
+            .mix(mixer, batch_size=B)
+            .distribute("DP")
+            .cost(TransformerCost(cfg))
+            .balance("kk", level="interleaved", num_microbatches=m, cap=seq_len)
+            .broadcast_at("tp")
+            .plan())
+
+`images()` derives the image DGraph from the same buffer (one node per image) for hybrid
+strategies whose encoder has its own distribution axis.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+
+from megascale_data_ext.dataplane.balancers import balance_step
+from megascale_data_ext.dataplane.plan import EncoderPlan, StepPlan
+from megascale_data_ext.dataplane.summary import BufferSummary
+from megascale_data_ext.errors import PlanError
+
+CostFn = Callable[[Any], np.ndarray]
+
+
+class _Columns(Mapping[str, np.ndarray]):
+    """Read-only view of a graph's columns handed to user cost functions."""
+
+    def __init__(self, cols: dict[str, np.ndarray]):
+        self._cols = cols
+
+    def __getitem__(self, key: str) -> np.ndarray:
+        return self._cols[key]
+
+    def __getattr__(self, key: str) -> np.ndarray:
+        try:
+            return self._cols[key]
+        except KeyError:
+            raise AttributeError(key) from None
+
+    def __iter__(self):
+        return iter(self._cols)
+
+    def __len__(self) -> int:
+        return len(self._cols)
+
+
+def _apply_cost(fn: CostFn, cols: dict[str, np.ndarray], on: str | None) -> np.ndarray:
+    n = len(next(iter(cols.values()))) if cols else 0
+    if on is not None:
+        if on not in cols:
+            raise PlanError(f"cost(on={on!r}): no such column; columns are {sorted(cols)}")
+        out = fn(cols[on])
+    else:
+        out = fn(_Columns(cols))
+    out = np.asarray(out, dtype=np.float64)
+    if out.shape != (n,):
+        raise PlanError(f"cost function {fn!r} returned shape {out.shape}, expected ({n},)")
+    if not np.all(np.isfinite(out)) or np.any(out < 0):
+        raise PlanError(f"cost function {fn!r} returned negative or non-finite costs")
+    return out
+
+
+class _GraphBase:
+    """State shared by the sample graph and the image graph: columns, buckets, bins, lineage."""
+
+    def __init__(self, cols: dict[str, np.ndarray], tree: Any, step: int):
+        self.cols = cols
+        self.tree = tree
+        self.step = step
+        self.lineage: list[str] = []
+        self.layout: Any = None
+        self.costs: np.ndarray | None = None
+        self.bucket: np.ndarray | None = None
+        self.microbatch: np.ndarray | None = None
+        self.num_microbatches = 1
+
+    def __len__(self) -> int:
+        return int(len(next(iter(self.cols.values())))) if self.cols else 0
+
+    def _record(self, text: str) -> None:
+        self.lineage.append(text)
+
+    def distribute(self, axis: str, group_size: int | None = None):
+        """Create one bucket per consumer on `axis` of the ClientPlaceTree ("DP", "CP", "WORLD")."""
+        self.layout = self.tree.buckets(axis, group_size=group_size)
+        self._record(f"distribute(axis={axis!r}, group_size={group_size}) -> {self.layout.num_buckets} buckets")
+        return self
+
+    def cost(self, fn: CostFn, *, on: str | None = "seq_len"):
+        """Attach a cost per node: `fn(column)` when `on` names a column, else `fn(columns)`."""
+        self.costs = _apply_cost(fn, self.cols, on)
+        self._record(f"cost({getattr(fn, '__name__', type(fn).__name__)}, on={on!r})")
+        return self
+
+    def balance(
+        self,
+        method: str = "kk",
+        *,
+        level: str = "interleaved",
+        num_microbatches: int = 1,
+        cap: int | None = None,
+        keep_order: bool = True,
+    ):
+        """Assign nodes to buckets and microbatch bins with a registered balancer."""
+        if self.layout is None:
+            raise PlanError("balance() needs distribute(axis) first: it decides how many buckets there are")
+        costs = self.costs if self.costs is not None else self.cols["seq_len"].astype(np.float64)
+        groups = self.layout.groups if len(self.layout.groups) > 1 else None
+        res = balance_step(
+            costs,
+            tokens=self.cols["seq_len"],
+            num_buckets=self.layout.num_buckets,
+            num_microbatches=num_microbatches,
+            cap=cap,
+            method=method,
+            level=level,
+            keep_order=keep_order,
+            groups=groups,
+        )
+        self.bucket, self.microbatch = res.bucket.astype(np.int64), res.microbatch.astype(np.int64)
+        self.num_microbatches = num_microbatches
+        self.costs = costs
+        self._record(f"balance({method!r}, level={level!r}, m={num_microbatches}, cap={cap}, keep_order={keep_order})")
+        return self
+
+
+class ImageDGraph(_GraphBase):
+    """One node per image of the sampled samples, for encoders with their own axis (Alg. 2)."""
+
+    def to_encoder_plan(self) -> EncoderPlan:
+        if self.bucket is None:
+            raise PlanError("image graph was never balanced: call distribute() and balance() on it")
+        return EncoderPlan(
+            axis=self.layout.axis,
+            num_buckets=self.layout.num_buckets,
+            sample=self.cols["sample"],
+            image=self.cols["image"],
+            patches=self.cols["seq_len"],
+            bucket=self.bucket,
+            cost=self.costs if self.costs is not None else self.cols["seq_len"].astype(np.float64),
+        )
+
+
+class DGraph(_GraphBase):
+    """Metadata graph of one step's samples; see the module docstring for the primitive chain."""
+
+    def __init__(self, summary: BufferSummary, tree: Any, *, step: int):
+        self.summary = summary
+        parts = summary.sources
+        offs = [p.image_offsets for p in parts]
+        img_counts = [p.image_patch_counts for p in parts]
+        # Re-base each source's ragged image offsets onto the concatenated patch array.
+        base = np.cumsum([0] + [len(c) for c in img_counts[:-1]]) if parts else np.zeros(0, np.int64)
+        image_offsets = (
+            np.concatenate([o[:-1] + b for o, b in zip(offs, base, strict=True)] + [[sum(len(c) for c in img_counts)]])
+            if parts
+            else np.zeros(1, np.int64)
+        )
+        cols = {
+            "source": np.concatenate([np.full(len(p), p.source, np.int32) for p in parts]) if parts else np.zeros(0, np.int32),
+            "position": np.concatenate([p.positions for p in parts]) if parts else np.zeros(0, np.int64),
+            "index": np.concatenate([p.indices for p in parts]) if parts else np.zeros(0, np.int64),
+            "text_tokens": np.concatenate([p.text_tokens for p in parts]) if parts else np.zeros(0, np.int64),
+            "image_patches": np.concatenate([p.image_patches_total() for p in parts]) if parts else np.zeros(0, np.int64),
+            "num_images": np.concatenate([np.diff(p.image_offsets) for p in parts]) if parts else np.zeros(0, np.int64),
+        }
+        for key in sorted({k for p in parts for k in p.extra}):
+            cols[key] = np.concatenate([p.extra[key] for p in parts])
+        cols["seq_len"] = cols["text_tokens"] + cols["image_patches"]
+        super().__init__(cols, tree, step)
+        self.image_offsets = image_offsets.astype(np.int64)
+        self.image_patch_counts = np.concatenate(img_counts).astype(np.int64) if parts else np.zeros(0, np.int64)
+        self.selected: np.ndarray | None = None
+        self.broadcast_dims: tuple[str, ...] = ()
+        self.encoder: ImageDGraph | None = None
+        self._record(f"buffer({len(self)} samples from {len(parts)} sources)")
+
+    @classmethod
+    def from_summary(cls, summary: BufferSummary, tree: Any, *, step: int) -> DGraph:
+        return cls(summary, tree, step=step)
+
+    # -- primitives -------------------------------------------------------------------
+    def mix(self, mixer: Any, *, batch_size: int) -> DGraph:
+        """Sample this step's global batch: `mixer.counts` per source, `mixer.order` interleaving.
+
+        Each source contributes its next samples in stream order, so every sample is taken
+        exactly once per epoch; only sampled nodes take part in what follows.
+        """
+        counts = np.asarray(mixer.counts(self.step, batch_size), dtype=np.int64)
+        order = np.asarray(mixer.order(self.step, counts), dtype=np.int64)
+        src = self.cols["source"]
+        picked = np.empty(len(order), dtype=np.int64)
+        for s, n in enumerate(counts.tolist()):
+            if n == 0:
+                continue
+            rows = np.flatnonzero(src == s)
+            if len(rows) < n:
+                name = self.summary.sources[s].name
+                raise PlanError(
+                    f"step {self.step}: source {name!r} has {len(rows)} buffered samples but the mixture needs {n}; "
+                    f"raise the loader buffer size (buffer_size) or lower the batch size"
+                )
+            rows = rows[np.argsort(self.cols["position"][rows], kind="stable")][:n]
+            picked[order == s] = rows
+        self._select(picked)
+        self._record(f"mix({type(mixer).__name__}, batch_size={batch_size}) -> counts {counts.tolist()}")
+        return self
+
+    def select(self, rows: np.ndarray, *, note: str = "select") -> DGraph:
+        """Low-level alternative to `mix`: take exactly these buffer rows in this order."""
+        self._select(np.asarray(rows, dtype=np.int64))
+        self._record(f"{note}({len(rows)} rows)")
+        return self
+
+    def _select(self, rows: np.ndarray) -> None:
+        offs, counts = self.image_offsets, self.image_patch_counts
+        starts, ends = offs[rows], offs[rows + 1]
+        lens = ends - starts
+        idx = np.repeat(starts - np.cumsum(np.concatenate([[0], lens[:-1]])), lens) + np.arange(lens.sum())
+        self.image_patch_counts = counts[idx] if len(idx) else np.zeros(0, np.int64)
+        self.image_offsets = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
+        self.cols = {k: v[rows] for k, v in self.cols.items()}
+        self.selected = rows
+
+    def images(self) -> ImageDGraph:
+        """The image DGraph over the same sampled samples (`seq_len` = patches of one image)."""
+        lens = np.diff(self.image_offsets)
+        sample = np.repeat(np.arange(len(self), dtype=np.int64), lens)
+        image = np.arange(len(sample), dtype=np.int64) - np.repeat(self.image_offsets[:-1], lens)
+        cols = {"sample": sample, "image": image, "seq_len": self.image_patch_counts.copy()}
+        cols["source"] = self.cols["source"][sample]
+        g = ImageDGraph(cols, self.tree, self.step)
+        g._record(f"images({len(sample)} images of {len(self)} samples)")
+        self.encoder = g
+        return g
+
+    def broadcast_at(self, dim: str) -> DGraph:
+        """Declare a trainer-side broadcast along `dim`: only its rank 0 fetches (e.g. "tp")."""
+        self.broadcast_dims = tuple(dict.fromkeys(self.broadcast_dims + (dim,)))
+        self._record(f"broadcast_at({dim!r})")
+        return self
+
+    def plan_raw(self) -> dict[str, np.ndarray]:
+        """The raw per-sample assignment arrays, for users who program the Planner directly."""
+        if self.bucket is None:
+            raise PlanError("nothing to plan: call distribute() and balance() first")
+        return {**self.cols, "bucket": self.bucket, "microbatch": self.microbatch, "cost": self.costs}
+
+    def plan(self) -> StepPlan:
+        raw = self.plan_raw()
+        tree = self.tree.with_broadcast(self.broadcast_dims) if self.broadcast_dims else self.tree
+        layout = self.layout
+        fetch = tuple(sorted(tree.fetch_ranks(layout.axis)))
+        return StepPlan(
+            step=self.step,
+            axis=layout.axis,
+            num_buckets=layout.num_buckets,
+            num_microbatches=self.num_microbatches,
+            source_names=self.summary.names,
+            source=raw["source"].astype(np.int32),
+            position=raw["position"],
+            index=raw["index"],
+            tokens=raw["seq_len"].astype(np.int64),
+            cost=raw["cost"],
+            bucket=raw["bucket"],
+            microbatch=raw["microbatch"],
+            bucket_ranks=tuple(tuple(r) for r in layout.bucket_ranks),
+            fetch_ranks=fetch,
+            broadcast_dims=self.broadcast_dims,
+            encoder=self.encoder.to_encoder_plan() if self.encoder is not None and self.encoder.bucket is not None else None,
+            lineage=tuple(self.lineage + (self.encoder.lineage if self.encoder is not None else [])),
+        )
+
+    # -- inspection -------------------------------------------------------------------
+    def __str__(self) -> str:
+        lines = [f"DGraph(step={self.step}, nodes={len(self)})"]
+        lines += [f"  {i}. {t}" for i, t in enumerate(self.lineage)]
+        if self.encoder is not None:
+            lines += [f"  encoder: {t}" for t in self.encoder.lineage]
+        if self.bucket is not None:
+            bc = np.bincount(self.bucket, weights=self.costs, minlength=self.layout.num_buckets)
+            lines.append(f"  bucket cost max/mean = {bc.max() / max(bc.mean(), 1e-12):.3f}")
+        return "\n".join(lines)
+
+    def to_dot(self, *, per_sample: bool = False) -> str:
+        """Graphviz DOT of the lineage: sources -> buckets -> microbatch bins -> clients.
+
+        Edges are labelled with sample counts; `per_sample=True` draws one node per sample
+        ("id:cost" as in the paper's Fig. 8) for small graphs.
+        """
+        out = ["digraph DGraph {", "  rankdir=LR;", '  node [shape=box, fontsize=10];']
+        names = self.summary.names
+        for s, name in enumerate(names):
+            out.append(f'  src{s} [label="{name}", shape=cylinder];')
+        if self.bucket is None:
+            out.append("}")
+            return "\n".join(out)
+        m = self.num_microbatches
+        src, b, mb = self.cols["source"], self.bucket, self.microbatch
+        for k in range(self.layout.num_buckets):
+            ranks = ",".join(map(str, self.layout.bucket_ranks[k]))
+            out.append(f'  b{k} [label="bucket {k}", shape=folder];')
+            out.append(f'  c{k} [label="clients {ranks}", shape=component];')
+            for j in range(m):
+                sel = (b == k) & (mb == j)
+                cost = float(self.costs[sel].sum())
+                out.append(f'  b{k}m{j} [label="mb {j}\\ncost {cost:.3g}", shape=box, style=rounded];')
+                out.append(f"  b{k} -> b{k}m{j};")
+                out.append(f"  b{k}m{j} -> c{k};")
+        if per_sample:
+            for i in range(len(self)):
+                out.append(f'  n{i} [label="{int(self.cols["index"][i])}:{self.costs[i]:.3g}", shape=ellipse];')
+                out.append(f"  src{int(src[i])} -> n{i};")
+                out.append(f"  n{i} -> b{int(b[i])}m{int(mb[i])};")
+        else:
+            pairs, counts = np.unique(np.stack([src, b]), axis=1, return_counts=True)
+            for (s, k), c in zip(pairs.T.tolist(), counts.tolist(), strict=True):
+                out.append(f'  src{s} -> b{k} [label="{c}"];')
+        out.append("}")
+        return "\n".join(out)

@@ -1,0 +1,660 @@
+"""Mixing schedules and the per-step source-count allocator behind the ``mix(schedule)`` primitive.
+
+A *schedule* says which fraction of the data each source should contribute at a training
+step (constant, curriculum phases, a warm-up ramp, or loss feedback from the trainer). The
+:class:`Mixer` turns those fractions into integer per-step counts that sum to the global
+batch size and an interleaved source order for the step's samples.
+
+Why not Megatron's ``BlendedDataset``: it precomputes one index per rank for a fixed blend,
+so a weight that changes during training (curriculum, feedback) means rebuilding it. The
+Mixer instead keeps the *cumulative* target ``sum_t w_s(t) * B_t`` and the cumulative count
+per source and allocates each step by the same error-minimisation rule Megatron's
+``build_blending_indices`` applies per sample, so any schedule is tracked to within about
+one sample over the whole run, and its state is two short vectors.
+
+Pure numpy: no Ray, no torch.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+
+from megascale_data_ext.errors import ConfigError, PlanError, ResumeError
+
+__all__ = [
+    "ConstantSchedule",
+    "FeedbackSchedule",
+    "LinearRampSchedule",
+    "MixMode",
+    "Mixer",
+    "MixingSchedule",
+    "PiecewiseSchedule",
+    "ScheduleType",
+    "apportion",
+    "build_schedule",
+]
+
+STATE_VERSION = 1
+_SCHEDULE_KEY = "schedule"
+
+
+class ScheduleType(str, enum.Enum):
+    """The schedule kinds ``build_schedule`` accepts as ``type``."""
+
+    CONSTANT = "constant"
+    PIECEWISE = "piecewise"
+    RAMP = "ramp"
+    FEEDBACK = "feedback"
+
+
+class MixMode(str, enum.Enum):
+    """How the Mixer turns weights into counts."""
+
+    DETERMINISTIC = "deterministic"  # error minimisation on cumulative counts (Megatron-like)
+    RANDOM = "random"  # seeded multinomial per step
+
+
+@runtime_checkable
+class MixingSchedule(Protocol):
+    """Contract of every mixing schedule (held by the Planner actor, called once per step)."""
+
+    @property
+    def num_sources(self) -> int: ...
+
+    def weights(self, step: int) -> np.ndarray:
+        """Normalised float64 weights (sum 1, one per source) in effect at ``step``."""
+        ...
+
+    def to_config(self) -> dict[str, Any]: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None: ...
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def _names_hint(names: Sequence[str] | None, n: int) -> str:
+    return f"sources: {list(names)}" if names is not None else f"{n} sources"
+
+
+def _check_weights(
+    field_name: str, weights: Any, names: Sequence[str] | None, problems: list[str], *, num_sources: int | None = None
+) -> np.ndarray | None:
+    """Return ``weights`` normalised to sum 1, or append what is wrong to ``problems``."""
+    try:
+        arr = np.asarray(weights, dtype=np.float64)
+    except (TypeError, ValueError):
+        problems.append(f"`{field_name}` must be a list of numbers, got {weights!r}")
+        return None
+    n = num_sources if num_sources is not None else (len(names) if names is not None else None)
+    if arr.ndim != 1 or arr.size == 0:
+        problems.append(f"`{field_name}` must be a non-empty list of numbers, got {weights!r}")
+        return None
+    if n is not None and arr.size != n:
+        problems.append(
+            f"`{field_name}` has {arr.size} entries but there are {n} sources, got {list(arr)!r} "
+            f"({_names_hint(names, n)})"
+        )
+        return None
+    if not np.all(np.isfinite(arr)) or np.any(arr < 0) or arr.sum() <= 0:
+        problems.append(
+            f"`{field_name}` must be non-negative and sum to > 0, got {list(arr)!r} ({_names_hint(names, arr.size)})"
+        )
+        return None
+    return arr / arr.sum()
+
+
+def _raise(problems: list[str], what: str) -> None:
+    if problems:
+        raise ConfigError(f"invalid {what}: " + "; ".join(problems))
+
+
+def _names_tuple(source_names: Sequence[str] | None) -> tuple[str, ...] | None:
+    if source_names is None:
+        return None
+    names = tuple(str(n) for n in source_names)
+    if len(set(names)) != len(names):
+        raise ConfigError(f"`source_names` must be unique, got {list(names)}")
+    return names
+
+
+def _is_count(value: Any) -> bool:
+    return not isinstance(value, bool) and isinstance(value, (int, np.integer)) and value >= 0
+
+
+# --------------------------------------------------------------------------- schedules
+
+
+class _Schedule:
+    """Shared plumbing: equality/repr from ``to_config`` and the stateless state protocol.
+
+    Schedules are plain slotted classes rather than dataclasses because their constructor
+    argument ``weights`` would collide with the ``weights(step)`` method.
+    """
+
+    __slots__ = ("source_names",)
+
+    def to_config(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{k}={v!r}" for k, v in self.to_config().items() if k != "type")
+        return f"{type(self).__name__}({args})"
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is type(self) and other.to_config() == self.to_config()  # type: ignore[attr-defined]
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def state_dict(self) -> dict[str, Any]:
+        """Stateless schedules save only their config, so a changed config is caught on resume."""
+        return {"version": STATE_VERSION, "config": self.to_config()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Refuse (ResumeError) a state saved under another version or config."""
+        if state.get("version") != STATE_VERSION:
+            raise ResumeError(f"mixing schedule state has version {state.get('version')!r}, expected {STATE_VERSION}")
+        saved, now = dict(state.get("config", {})), self.to_config()
+        changed = sorted(k for k in set(saved) | set(now) if saved.get(k) != now.get(k))
+        if changed:
+            details = ", ".join(f"`{k}`: saved {saved.get(k)!r} != now {now.get(k)!r}" for k in changed)
+            raise ResumeError(f"mixing schedule config changed since the checkpoint ({details}); restore it")
+
+
+class ConstantSchedule(_Schedule):
+    """The same mixture at every step (Megatron's ``--data-path w1 p1 w2 p2``). Stateless."""
+
+    __slots__ = ("_raw", "_w")
+
+    def __init__(self, weights: Sequence[float], *, source_names: Sequence[str] | None = None) -> None:
+        self.source_names = _names_tuple(source_names)
+        problems: list[str] = []
+        w = _check_weights("weights", weights, self.source_names, problems)
+        _raise(problems, "constant mixing schedule")
+        self._raw, self._w = [float(x) for x in weights], w
+
+    @property
+    def num_sources(self) -> int:
+        return int(self._w.size)
+
+    def weights(self, step: int) -> np.ndarray:
+        return self._w.copy()
+
+    def to_config(self) -> dict[str, Any]:
+        return {"type": ScheduleType.CONSTANT.value, "weights": list(self._raw)}
+
+
+class PiecewiseSchedule(_Schedule):
+    """A curriculum: ``weights[i]`` applies from ``boundaries[i]`` (in steps or epochs) on.
+
+    ``boundaries[0]`` must be 0 so every step has a mixture. With ``unit="epoch"`` boundary
+    ``b`` starts at step ``round(b * steps_per_epoch)`` (fractional epochs allowed). Stateless.
+    """
+
+    __slots__ = ("_boundaries", "_raw", "_starts", "_table", "steps_per_epoch", "unit")
+
+    def __init__(
+        self,
+        boundaries: Sequence[float],
+        weights: Sequence[Sequence[float]],
+        *,
+        unit: str = "step",
+        steps_per_epoch: int | None = None,
+        source_names: Sequence[str] | None = None,
+    ) -> None:
+        self.unit, self.steps_per_epoch, self.source_names = unit, steps_per_epoch, _names_tuple(source_names)
+        problems: list[str] = []
+        if unit not in ("step", "epoch"):
+            problems.append(f"`unit` must be one of ['step', 'epoch'], got {unit!r}")
+        if unit == "epoch" and (isinstance(steps_per_epoch, bool) or not isinstance(steps_per_epoch, int)
+                                or steps_per_epoch <= 0):
+            problems.append(f"`steps_per_epoch` must be a positive integer when unit='epoch', got {steps_per_epoch!r}")
+        rows_in = [list(w) for w in weights]
+        b = np.asarray(list(boundaries), dtype=np.float64)
+        if b.ndim != 1 or b.size == 0 or b.size != len(rows_in):
+            problems.append(f"`boundaries` and `weights` must be non-empty lists of the same length, got "
+                            f"{len(b)} boundaries {list(boundaries)!r} and {len(rows_in)} weight lists")
+        elif b[0] != 0 or not np.all(np.isfinite(b)) or np.any(np.diff(b) <= 0):
+            problems.append(f"`boundaries` must start at 0 and strictly increase, got {list(boundaries)!r}")
+        elif unit == "step" and np.any(b != np.round(b)):
+            problems.append(f"`boundaries` must be whole steps when unit='step', got {list(boundaries)!r}")
+        n = len(self.source_names) if self.source_names is not None else (len(rows_in[0]) if rows_in else 0)
+        rows = [_check_weights(f"weights[{i}]", w, self.source_names, problems, num_sources=n)
+                for i, w in enumerate(rows_in)]
+        _raise(problems, "piecewise mixing schedule")
+        self._starts = np.round(b * (steps_per_epoch if unit == "epoch" else 1)).astype(np.int64)
+        if np.any(np.diff(self._starts) <= 0):
+            raise ConfigError(f"invalid piecewise mixing schedule: `boundaries` {list(boundaries)!r} (epochs) map to "
+                              f"repeated steps {self._starts.tolist()}; space them at least one step apart")
+        self._boundaries = [float(x) if unit == "epoch" else int(x) for x in b]
+        self._raw = [[float(x) for x in r] for r in rows_in]
+        self._table = np.stack(rows)  # type: ignore[arg-type]
+
+    @property
+    def num_sources(self) -> int:
+        return int(self._table.shape[1])
+
+    @property
+    def start_steps(self) -> np.ndarray:
+        """First step of each phase (boundaries converted to steps)."""
+        return self._starts.copy()
+
+    def phase(self, step: int) -> int:
+        """Index of the phase in effect at ``step`` (steps before 0 use phase 0)."""
+        return max(int(np.searchsorted(self._starts, step, side="right")) - 1, 0)
+
+    def weights(self, step: int) -> np.ndarray:
+        return self._table[self.phase(step)].copy()
+
+    def to_config(self) -> dict[str, Any]:
+        return {"type": ScheduleType.PIECEWISE.value, "boundaries": list(self._boundaries),
+                "weights": [list(r) for r in self._raw], "unit": self.unit, "steps_per_epoch": self.steps_per_epoch}
+
+
+class LinearRampSchedule(_Schedule):
+    """Linear warm-up from mixture ``start`` to mixture ``end`` over ``warmup_steps`` steps.
+
+    ``start`` applies up to ``start_step``, ``end`` from ``start_step + warmup_steps`` on; the
+    normalised mixtures are interpolated in between (so a source can fade in from 0). Stateless.
+    """
+
+    __slots__ = ("_a", "_b", "_raw", "start_step", "warmup_steps")
+
+    def __init__(
+        self,
+        start: Sequence[float],
+        end: Sequence[float],
+        warmup_steps: int,
+        start_step: int = 0,
+        *,
+        source_names: Sequence[str] | None = None,
+    ) -> None:
+        self.source_names = _names_tuple(source_names)
+        problems: list[str] = []
+        n = len(self.source_names) if self.source_names is not None else len(list(start))
+        a = _check_weights("start", start, self.source_names, problems, num_sources=n)
+        b = _check_weights("end", end, self.source_names, problems, num_sources=n)
+        problems += [f"`{k}` must be a non-negative integer, got {v!r}"
+                     for k, v in (("warmup_steps", warmup_steps), ("start_step", start_step)) if not _is_count(v)]
+        _raise(problems, "ramp mixing schedule")
+        self._a, self._b = a, b
+        self._raw = ([float(x) for x in start], [float(x) for x in end])
+        self.warmup_steps, self.start_step = int(warmup_steps), int(start_step)
+
+    @property
+    def num_sources(self) -> int:
+        return int(self._a.size)
+
+    def weights(self, step: int) -> np.ndarray:
+        if self.warmup_steps == 0:
+            frac = 0.0 if step < self.start_step else 1.0
+        else:
+            frac = min(max((step - self.start_step) / self.warmup_steps, 0.0), 1.0)
+        w = (1.0 - frac) * self._a + frac * self._b
+        return w / w.sum()
+
+    def to_config(self) -> dict[str, Any]:
+        return {"type": ScheduleType.RAMP.value, "start": list(self._raw[0]), "end": list(self._raw[1]),
+                "warmup_steps": self.warmup_steps, "start_step": self.start_step}
+
+
+class FeedbackSchedule(_Schedule):
+    """Weights steered by the per-source training loss the trainer reports (DoReMi-lite).
+
+    After each report, ``w_s ∝ base_s · exp(lr · (ema_s − mean(ema)))``, where ``ema_s`` is an
+    exponential moving average (``smoothing`` = weight of the past) of source ``s``'s loss; then
+    the mixture is blended with uniform so every source with ``base_s > 0`` keeps at least
+    ``min_weight`` (a floor stops a source from starving). Sources with ``base_s == 0`` stay 0;
+    sources never reported count as average. Non-finite losses (a skipped Megatron step) are
+    ignored and counted.
+
+    ``weights(step)`` returns the mixture after the latest report: the single Planner actor
+    sequences reports and plans, so the same reports in the same order give the same weights.
+
+    Checkpoint schema: ``{"version", "config", "ema": [float|None], "weights": [float],
+    "last_step": int|None, "num_reports": int, "num_ignored": int}``.
+    """
+
+    __slots__ = ("_base", "_ema", "_raw", "_w", "last_step", "lr", "min_weight", "num_ignored", "num_reports",
+                 "smoothing")
+
+    def __init__(
+        self,
+        base_weights: Sequence[float],
+        *,
+        lr: float = 1.0,
+        smoothing: float = 0.9,
+        min_weight: float = 0.0,
+        source_names: Sequence[str] | None = None,
+    ) -> None:
+        self.source_names = _names_tuple(source_names)
+        problems: list[str] = []
+        base = _check_weights("base_weights", base_weights, self.source_names, problems)
+        if not (isinstance(lr, (int, float)) and math.isfinite(lr) and lr >= 0):
+            problems.append(f"`lr` must be a finite number >= 0, got {lr!r}")
+        if not (isinstance(smoothing, (int, float)) and 0 <= smoothing < 1):
+            problems.append(f"`smoothing` must be in [0, 1), got {smoothing!r}")
+        if base is not None and isinstance(min_weight, (int, float)) and min_weight >= 0:
+            k = int(np.count_nonzero(base))
+            if min_weight * k >= 1:
+                problems.append(f"`min_weight` * (sources with base weight > 0) must be < 1, got "
+                                f"{min_weight!r} * {k} ({_names_hint(self.source_names, base.size)})")
+        else:
+            problems.append(f"`min_weight` must be a number >= 0, got {min_weight!r}")
+        _raise(problems, "feedback mixing schedule")
+        self._raw, self._base = [float(x) for x in base_weights], base
+        self.lr, self.smoothing, self.min_weight = float(lr), float(smoothing), float(min_weight)
+        self._ema = np.full(base.size, np.nan)
+        self._w = self._floor(base.copy())
+        self.last_step: int | None = None
+        self.num_reports = self.num_ignored = 0
+
+    @property
+    def num_sources(self) -> int:
+        return int(self._base.size)
+
+    def weights(self, step: int) -> np.ndarray:
+        return self._w.copy()
+
+    @property
+    def ema_losses(self) -> np.ndarray:
+        """EMA of each source's reported loss (NaN where never reported)."""
+        return self._ema.copy()
+
+    def _floor(self, w: np.ndarray) -> np.ndarray:
+        live = self._base > 0
+        out = np.zeros_like(w)
+        out[live] = self.min_weight + (1.0 - self.min_weight * live.sum()) * w[live] / w[live].sum()
+        return out
+
+    def _index(self, key: int | str) -> int:
+        if isinstance(key, str) and self.source_names is not None and key in self.source_names:
+            return self.source_names.index(key)
+        if isinstance(key, (int, np.integer)) and not isinstance(key, bool) and 0 <= key < self.num_sources:
+            return int(key)
+        raise PlanError(f"report_loss got unknown source {key!r}; use an index in [0, {self.num_sources}) "
+                        f"or a name ({_names_hint(self.source_names, self.num_sources)})")
+
+    def report_loss(self, step: int, losses: Mapping[int | str, float]) -> None:
+        """Fold the trainer's per-source losses for ``step`` into the mixture.
+
+        Steps must be reported in increasing order, each once, so a replay after a restart
+        cannot apply a report twice.
+        """
+        if self.last_step is not None and step <= self.last_step:
+            raise PlanError(f"report_loss step {step} is not after the last reported step {self.last_step}; "
+                            "report each step once, in increasing order")
+        for key, loss in losses.items():
+            i, value = self._index(key), float(loss)
+            if not math.isfinite(value):
+                self.num_ignored += 1
+                continue
+            prev = self._ema[i]
+            self._ema[i] = value if np.isnan(prev) else self.smoothing * prev + (1.0 - self.smoothing) * value
+        self.last_step, self.num_reports = int(step), self.num_reports + 1
+        seen = ~np.isnan(self._ema)
+        if seen.any():
+            excess = np.where(seen, self._ema - self._ema[seen].mean(), 0.0)
+            # Subtracting the max before exp keeps it finite for any lr * loss spread.
+            logits = np.where(self._base > 0, self.lr * excess, -np.inf)
+            w = self._base * np.exp(logits - logits.max())
+            self._w = self._floor(w)
+
+    def to_config(self) -> dict[str, Any]:
+        return {"type": ScheduleType.FEEDBACK.value, "base_weights": list(self._raw), "lr": self.lr,
+                "smoothing": self.smoothing, "min_weight": self.min_weight}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "ema": [None if np.isnan(x) else float(x) for x in self._ema],
+                "weights": [float(x) for x in self._w], "last_step": self.last_step,
+                "num_reports": self.num_reports, "num_ignored": self.num_ignored}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        super().load_state_dict(state)
+        self._ema = np.array([np.nan if x is None else float(x) for x in state["ema"]], dtype=np.float64)
+        self._w = np.asarray(state["weights"], dtype=np.float64).copy()
+        self.last_step = None if state["last_step"] is None else int(state["last_step"])
+        self.num_reports, self.num_ignored = int(state["num_reports"]), int(state["num_ignored"])
+
+
+# type -> (class, required keys, optional keys)
+_SPECS: dict[ScheduleType, tuple[type[_Schedule], tuple[str, ...], tuple[str, ...]]] = {
+    ScheduleType.CONSTANT: (ConstantSchedule, ("weights",), ()),
+    ScheduleType.PIECEWISE: (PiecewiseSchedule, ("boundaries", "weights"), ("unit", "steps_per_epoch")),
+    ScheduleType.RAMP: (LinearRampSchedule, ("start", "end", "warmup_steps"), ("start_step",)),
+    ScheduleType.FEEDBACK: (FeedbackSchedule, ("base_weights",), ("lr", "smoothing", "min_weight")),
+}
+_WEIGHT_KEYS = ("weights", "start", "end", "base_weights")
+
+
+def _weights_from_mapping(key: str, value: Any, names: Sequence[str] | None, problems: list[str]) -> Any:
+    """Accept ``{source_name: weight}`` (YAML-friendly) as well as a list; missing names weigh 0."""
+    if not isinstance(value, Mapping):
+        return value
+    if names is None:
+        problems.append(f"`{key}` is a mapping {dict(value)!r} but no source names were given; pass source_names")
+        return value
+    unknown = sorted(set(map(str, value)) - set(names))
+    if unknown:
+        problems.append(f"`{key}` names unknown sources {unknown} (sources: {list(names)})")
+    return [float(value.get(n, 0.0)) for n in names]
+
+
+def build_schedule(config: Mapping[str, Any], *, source_names: Sequence[str] | None = None) -> MixingSchedule:
+    """Build a schedule from a plain dict (a Hydra/YAML node), the inverse of ``to_config``.
+
+    Args:
+        config: ``{"type": "constant"|"piecewise"|"ramp"|"feedback", ...}`` with that type's
+            arguments; weight lists may be ``{source_name: weight}`` mappings.
+        source_names: Names of the sources, in order; enables mappings and names in errors.
+
+    Raises:
+        ConfigError: listing every problem (unknown type or keys, bad weights, ...).
+    """
+    raw_type = config.get("type", ScheduleType.CONSTANT.value)
+    allowed = [t.value for t in ScheduleType]
+    if raw_type not in allowed:
+        raise ConfigError(f"mixing schedule `type` must be one of {allowed}, got {raw_type!r}")
+    kind = ScheduleType(raw_type)
+    cls, required, optional = _SPECS[kind]
+    unknown = sorted(set(config) - set(required) - set(optional) - {"type"})
+    problems = [f"unknown keys {unknown} for type {kind.value!r} (allowed: {[*required, *optional]})"] if unknown else []
+    problems += [f"missing key `{k}` for type {kind.value!r}" for k in required if k not in config]
+    args = {k: config[k] for k in (*required, *optional) if k in config}
+    for key in _WEIGHT_KEYS:
+        if key in args:
+            if kind is ScheduleType.PIECEWISE:
+                args[key] = [_weights_from_mapping(f"{key}[{i}]", w, source_names, problems)
+                             for i, w in enumerate(args[key])]
+            else:
+                args[key] = _weights_from_mapping(key, args[key], source_names, problems)
+    _raise(problems, "mixing schedule config")
+    return cls(**args, source_names=source_names)  # type: ignore[return-value]
+
+
+# --------------------------------------------------------------------------- allocation
+
+
+def apportion(deficit: np.ndarray, batch_size: int, *, eligible: np.ndarray | None = None) -> np.ndarray:
+    """Split ``batch_size`` samples over sources so each lands closest to its deficit.
+
+    The result equals handing the samples out one at a time to the eligible source with the
+    largest remaining deficit (Megatron's ``build_blending_indices`` rule), but in O(S log S)
+    instead of O(B·S): a continuous water level ``tau`` with ``sum(max(d − tau, 0)) = B``
+    gives counts ``ceil(d − tau)`` that overshoot ``B`` by fewer than one per source, and
+    the overshoot is taken back from the sources whose last sample had the lowest priority.
+
+    Args:
+        deficit: Per source, target minus samples already taken (may be negative).
+        batch_size: Samples to hand out this step.
+        eligible: Sources allowed to receive samples (default all); others get 0.
+
+    Returns:
+        int64 counts, one per source, summing to ``batch_size``.
+    """
+    d = np.asarray(deficit, dtype=np.float64)
+    ok = np.ones(d.size, dtype=bool) if eligible is None else np.asarray(eligible, dtype=bool)
+    counts = np.zeros(d.size, dtype=np.int64)
+    if batch_size == 0:
+        return counts
+    if not ok.any():
+        raise PlanError(f"cannot place {batch_size} samples: no source has a positive weight")
+    de = d[ok]
+    desc = np.sort(de)[::-1]
+    levels = (np.cumsum(desc) - batch_size) / np.arange(1, desc.size + 1)
+    tau = levels[np.flatnonzero(desc > levels)[-1]]
+    counts[ok] = np.maximum(np.ceil(de - tau), 0)
+    excess = int(counts.sum()) - batch_size
+    held = np.flatnonzero(counts > 0)
+    if 0 < excess < held.size:
+        # Priority of each source's last sample; on ties the higher index gives its sample back,
+        # as the one-by-one rule (first index wins ties) would have served the lower one first.
+        last = d[held] - counts[held] + 1
+        counts[held[np.lexsort((-held, last))[:excess]]] -= 1
+    elif excess != 0:  # rounding corner cases only: finish with the one-by-one rule
+        while counts.sum() < batch_size:
+            counts[int(np.argmax(np.where(ok, d - counts, -np.inf)))] += 1
+        while counts.sum() > batch_size:
+            prio = np.where(counts > 0, d - counts + 1, np.inf)
+            counts[prio.size - 1 - int(np.argmin(prio[::-1]))] -= 1
+    return counts
+
+
+class Mixer:
+    """Per-step source counts and sample order for a global batch, driven by a schedule.
+
+    ``"deterministic"`` mode minimises the error of cumulative counts against the cumulative
+    target ``sum_t w_s(t) * B_t`` (within about one sample per source for the whole run, for
+    any schedule); ``"random"`` draws a multinomial from ``default_rng([seed, step])``.
+
+    Not thread-safe: owned by the single Planner actor. Steps are planned in order;
+    ``counts(step)`` for the step just planned returns the same counts again (a retried
+    plan), so ``counts`` is a pure function of (state, step) and a restored mixer continues
+    exactly like an uninterrupted one.
+
+    Checkpoint schema: ``{"version", "source_names", "mode", "seed", "next_step": int|None,
+    "target": [float], "consumed": [int], "last": {"step", "batch_size", "counts"}|None,
+    "schedule": <schedule state>}``.
+    """
+
+    __slots__ = ("_consumed", "_last", "_next_step", "_target", "mode", "schedule", "seed", "source_names")
+
+    def __init__(
+        self,
+        schedule: MixingSchedule,
+        source_names: Sequence[str],
+        *,
+        seed: int,
+        mode: MixMode | str = MixMode.DETERMINISTIC,
+    ) -> None:
+        names = _names_tuple(source_names) or ()
+        problems: list[str] = []
+        if not names:
+            problems.append("`source_names` must name at least one source")
+        elif schedule.num_sources != len(names):
+            problems.append(f"the schedule has {schedule.num_sources} weights but there are {len(names)} sources "
+                            f"(sources: {list(names)})")
+        sched_names = getattr(schedule, "source_names", None)
+        if sched_names is not None and tuple(sched_names) != names:
+            problems.append(f"the schedule was built for sources {list(sched_names)}, not {list(names)}")
+        if not _is_count(seed):
+            problems.append(f"`seed` must be a non-negative integer, got {seed!r}")
+        if mode not in [m.value for m in MixMode]:
+            problems.append(f"`mode` must be one of {[m.value for m in MixMode]}, got {mode!r}")
+        _raise(problems, "mixer")
+        self.schedule, self.source_names, self.seed, self.mode = schedule, names, int(seed), MixMode(mode)
+        self._target = np.zeros(len(names), dtype=np.float64)
+        self._consumed = np.zeros(len(names), dtype=np.int64)
+        self._next_step: int | None = None
+        self._last: tuple[int, int, np.ndarray] | None = None
+
+    @property
+    def consumed(self) -> np.ndarray:
+        """Cumulative samples allocated to each source so far."""
+        return self._consumed.copy()
+
+    @property
+    def target(self) -> np.ndarray:
+        """Cumulative target ``sum_t w_s(t) * B_t`` of each source so far."""
+        return self._target.copy()
+
+    @property
+    def next_step(self) -> int | None:
+        """The step ``counts`` expects next (None before the first call)."""
+        return self._next_step
+
+    def counts(self, step: int, batch_size: int) -> np.ndarray:
+        """How many samples each source contributes to ``step``'s global batch (sums to ``batch_size``)."""
+        if not _is_count(batch_size):
+            raise ConfigError(f"`batch_size` must be a non-negative integer, got {batch_size!r}")
+        if not _is_count(step):
+            raise PlanError(f"mixer step must be a non-negative integer, got {step!r}")
+        if self._last is not None and step == self._last[0]:
+            if batch_size != self._last[1]:
+                raise PlanError(f"step {step} was planned with batch_size {self._last[1]}, asked again with {batch_size}")
+            return self._last[2].copy()
+        if self._next_step is not None and step != self._next_step:
+            raise PlanError(f"mixer expects step {self._next_step} next, got {step}; plan steps in order "
+                            "(resume from the data state saved with the checkpoint)")
+        w = np.asarray(self.schedule.weights(step), dtype=np.float64)
+        if w.shape != self._target.shape or not np.all(np.isfinite(w)) or np.any(w < 0) or w.sum() <= 0:
+            raise PlanError(f"schedule returned invalid weights {w.tolist()!r} at step {step} "
+                            f"(sources: {list(self.source_names)})")
+        w = w / w.sum()
+        if self.mode is MixMode.DETERMINISTIC:
+            c = apportion(self._target + w * batch_size - self._consumed, int(batch_size), eligible=w > 0)
+        else:
+            c = np.random.default_rng([self.seed, int(step)]).multinomial(int(batch_size), w).astype(np.int64)
+        self._target += w * batch_size
+        self._consumed += c
+        self._next_step, self._last = int(step) + 1, (int(step), int(batch_size), c)
+        return c.copy()
+
+    def order(self, step: int, counts: np.ndarray) -> np.ndarray:
+        """Source index of each sample of ``step``'s global batch, interleaved.
+
+        Deterministic mode spreads each source evenly (sample ``j`` of a source with ``c``
+        samples sits at fraction ``(2j+1)/(2c)`` of the batch, ties to the lower source), so
+        every prefix holds each source within one sample of its share, as Megatron's blend
+        order does. Random mode shuffles with ``default_rng([seed, step, 1])``.
+        """
+        c = np.asarray(counts)
+        if c.shape != self._target.shape or np.any(c < 0) or np.any(c != np.round(c)):
+            raise PlanError(f"counts must be {len(self.source_names)} non-negative integers, got {c.tolist()!r}")
+        c = c.astype(np.int64)
+        src = np.repeat(np.arange(c.size, dtype=np.int32), c)
+        if self.mode is MixMode.RANDOM:
+            return np.random.default_rng([self.seed, int(step), 1]).permutation(src)
+        j = np.arange(src.size) - np.repeat(np.cumsum(c) - c, c)
+        pos = (2 * j + 1) / (2 * c[src])  # exact for equal fractions, so ties are decided by the source index
+        return src[np.lexsort((src, pos))]
+
+    def state_dict(self) -> dict[str, Any]:
+        last = None if self._last is None else {
+            "step": self._last[0], "batch_size": self._last[1], "counts": self._last[2].tolist()}
+        return {"version": STATE_VERSION, "source_names": list(self.source_names), "mode": self.mode.value,
+                "seed": self.seed, "next_step": self._next_step, "target": self._target.tolist(),
+                "consumed": self._consumed.tolist(), "last": last, _SCHEDULE_KEY: self.schedule.state_dict()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore a saved state; refuses (ResumeError) one saved for other sources, mode or seed."""
+        if state.get("version") != STATE_VERSION:
+            raise ResumeError(f"mixer state has version {state.get('version')!r}, expected {STATE_VERSION}")
+        now = {"source_names": list(self.source_names), "mode": self.mode.value, "seed": self.seed}
+        changed = [f"`{k}`: saved {state.get(k)!r} != now {v!r}" for k, v in now.items() if state.get(k) != v]
+        if changed:
+            raise ResumeError("mixer config changed since the checkpoint (" + ", ".join(changed) + "); restore it")
+        self.schedule.load_state_dict(state[_SCHEDULE_KEY])
+        self._target = np.asarray(state["target"], dtype=np.float64).copy()
+        self._consumed = np.asarray(state["consumed"], dtype=np.int64).copy()
+        self._next_step = None if state["next_step"] is None else int(state["next_step"])
+        last = state["last"]
+        self._last = None if last is None else (
+            int(last["step"]), int(last["batch_size"]), np.asarray(last["counts"], dtype=np.int64))

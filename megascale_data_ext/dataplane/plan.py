@@ -1,0 +1,154 @@
+"""Loading plans: what one training step takes from which source and where each sample goes.
+
+A `StepPlan` is the product of `DGraph.plan()` and the only thing the runtime acts on. It is
+plain numpy (picklable, cheap to ship through Ray) and answers the three questions the
+actors ask: a Source Loader asks `loader_do_plan(source)` (which stream positions to pop and
+to which bucket each goes), a Data Constructor asks `constructor_do_plan(bucket)` (the ordered
+microbatches it assembles), and a Client asks `fetch_ranks` (whether it fetches or receives).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass(slots=True, kw_only=True, frozen=True)
+class SampleRef:
+    """One planned sample: its source, its position in that source's stream, its sample index."""
+
+    source: int
+    position: int
+    index: int
+
+
+@dataclass(slots=True, kw_only=True)
+class LoaderPlan:
+    """What one Source Loader does for a step: pop `positions` (stream order) and route each one."""
+
+    step: int
+    source: int
+    positions: np.ndarray  # int64, stream positions to pop, ascending
+    indices: np.ndarray  # int64, sample index inside the source for each position
+    bucket: np.ndarray  # int64, destination bucket for each position
+
+
+@dataclass(slots=True, kw_only=True)
+class ConstructorPlan:
+    """What one Data Constructor assembles for a step: `microbatches[j]` in delivery order."""
+
+    step: int
+    bucket: int
+    microbatches: list[list[SampleRef]]
+    ranks: tuple[int, ...]
+
+
+@dataclass(slots=True, kw_only=True)
+class EncoderPlan:
+    """Image-level sub-plan of a hybrid (VLM) strategy: which encoder bucket encodes each image.
+
+    Rows are images; `sample` points into the parent plan's sample arrays.
+    """
+
+    axis: str
+    num_buckets: int
+    sample: np.ndarray  # int64, row of the parent plan
+    image: np.ndarray  # int64, image number inside its sample
+    patches: np.ndarray  # int64
+    bucket: np.ndarray  # int64
+    cost: np.ndarray  # float64
+
+    def bucket_costs(self) -> np.ndarray:
+        return np.bincount(self.bucket, weights=self.cost, minlength=self.num_buckets)
+
+
+@dataclass(slots=True, kw_only=True)
+class StepPlan:
+    """The plan of one global step (arrays are aligned: row i is one planned sample).
+
+    Rows are in global-batch order (the mixer's order); `bucket`/`microbatch` say where each
+    sample goes, and the samples of one microbatch are delivered in row order.
+    """
+
+    step: int
+    axis: str
+    num_buckets: int
+    num_microbatches: int
+    source_names: tuple[str, ...]
+    source: np.ndarray  # int32
+    position: np.ndarray  # int64 stream position inside the source
+    index: np.ndarray  # int64 sample index inside the source
+    tokens: np.ndarray  # int64 sequence tokens (text + image placeholders)
+    cost: np.ndarray  # float64 backbone cost
+    bucket: np.ndarray  # int64
+    microbatch: np.ndarray  # int64
+    bucket_ranks: tuple[tuple[int, ...], ...]
+    fetch_ranks: tuple[int, ...]
+    broadcast_dims: tuple[str, ...] = ()
+    encoder: EncoderPlan | None = None
+    lineage: tuple[str, ...] = field(default=())
+
+    @property
+    def num_samples(self) -> int:
+        return int(self.source.shape[0])
+
+    def counts_per_source(self) -> np.ndarray:
+        return np.bincount(self.source, minlength=len(self.source_names)).astype(np.int64)
+
+    def bucket_costs(self) -> np.ndarray:
+        return np.bincount(self.bucket, weights=self.cost, minlength=self.num_buckets)
+
+    def bin_costs(self) -> np.ndarray:
+        """Cost per (bucket, microbatch) as a [num_buckets, num_microbatches] array."""
+        flat = self.bucket * self.num_microbatches + self.microbatch
+        out = np.bincount(flat, weights=self.cost, minlength=self.num_buckets * self.num_microbatches)
+        return out.reshape(self.num_buckets, self.num_microbatches)
+
+    def bin_tokens(self) -> np.ndarray:
+        flat = self.bucket * self.num_microbatches + self.microbatch
+        out = np.bincount(flat, weights=self.tokens, minlength=self.num_buckets * self.num_microbatches)
+        return out.reshape(self.num_buckets, self.num_microbatches).astype(np.int64)
+
+    def imbalance(self) -> float:
+        """max bucket cost / mean bucket cost (1.0 = perfectly balanced)."""
+        costs = self.bucket_costs()
+        mean = costs.mean() if costs.size else 0.0
+        return float(costs.max() / mean) if mean > 0 else 1.0
+
+    def loader_do_plan(self, source: int) -> LoaderPlan:
+        rows = np.flatnonzero(self.source == source)
+        rows = rows[np.argsort(self.position[rows], kind="stable")]
+        return LoaderPlan(
+            step=self.step,
+            source=source,
+            positions=self.position[rows],
+            indices=self.index[rows],
+            bucket=self.bucket[rows],
+        )
+
+    def constructor_do_plan(self, bucket: int) -> ConstructorPlan:
+        rows = np.flatnonzero(self.bucket == bucket)
+        mbs: list[list[SampleRef]] = [[] for _ in range(self.num_microbatches)]
+        for r in rows.tolist():
+            mbs[int(self.microbatch[r])].append(
+                SampleRef(source=int(self.source[r]), position=int(self.position[r]), index=int(self.index[r]))
+            )
+        return ConstructorPlan(step=self.step, bucket=bucket, microbatches=mbs, ranks=self.bucket_ranks[bucket])
+
+    def summary(self) -> dict[str, float | int | list[int]]:
+        """Numbers worth printing per step: sizes, balance and per-source counts."""
+        costs = self.bucket_costs()
+        out: dict[str, float | int | list[int]] = {
+            "step": self.step,
+            "samples": self.num_samples,
+            "tokens": int(self.tokens.sum()),
+            "buckets": self.num_buckets,
+            "max_over_mean": self.imbalance(),
+            "max_bucket_cost": float(costs.max()) if costs.size else 0.0,
+            "per_source": self.counts_per_source().tolist(),
+        }
+        if self.encoder is not None:
+            ec = self.encoder.bucket_costs()
+            out["encoder_max_over_mean"] = float(ec.max() / ec.mean()) if ec.size and ec.mean() > 0 else 1.0
+        return out

@@ -1,0 +1,117 @@
+"""Orchestration strategies: a few lines each over the DGraph primitives (paper Fig. 9).
+
+A strategy is a callable ``strategy(graph) -> graph`` applied to a DGraph that has already
+been mixed (the Planner owns the mixing schedule). Strategies are registered by name so a
+config can say ``strategy: llm_balance`` or point ``_target_`` at a user class.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from megascale_data_ext.dataplane.costs import TransformerConfig, TransformerCost, ViTCost
+from megascale_data_ext.dataplane.dgraph import DGraph
+from megascale_data_ext.errors import ConfigError
+
+Strategy = Callable[[DGraph], DGraph]
+
+
+def _cost_model(model: str | TransformerConfig | Callable, kind: type) -> Callable:
+    if isinstance(model, str):
+        return kind(TransformerConfig.preset(model))
+    if isinstance(model, TransformerConfig):
+        return kind(model)
+    return model
+
+
+@dataclass(slots=True, kw_only=True)
+class Vanilla:
+    """No balancing: Megatron's order, contiguous equal-count slices per DP rank and microbatch."""
+
+    num_microbatches: int
+    axis: str = "DP"
+    model: str | TransformerConfig | Callable = "llama-12b"
+
+    def __call__(self, g: DGraph) -> DGraph:
+        return (
+            g.distribute(self.axis)
+            .cost(_cost_model(self.model, TransformerCost))
+            .balance("greedy", level="none", num_microbatches=self.num_microbatches)
+            .broadcast_at("tp")
+        )
+
+
+@dataclass(slots=True, kw_only=True)
+class LLMBalance:
+    """Algorithm 1 (LLMBalance): cost-balanced microbatches spread over the distribution axis.
+
+    `level="interleaved"` packs all samples into k·m balanced bins under the token `cap`,
+    then gives each bucket m bins; `group_size` balances within subgroups of buckets.
+    """
+
+    num_microbatches: int
+    cap: int | None = None
+    model: str | TransformerConfig | Callable = "llama-12b"
+    method: str = "kk"
+    level: str = "interleaved"
+    axis: str = "DP"
+    group_size: int | None = None
+    keep_order: bool = True
+    broadcast: tuple[str, ...] = ("tp",)
+
+    def __call__(self, g: DGraph) -> DGraph:
+        g = g.distribute(self.axis, group_size=self.group_size).cost(_cost_model(self.model, TransformerCost))
+        g = g.balance(
+            self.method, level=self.level, num_microbatches=self.num_microbatches, cap=self.cap, keep_order=self.keep_order
+        )
+        for dim in self.broadcast:
+            g = g.broadcast_at(dim)
+        return g
+
+
+@dataclass(slots=True, kw_only=True)
+class VLMBalance:
+    """Algorithm 2 (hybrid): images balanced over the encoder's axis, the backbone by LLMBalance."""
+
+    backbone: LLMBalance
+    encoder_model: str | TransformerConfig | Callable = "vit-2b"
+    encoder_axis: str = "WORLD"
+    encoder_method: str = "greedy"
+
+    def __call__(self, g: DGraph) -> DGraph:
+        (
+            g.images()
+            .distribute(self.encoder_axis)
+            .cost(_cost_model(self.encoder_model, ViTCost))
+            .balance(self.encoder_method, level="inter", num_microbatches=1)
+        )
+        return self.backbone(g)
+
+
+STRATEGIES: dict[str, Callable[..., Strategy]] = {}
+
+
+def register_strategy(name: str, factory: Callable[..., Strategy]) -> None:
+    STRATEGIES[name] = factory
+
+
+def build_strategy(name: str, **kwargs: Any) -> Strategy:
+    """Build a registered strategy; `vlm_balance` takes the backbone's fields flat."""
+    if name not in STRATEGIES:
+        raise ConfigError(f"strategy {name!r} is not registered; known strategies: {sorted(STRATEGIES)}")
+    return STRATEGIES[name](**kwargs)
+
+
+def _vlm_factory(
+    *, encoder_model: Any = "vit-2b", encoder_axis: str = "WORLD", encoder_method: str = "greedy", **backbone: Any
+) -> VLMBalance:
+    return VLMBalance(
+        backbone=LLMBalance(**backbone), encoder_model=encoder_model, encoder_axis=encoder_axis, encoder_method=encoder_method
+    )
+
+
+register_strategy("vanilla", Vanilla)
+register_strategy("llm_balance", LLMBalance)
+register_strategy("vlm_balance", _vlm_factory)

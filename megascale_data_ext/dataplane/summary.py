@@ -1,0 +1,91 @@
+"""Buffer summaries: the metadata a Source Loader reports to the Planner (`summary_buffer`).
+
+A summary never carries payloads: stream positions, sample indices and cost columns
+(text tokens, image patches per image, any user column). The Planner builds a DGraph from
+the summaries of all sources.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from megascale_data_ext.errors import PlanError
+
+
+@dataclass(slots=True, kw_only=True)
+class SourceSummary:
+    """Metadata of the samples a source holds (or will hold) at stream positions `positions`.
+
+    Positions count samples in the source's stream across epochs (position p is sample
+    `index[p]` of epoch p // len(source)); they are what makes "each sample once per epoch"
+    checkable. `image_offsets` has len(positions)+1 entries into `image_patch_counts`.
+    """
+
+    source: int
+    name: str
+    positions: np.ndarray
+    indices: np.ndarray
+    text_tokens: np.ndarray
+    image_offsets: np.ndarray | None = None
+    image_patch_counts: np.ndarray | None = None
+    extra: dict[str, np.ndarray] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        n = len(self.positions)
+        self.positions = np.asarray(self.positions, dtype=np.int64)
+        self.indices = np.asarray(self.indices, dtype=np.int64)
+        self.text_tokens = np.asarray(self.text_tokens, dtype=np.int64)
+        if self.image_offsets is None:
+            self.image_offsets = np.zeros(n + 1, dtype=np.int64)
+            self.image_patch_counts = np.zeros(0, dtype=np.int64)
+        self.image_offsets = np.asarray(self.image_offsets, dtype=np.int64)
+        self.image_patch_counts = np.asarray(self.image_patch_counts, dtype=np.int64)
+        bad = [k for k, v in (("indices", self.indices), ("text_tokens", self.text_tokens)) if len(v) != n]
+        bad += [k for k, v in self.extra.items() if len(v) != n]
+        if len(self.image_offsets) != n + 1:
+            bad.append("image_offsets")
+        if bad:
+            raise PlanError(f"summary of source {self.name!r}: columns {bad} do not have one entry per sample ({n})")
+
+    def __len__(self) -> int:
+        return int(self.positions.shape[0])
+
+    def image_patches_total(self) -> np.ndarray:
+        csum = np.concatenate([[0], np.cumsum(self.image_patch_counts)])
+        return csum[self.image_offsets[1:]] - csum[self.image_offsets[:-1]]
+
+    def head(self, n: int) -> SourceSummary:
+        """The first `n` samples (stream order): what a FIFO buffer serves next."""
+        off = self.image_offsets[: n + 1]
+        return SourceSummary(
+            source=self.source,
+            name=self.name,
+            positions=self.positions[:n],
+            indices=self.indices[:n],
+            text_tokens=self.text_tokens[:n],
+            image_offsets=off,
+            image_patch_counts=self.image_patch_counts[: off[-1]] if len(off) else self.image_patch_counts[:0],
+            extra={k: v[:n] for k, v in self.extra.items()},
+        )
+
+
+@dataclass(slots=True, kw_only=True)
+class BufferSummary:
+    """Summaries of every source, indexed by source id (`sources[i].source == i`)."""
+
+    sources: list[SourceSummary]
+
+    @classmethod
+    def of(cls, summaries: Sequence[SourceSummary] | Mapping[int, SourceSummary]) -> BufferSummary:
+        items = list(summaries.values()) if isinstance(summaries, Mapping) else list(summaries)
+        items.sort(key=lambda s: s.source)
+        if [s.source for s in items] != list(range(len(items))):
+            raise PlanError(f"buffer summaries must cover sources 0..{len(items) - 1}, got {[s.source for s in items]}")
+        return cls(sources=items)
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(s.name for s in self.sources)

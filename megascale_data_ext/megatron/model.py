@@ -1,0 +1,379 @@
+"""A small megatron-core GPTModel with a Megatron-style forward step and train step.
+
+This is the trainer side the data service feeds in tests, examples and benchmarks: real
+`megatron.core.models.gpt.GPTModel` chunks (local, non-Transformer-Engine layer spec so it
+runs on CPU), megatron's own pipeline schedules with ``variable_seq_lengths=True`` (each
+microbatch may have its own length after balancing; PP stages exchange shapes first),
+megatron's DistributedDataParallel for the DP gradient all-reduce, and a plain torch
+optimizer. Batches follow Megatron-LM's ``get_batch`` contract per pipeline stage.
+
+Process contract: call `initialize_parallel` once per torchrun process before building
+models; everything else reads megatron's ``parallel_state``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, Literal
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state, tensor_parallel
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.utils import get_attr_wrapped_model
+
+from megascale_data_ext.errors import ConfigError, ParallelLayoutError, SampleError
+from megascale_data_ext.patches import apply_cpu_shims
+
+__all__ = [
+    "BATCH_KEYS",
+    "GPTModelConfig",
+    "build_gpt_model",
+    "build_model_chunks",
+    "forward_step",
+    "initialize_parallel",
+    "loss_func",
+    "set_random_seed",
+    "stage_batch_keys",
+    "train_step",
+]
+
+PositionEmbedding = Literal["learned_absolute", "rope"]
+BATCH_KEYS: tuple[str, ...] = ("tokens", "labels", "loss_mask", "position_ids", "attention_mask")
+_FIRST_STAGE_KEYS = ("tokens", "position_ids")
+_LAST_STAGE_KEYS = ("labels", "loss_mask")
+
+
+@dataclass(slots=True, kw_only=True)
+class GPTModelConfig:
+    """Shape and parallel layout of the GPT trained on the service's batches.
+
+    ``vpp`` is the number of model chunks per pipeline rank (None: no interleaving).
+    ``cp`` must be 1: the local layer spec's attention has no context parallelism.
+    """
+
+    vocab_size: int = 512
+    hidden_size: int = 64
+    num_layers: int = 4
+    num_attention_heads: int = 4
+    ffn_hidden_size: int | None = None
+    seq_length: int = 64
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    vpp: int | None = None
+    position_embedding_type: PositionEmbedding = "rope"
+    hidden_dropout: float = 0.0
+    attention_dropout: float = 0.0
+    init_method_std: float = 0.02
+    seed: int = 1234
+
+    def validate(self, world_size: int | None = None) -> None:
+        """Raise one error listing every problem (ParallelLayoutError if the layout is bad)."""
+        values = [f"`{k}` must be >= 1, got {v!r}" for k, v in (
+            ("vocab_size", self.vocab_size), ("hidden_size", self.hidden_size),
+            ("num_layers", self.num_layers), ("num_attention_heads", self.num_attention_heads),
+            ("seq_length", self.seq_length), ("tp", self.tp), ("pp", self.pp), ("cp", self.cp),
+        ) if not (isinstance(v, int) and v >= 1)]
+        if self.position_embedding_type not in ("learned_absolute", "rope"):
+            values.append("`position_embedding_type` must be one of ['learned_absolute', 'rope'], "
+                          f"got {self.position_embedding_type!r}")
+        if values:
+            raise ConfigError("invalid GPTModelConfig: " + "; ".join(values))
+        layout = []
+        chunks = self.pp * (self.vpp or 1)
+        if self.num_layers % chunks:
+            layout.append(f"`num_layers`={self.num_layers} must divide evenly over pp*vpp={chunks} chunks")
+        if self.num_attention_heads % self.tp:
+            layout.append(f"`num_attention_heads`={self.num_attention_heads} must be divisible by tp={self.tp}")
+        if self.hidden_size % self.num_attention_heads:
+            layout.append(f"`hidden_size`={self.hidden_size} must be divisible by "
+                          f"num_attention_heads={self.num_attention_heads}")
+        if self.vocab_size % self.tp:
+            layout.append(f"`vocab_size`={self.vocab_size} must be divisible by tp={self.tp} (pad the vocab)")
+        if self.cp != 1:
+            layout.append(f"`cp`={self.cp}: the local (non-TE) attention has no context parallelism; use cp=1")
+        if self.vpp is not None and (self.vpp < 2 or self.pp < 2):
+            layout.append(f"`vpp`={self.vpp} needs vpp >= 2 and pp >= 2 (pp={self.pp}); use vpp=None otherwise")
+        if world_size is not None and world_size % (self.tp * self.pp * self.cp):
+            layout.append(f"world size {world_size} is not divisible by tp*pp*cp={self.tp * self.pp * self.cp}")
+        if layout:
+            raise ParallelLayoutError("invalid parallel layout: " + "; ".join(layout))
+
+    def to_transformer_config(self) -> TransformerConfig:
+        """The megatron TransformerConfig: fp32, CPU init, no fused kernels, variable lengths."""
+        self.validate()
+        return TransformerConfig(
+            num_layers=self.num_layers,
+            hidden_size=self.hidden_size,
+            num_attention_heads=self.num_attention_heads,
+            ffn_hidden_size=self.ffn_hidden_size or 4 * self.hidden_size,
+            tensor_model_parallel_size=self.tp,
+            pipeline_model_parallel_size=self.pp,
+            context_parallel_size=self.cp,
+            virtual_pipeline_model_parallel_size=self.vpp,
+            pipeline_dtype=torch.float32,
+            params_dtype=torch.float32,
+            hidden_dropout=self.hidden_dropout,
+            attention_dropout=self.attention_dropout,
+            init_method_std=self.init_method_std,
+            use_cpu_initialization=True,
+            # Balanced microbatches have different lengths; PP stages must exchange shapes.
+            variable_seq_lengths=True,
+            # The default "allgather" dispatcher rejects variable_seq_lengths (even without MoE).
+            moe_token_dispatcher_type="alltoall",
+            bias_activation_fusion=False,
+            bias_dropout_fusion=False,
+            masked_softmax_fusion=False,
+            gradient_accumulation_fusion=False,
+            persist_layer_norm=False,
+            apply_rope_fusion=False,
+        )
+
+
+def initialize_parallel(cfg: GPTModelConfig, *, backend: str = "gloo") -> list[str]:
+    """Init torch.distributed (from torchrun's env), megatron's parallel state, shims and seeds.
+
+    Returns:
+        Names of the CPU shims applied (empty on a CUDA machine).
+    """
+    if not dist.is_initialized():
+        dist.init_process_group(backend=backend)
+    cfg.validate(world_size=dist.get_world_size())
+    shims = apply_cpu_shims()
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=cfg.tp,
+        pipeline_model_parallel_size=cfg.pp,
+        virtual_pipeline_model_parallel_size=cfg.vpp,
+        context_parallel_size=cfg.cp,
+    )
+    set_random_seed(cfg.seed)
+    return shims
+
+
+def set_random_seed(seed: int) -> None:
+    """Seed like Megatron-LM: one seed per PP stage (equal over DP/TP), TP-distinct dropout streams."""
+    torch.manual_seed(seed + 100 * parallel_state.get_pipeline_model_parallel_rank())
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def build_gpt_model(
+    cfg: GPTModelConfig,
+    *,
+    pre_process: bool,
+    post_process: bool,
+    vp_stage: int | None = None,
+    transformer_config: TransformerConfig | None = None,
+) -> GPTModel:
+    """Build one GPTModel chunk with the local layer spec and untied output weights.
+
+    Args:
+        cfg: Model shape and layout.
+        pre_process: Whether the chunk holds the embedding (first pipeline stage).
+        post_process: Whether the chunk holds the output layer and loss (last stage).
+        vp_stage: Virtual pipeline stage of the chunk (None without interleaving).
+        transformer_config: Config shared by all chunks of a rank (the schedule reads
+            hooks such as ``no_sync_func`` from the first chunk's config); built if None.
+    """
+    config = transformer_config or cfg.to_transformer_config()
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=get_gpt_layer_local_spec(),
+        vocab_size=cfg.vocab_size,
+        max_sequence_length=cfg.seq_length,
+        pre_process=pre_process,
+        post_process=post_process,
+        share_embeddings_and_output_weights=False,
+        position_embedding_type=cfg.position_embedding_type,
+        vp_stage=vp_stage,
+    )
+
+
+def build_model_chunks(cfg: GPTModelConfig, *, ddp: bool = True) -> list[torch.nn.Module]:
+    """Build this rank's model chunks (one per virtual stage), wrapped in megatron DDP.
+
+    DDP keeps grads in contiguous ``main_grad`` buffers and all-reduces them over the DP
+    group in ``finalize_model_grads`` (installed on the config, as Megatron-LM's training
+    loop does); gloo handles that all-reduce on CPU.
+    """
+    config = cfg.to_transformer_config()
+    chunks: list[torch.nn.Module] = []
+    for vp in range(cfg.vpp or 1):
+        vp_stage = vp if cfg.vpp else None
+        model: torch.nn.Module = build_gpt_model(
+            cfg,
+            pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+            post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
+            vp_stage=vp_stage,
+            transformer_config=config,
+        )
+        if ddp:
+            model = DistributedDataParallel(
+                config=config,
+                ddp_config=DistributedDataParallelConfig(overlap_grad_reduce=False),
+                module=model,
+                disable_bucketing=vp > 0,
+            )
+            model.broadcast_params()
+        chunks.append(model)
+    if ddp:
+        no_sync = [chunk.no_sync for chunk in chunks]
+        config.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
+        config.finalize_model_grads_func = finalize_model_grads
+    return chunks
+
+
+def stage_batch_keys(*, pre_process: bool, post_process: bool) -> tuple[str, ...]:
+    """Batch keys a model chunk uses: Megatron-LM's get_batch split, plus the mask everywhere.
+
+    First stage: tokens, position_ids; last stage: labels, loss_mask. Megatron-LM gives a
+    middle stage nothing, so its attention falls back to the plain causal mask; with packed
+    documents that lets tokens attend across document boundaries on those layers only. The
+    block-diagonal ``attention_mask`` is therefore listed for every stage (middle included).
+    """
+    keys = (_FIRST_STAGE_KEYS if pre_process else ()) + (_LAST_STAGE_KEYS if post_process else ())
+    return keys + ("attention_mask",)
+
+
+def _to_tensor(value: Any) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(value)) if isinstance(value, np.ndarray) else torch.as_tensor(value)
+
+
+def loss_func(
+    loss_mask: torch.Tensor, output_tensor: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """Masked token-loss sum, Megatron-LM 0.16 style.
+
+    Returns ``(loss_sum, num_tokens, {"lm loss": [loss_sum, num_tokens]})``: the schedule
+    divides ``loss_sum`` by ``num_tokens`` and the number of microbatches before backward
+    (``calculate_per_token_loss=False``); the report pair lets the caller form an exact
+    token-weighted mean over microbatches and DP ranks.
+    """
+    losses = output_tensor.view(-1).float()
+    mask = loss_mask.reshape(-1).float()
+    loss = torch.sum(losses * mask)
+    num_tokens = mask.sum().detach().to(torch.int)
+    report = torch.cat([loss.detach().view(1), num_tokens.float().view(1)])
+    return loss, num_tokens, {"lm loss": report}
+
+
+def forward_step(data_iterator: Iterator[Mapping[str, Any]] | None, model: torch.nn.Module) -> tuple[Any, Any]:
+    """Megatron forward step: pull one microbatch, run the chunk, return (output, loss fn).
+
+    The batch is a dict of numpy arrays or tensors: ``tokens``, ``position_ids`` ([b, s]
+    int) on the first stage, ``labels`` ([b, s] int) and ``loss_mask`` ([b, s]) on the last,
+    ``attention_mask`` ([b, 1, s, s] bool, True = masked) wherever given. A middle stage
+    given an iterator pulls one (possibly empty) dict per microbatch so the client's count
+    of consumed microbatches stays exact; pass None to pull nothing.
+
+    Raises:
+        SampleError: a key this stage needs is missing from the batch.
+    """
+    pre_process = bool(get_attr_wrapped_model(model, "pre_process"))
+    post_process = bool(get_attr_wrapped_model(model, "post_process"))
+    batch = dict(next(data_iterator)) if data_iterator is not None else {}
+    needed = (_FIRST_STAGE_KEYS if pre_process else ()) + (_LAST_STAGE_KEYS if post_process else ())
+    missing = [key for key in needed if key not in batch]
+    if missing:
+        stage = "first" if pre_process else "last"
+        raise SampleError(
+            f"microbatch for the {stage} pipeline stage lacks {missing} (has {sorted(batch)}); "
+            f"the data client must deliver {list(needed)} to this stage"
+        )
+    tensors = {key: _to_tensor(batch[key]) for key in BATCH_KEYS if batch.get(key) is not None}
+    attention_mask = tensors.get("attention_mask")
+    if attention_mask is not None:
+        attention_mask = attention_mask.to(torch.bool)
+    labels = tensors["labels"].long() if post_process else None
+    output = model(
+        tensors["tokens"].long() if pre_process else None,
+        tensors["position_ids"].long() if pre_process else None,
+        attention_mask,
+        labels=labels,
+    )
+    return output, partial(loss_func, tensors.get("loss_mask"))
+
+
+def _grad_norm(params: Sequence[torch.nn.Parameter]) -> float:
+    """Global L2 grad norm: TP duplicates counted once, summed over the model-parallel group."""
+    sq = torch.zeros((), dtype=torch.float64)
+    for param in params:
+        if param.grad is not None and tensor_parallel.param_is_not_tensor_parallel_duplicate(param):
+            sq += param.grad.detach().double().pow(2).sum()
+    dist.all_reduce(sq, group=parallel_state.get_model_parallel_group())
+    return float(sq.sqrt())
+
+
+def train_step(
+    model_chunks: Sequence[torch.nn.Module],
+    optimizer: torch.optim.Optimizer,
+    data_iterators: Iterator[Mapping[str, Any]] | Sequence[Iterator[Mapping[str, Any]] | None] | None,
+    *,
+    num_microbatches: int,
+    seq_length: int,
+    micro_batch_size: int = 1,
+) -> dict[str, float]:
+    """One optimizer step through megatron's forward-backward schedule.
+
+    Args:
+        model_chunks: From `build_model_chunks` (DDP-wrapped; plain chunks work when DP=1).
+        optimizer: A torch optimizer over the chunks' parameters.
+        data_iterators: One iterator per chunk (a single iterator is used for one chunk).
+        num_microbatches: Microbatches this step (each may have its own sequence length).
+        seq_length: Nominal sequence length (megatron's shape hint; actual lengths vary).
+        micro_batch_size: Samples per microbatch.
+
+    Returns:
+        ``loss`` (token-weighted mean over all microbatches and DP ranks), ``num_tokens``
+        and ``grad_norm``, identical on every rank (broadcast from the last PP stage).
+    """
+    if num_microbatches < 1:
+        raise ConfigError(f"`num_microbatches` must be >= 1, got {num_microbatches}")
+    if data_iterators is None or isinstance(data_iterators, Iterator):
+        data_iterators = [data_iterators] * len(model_chunks)
+    if len(data_iterators) != len(model_chunks):
+        raise ConfigError(f"got {len(data_iterators)} data iterators for {len(model_chunks)} model chunks; "
+                          "pass one per chunk (None for chunks that read no data)")
+    for chunk in model_chunks:
+        if isinstance(chunk, DistributedDataParallel):
+            chunk.zero_grad_buffer()
+    optimizer.zero_grad(set_to_none=True)
+
+    reports = get_forward_backward_func()(
+        forward_step_func=forward_step,
+        data_iterator=list(data_iterators),
+        model=list(model_chunks),
+        num_microbatches=num_microbatches,
+        seq_length=seq_length,
+        micro_batch_size=micro_batch_size,
+        forward_only=False,
+    )
+    # DDP accumulates into param.main_grad (already all-reduced over DP by
+    # finalize_model_grads); a plain torch optimizer reads param.grad.
+    params = [p for chunk in model_chunks for p in chunk.parameters() if p.requires_grad]
+    for param in params:
+        if getattr(param, "main_grad", None) is not None:
+            param.grad = param.main_grad
+    grad_norm = _grad_norm(params)
+    optimizer.step()
+    # Drop the aliases: a grad left pointing at main_grad would be accumulated twice next step.
+    optimizer.zero_grad(set_to_none=True)
+
+    totals = torch.zeros(2, dtype=torch.float64)
+    if parallel_state.is_pipeline_last_stage(ignore_virtual=True):
+        for report in reports:
+            totals += report["lm loss"].double()
+        dist.all_reduce(totals, group=parallel_state.get_data_parallel_group(with_context_parallel=True))
+    dist.broadcast(totals, src=parallel_state.get_pipeline_model_parallel_last_rank(),
+                   group=parallel_state.get_pipeline_model_parallel_group())
+    loss_sum, num_tokens = totals.tolist()
+    return {"loss": loss_sum / max(num_tokens, 1.0), "num_tokens": float(num_tokens), "grad_norm": grad_norm}
+

@@ -1,0 +1,138 @@
+"""Ray actor façades over the plain runtime classes, and the pull-model wiring between them.
+
+Pull model (paper Sec. 3): a Client asks its Data Constructor, the constructor asks Source
+Loaders, a loader asks the Planner for its plan, the Planner asks loaders for metadata.
+The Planner -> loader call happens while a loader may be waiting on the Planner, so loaders
+and constructors are threaded actors (``max_concurrency`` = `ACTOR_CONCURRENCY`): a loader's
+`summary_buffer` is served on another thread while its `fetch` waits. The Planner never
+waits on a constructor, so the call graph has no cycle that can exhaust the thread pools.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import ray
+
+from megascale_data_ext.dataplane.placetree import ClientPlaceTree
+from megascale_data_ext.runtime.config import ServiceConfig
+from megascale_data_ext.runtime.constructor import DataConstructor
+from megascale_data_ext.runtime.loader import SourceLoader
+from megascale_data_ext.runtime.planner import Planner
+
+ACTOR_CONCURRENCY = 16
+
+
+def loader_name(namespace_prefix: str, source: int) -> str:
+    return f"{namespace_prefix}/loader/{source}"
+
+
+def constructor_name(namespace_prefix: str, index: int) -> str:
+    return f"{namespace_prefix}/constructor/{index}"
+
+
+@ray.remote(num_cpus=0)
+class PlannerActor:
+    """The Planner in its own process; holds handles to the loaders for `summary_buffer`."""
+
+    def __init__(self, config: ServiceConfig, tree: ClientPlaceTree, loader_handles: list[Any]):
+        self._loaders = loader_handles
+
+        def summarize(source: int, start: int, count: int):
+            return ray.get(self._loaders[source].summary_buffer.remote(start, count))
+
+        self.planner = Planner(config, tree, summarize)
+
+    def plan(self, step: int):
+        return self.planner.plan(step)
+
+    def loader_plan(self, step: int, source: int):
+        return self.planner.loader_plan(step, source)
+
+    def constructor_plan(self, step: int, bucket: int):
+        return self.planner.plan(step).constructor_do_plan(bucket)
+
+    def plan_summary(self, step: int) -> dict:
+        return self.planner.plan(step).summary()
+
+    def state_dict(self, step: int | None = None) -> dict:
+        return self.planner.state_dict(step)
+
+    def load_state_dict(self, state: dict) -> None:
+        self.planner.load_state_dict(state)
+
+    def report_loss(self, step: int, losses: dict) -> None:
+        self.planner.report_loss(step, losses)
+
+
+@ray.remote(num_cpus=0, max_concurrency=ACTOR_CONCURRENCY)
+class SourceLoaderActor:
+    """A Source Loader; its plans come from the Planner actor (set after creation)."""
+
+    def __init__(self, source_id: int, spec: Any, seed: int, shuffle: bool):
+        self.loader = SourceLoader(source_id, spec, seed=seed, shuffle=shuffle)
+        self._planner = None
+
+    def set_planner(self, planner: Any) -> None:
+        self._planner = planner
+        self.loader.get_plan = lambda step, source: ray.get(planner.loader_plan.remote(step, source))
+
+    def size(self) -> int:
+        return self.loader.size
+
+    def summary_buffer(self, start: int, count: int):
+        return self.loader.summary_buffer(start, count)
+
+    def fetch(self, step: int, buckets: list[int]):
+        return self.loader.fetch(step, buckets)
+
+    def stats(self) -> dict:
+        return self.loader.stats()
+
+
+@ray.remote(num_cpus=0, max_concurrency=ACTOR_CONCURRENCY)
+class DataConstructorActor:
+    """A Data Constructor with a background prefetch thread `prefetch` steps ahead."""
+
+    def __init__(self, buckets: list[int], config: ServiceConfig, tree: ClientPlaceTree, planner: Any,
+                 loaders: list[Any], pad_id: int, image_token_id: int | None, start_step: int = 0):
+        self.constructor = DataConstructor(
+            buckets,
+            config,
+            tree,
+            get_plan=lambda step, b: ray.get(planner.constructor_plan.remote(step, b)),
+            fetch=lambda s, step, bs: ray.get(loaders[s].fetch.remote(step, bs)),
+            pad_id=pad_id,
+            image_token_id=image_token_id,
+        )
+        self.constructor._next_prefetch = start_step
+        self.prefetch_depth = config.prefetch
+        self._wake = threading.Event()
+        self._target = start_step + self.prefetch_depth - 1
+        self._error: BaseException | None = None
+        threading.Thread(target=self._prefetch_loop, daemon=True, name="prefetch").start()
+        self._wake.set()
+
+    def _prefetch_loop(self) -> None:
+        while True:
+            self._wake.wait()
+            self._wake.clear()
+            try:
+                self.constructor.prefetch(self._target)
+            except BaseException as exc:  # surfaced to the next client call
+                self._error = exc
+                return
+
+    def get(self, step: int, microbatch: int, rank: int):
+        if self._error is not None:
+            raise self._error
+        out = self.constructor.get(step, microbatch, rank)
+        if step + self.prefetch_depth > self._target:
+            self._target = step + self.prefetch_depth
+            self._wake.set()
+        return out
+
+    def stats(self) -> dict:
+        c = self.constructor
+        return {"built_steps": len(c.build_seconds), "build_seconds": list(c.build_seconds), "skipped": list(c.skipped)}

@@ -1,0 +1,167 @@
+"""Source Loader: owns one source's file state, reports metadata, executes loading plans.
+
+Plain class (unit-testable without Ray); `runtime.actors` wraps it as a threaded Ray actor.
+The stream of a source is a sequence of positions: position p is sample
+``perm_e[p % n]`` of epoch ``e = p // n``, where ``perm_e`` is a seeded permutation
+(identity without shuffling). The Planner only ever asks for metadata at positions
+(`summary_buffer`); constructors ask for the payloads of a planned step (`fetch`).
+
+Thread contract: `fetch` may be called concurrently by several constructors (the actor runs
+with max_concurrency > 1); one lock per step makes a step's plan execute exactly once.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from megascale_data_ext.dataplane.plan import LoaderPlan
+from megascale_data_ext.dataplane.summary import SourceSummary
+from megascale_data_ext.errors import SourceError
+from megascale_data_ext.sources.base import Sample, SkippedSample, SourceSpec
+from megascale_data_ext.sources.registry import open_source
+
+
+@dataclass(slots=True)
+class _StagedStep:
+    """Samples of one executed step, waiting for their constructors (keyed by bucket)."""
+
+    by_bucket: dict[int, list[tuple[int, Sample]]] = field(default_factory=dict)
+    skipped: dict[int, list[tuple[int, SkippedSample]]] = field(default_factory=dict)
+    pending: set[int] = field(default_factory=set)
+
+
+class SourceLoader:
+    """One source's reader, metadata table and read buffer.
+
+    Args:
+        source_id: Index of the source in the service config.
+        spec: Where and how to read the source.
+        seed: Seeds the per-epoch shuffle.
+        shuffle: Shuffle sample order per epoch.
+        get_plan: Callable ``(step, source_id) -> LoaderPlan`` (the Planner; pull model).
+    """
+
+    def __init__(
+        self,
+        source_id: int,
+        spec: SourceSpec,
+        *,
+        seed: int,
+        shuffle: bool = True,
+        get_plan: Callable[[int, int], LoaderPlan] | None = None,
+    ) -> None:
+        self.source_id = source_id
+        self.spec = spec
+        self.seed = seed
+        self.shuffle = shuffle
+        self.get_plan = get_plan
+        self.source = open_source(spec)
+        self.size = len(self.source)
+        if self.size == 0:
+            raise SourceError(f"source {spec.name!r} is empty (paths: {spec.paths}); remove it or give it data")
+        meta = self.source.metadata(None)
+        self._text_tokens = np.asarray(meta["text_tokens"], dtype=np.int64)
+        self._img_offsets = np.asarray(meta["image_offsets"], dtype=np.int64)
+        self._img_counts = np.asarray(meta["image_patch_counts"], dtype=np.int64)
+        self._perms: dict[int, np.ndarray] = {}
+        self._steps: dict[int, _StagedStep] = {}
+        self._step_locks: dict[int, threading.Lock] = {}
+        self._lock = threading.Lock()
+        self.samples_read = 0
+        self.skipped_total = 0
+
+    # -- stream --------------------------------------------------------------------
+    def _perm(self, epoch: int) -> np.ndarray:
+        perm = self._perms.get(epoch)
+        if perm is None:
+            if self.shuffle:
+                perm = np.random.default_rng([self.seed, self.source_id, epoch]).permutation(self.size)
+            else:
+                perm = np.arange(self.size, dtype=np.int64)
+            if len(self._perms) > 4:
+                self._perms.pop(min(self._perms))
+            self._perms[epoch] = perm
+        return perm
+
+    def indices_at(self, positions: np.ndarray) -> np.ndarray:
+        positions = np.asarray(positions, dtype=np.int64)
+        out = np.empty(len(positions), dtype=np.int64)
+        epochs = positions // self.size
+        for e in np.unique(epochs).tolist():
+            sel = epochs == e
+            out[sel] = self._perm(int(e))[positions[sel] % self.size]
+        return out
+
+    def summary_buffer(self, start: int, count: int) -> SourceSummary:
+        """Metadata of the samples at stream positions [start, start+count): never payloads."""
+        positions = np.arange(start, start + count, dtype=np.int64)
+        idx = self.indices_at(positions)
+        starts, ends = self._img_offsets[idx], self._img_offsets[idx + 1]
+        lens = ends - starts
+        flat = np.repeat(starts - np.concatenate([[0], np.cumsum(lens)[:-1]]), lens) + np.arange(lens.sum())
+        return SourceSummary(
+            source=self.source_id,
+            name=self.spec.name,
+            positions=positions,
+            indices=idx,
+            text_tokens=self._text_tokens[idx],
+            image_offsets=np.concatenate([[0], np.cumsum(lens)]),
+            image_patch_counts=self._img_counts[flat] if len(flat) else np.zeros(0, np.int64),
+        )
+
+    # -- plans ---------------------------------------------------------------------
+    def execute(self, plan: LoaderPlan) -> None:
+        """Read and transform the planned samples of one step and stage them per bucket."""
+        expect = self.indices_at(plan.positions)
+        if not np.array_equal(expect, plan.indices):
+            raise SourceError(
+                f"source {self.spec.name!r}: plan for step {plan.step} disagrees with this loader's stream "
+                f"(seed/shuffle/source size changed?)"
+            )
+        result = self.source.read_report(plan.indices.tolist())
+        staged = _StagedStep()
+        by_index = {s.index: s for s in result.samples}
+        bad = {s.index: s for s in result.skipped}
+        for pos, idx, b in zip(plan.positions.tolist(), plan.indices.tolist(), plan.bucket.tolist(), strict=True):
+            if idx in by_index:
+                staged.by_bucket.setdefault(b, []).append((pos, by_index[idx]))
+            else:
+                staged.skipped.setdefault(b, []).append((pos, bad[idx]))
+            staged.pending.add(b)
+        self.samples_read += len(result.samples)
+        self.skipped_total += len(result.skipped)
+        self._steps[plan.step] = staged
+
+    def fetch(self, step: int, buckets: list[int]) -> dict[str, list]:
+        """Pop the samples of `step` destined to `buckets` (executing the plan on first call).
+
+        Returns ``{"samples": [(bucket, position, Sample)], "skipped": [(bucket, position, SkippedSample)]}``.
+        """
+        with self._lock:
+            lock = self._step_locks.setdefault(step, threading.Lock())
+        with lock:
+            if step not in self._steps:
+                if self.get_plan is None:
+                    raise SourceError(f"source {self.spec.name!r}: no planner to ask for step {step}'s plan")
+                self.execute(self.get_plan(step, self.source_id))
+            staged = self._steps[step]
+            out: dict[str, list] = {"samples": [], "skipped": []}
+            for b in buckets:
+                out["samples"] += [(b, p, s) for p, s in staged.by_bucket.pop(b, [])]
+                out["skipped"] += [(b, p, s) for p, s in staged.skipped.pop(b, [])]
+                staged.pending.discard(b)
+            if not staged.pending:
+                del self._steps[step]
+                with self._lock:
+                    self._step_locks.pop(step, None)
+            return out
+
+    def stats(self) -> dict[str, int]:
+        return {"samples_read": self.samples_read, "skipped": self.skipped_total, "staged_steps": len(self._steps)}
+
+    def close(self) -> None:
+        self.source.close()

@@ -1,0 +1,146 @@
+"""Planner: turns buffer summaries into per-step plans with the mixing schedule and strategy.
+
+Plain class; `runtime.actors` wraps it as a Ray actor. Plans are made strictly in step order
+(each one advances per-source stream cursors), cached for the few steps the constructors are
+ahead of the trainer, and are a pure function of (config, tree, state before the step):
+`state_dict(step)` returns the state *before* `step`, so a resume at the trainer's consumed
+step recomputes exactly the plans an uninterrupted run would have made.
+
+State schema (version 1): ``{"version", "config_digest", "world", "step", "cursors",
+"mixer"}``.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+
+from megascale_data_ext.dataplane.dgraph import DGraph
+from megascale_data_ext.dataplane.mixing import Mixer, build_schedule
+from megascale_data_ext.dataplane.placetree import ClientPlaceTree
+from megascale_data_ext.dataplane.plan import LoaderPlan, StepPlan
+from megascale_data_ext.dataplane.strategies import build_strategy
+from megascale_data_ext.dataplane.summary import BufferSummary, SourceSummary
+from megascale_data_ext.errors import ResumeError
+from megascale_data_ext.runtime.config import ServiceConfig
+
+STATE_VERSION = 1
+Summarize = Callable[[int, int, int], SourceSummary]
+
+
+def make_strategy(config: ServiceConfig) -> Callable[[DGraph], DGraph]:
+    args = dict(config.strategy_args)
+    args.setdefault("num_microbatches", config.num_microbatches)
+    if config.strategy != "vanilla":
+        args.setdefault("cap", config.seq_length)
+    return build_strategy(config.strategy, **args)
+
+
+class Planner:
+    """Makes and caches step plans; thread-safe (one lock around planning).
+
+    Args:
+        config: The service config (sources, batch shape, strategy, mixing).
+        tree: The trainer device mesh.
+        summarize: ``(source_id, start_position, count) -> SourceSummary`` — asks a loader.
+        keep: How many planned steps to keep cached behind the newest one.
+    """
+
+    def __init__(self, config: ServiceConfig, tree: ClientPlaceTree, summarize: Summarize, *, keep: int = 64):
+        self.config = config
+        self.tree = tree
+        self.summarize = summarize
+        self.keep = keep
+        self.strategy = make_strategy(config)
+        names = config.source_names
+        self.mixer = Mixer(
+            build_schedule(config.mixing_config(), source_names=names), names, seed=config.seed, mode=config.mix_mode
+        )
+        self.next_step = 0
+        self.cursors = np.zeros(len(names), dtype=np.int64)
+        self.plans: dict[int, StepPlan] = {}
+        self._states: dict[int, dict[str, Any]] = {}
+        self._lock = threading.RLock()
+
+    # -- planning ------------------------------------------------------------------
+    def _snapshot(self) -> dict[str, Any]:
+        return {
+            "version": STATE_VERSION,
+            "config_digest": self.config.digest(),
+            "world": self.tree.layout(),
+            "step": self.next_step,
+            "cursors": self.cursors.tolist(),
+            "mixer": copy.deepcopy(self.mixer.state_dict()),
+        }
+
+    def _plan_next(self) -> StepPlan:
+        step = self.next_step
+        self._states[step] = self._snapshot()
+        window = self.config.buffer_size
+        summaries = [self.summarize(s, int(self.cursors[s]), window) for s in range(len(self.cursors))]
+        graph = DGraph.from_summary(BufferSummary.of(summaries), self.tree, step=step)
+        graph = graph.mix(self.mixer, batch_size=self.config.samples_per_step)
+        plan = self.strategy(graph).plan()
+        self.mixer.advance(step, plan.counts_per_source())
+        self.cursors += plan.counts_per_source()
+        self.plans[step] = plan
+        self.next_step = step + 1
+        for old in [s for s in self.plans if s < step - self.keep]:
+            self.plans.pop(old, None)
+            self._states.pop(old, None)
+        return plan
+
+    def plan(self, step: int) -> StepPlan:
+        with self._lock:
+            if step in self.plans:
+                return self.plans[step]
+            if step < self.next_step:
+                raise ResumeError(f"plan for step {step} was dropped (planner is at step {self.next_step}); keep={self.keep}")
+            while self.next_step <= step:
+                self._plan_next()
+            return self.plans[step]
+
+    def loader_plan(self, step: int, source: int) -> LoaderPlan:
+        return self.plan(step).loader_do_plan(source)
+
+    def report_loss(self, step: int, losses: Mapping[int | str, float]) -> None:
+        """Feed per-source loss to a feedback mixing schedule (no-op for static schedules)."""
+        report = getattr(self.mixer.schedule, "report_loss", None)
+        if report is not None:
+            with self._lock:
+                report(step, losses)
+
+    # -- state ---------------------------------------------------------------------
+    def state_dict(self, step: int | None = None) -> dict[str, Any]:
+        """The planner state *before* planning `step` (default: the next unplanned step)."""
+        with self._lock:
+            if step is None or step == self.next_step:
+                return self._snapshot()
+            if step in self._states:
+                return copy.deepcopy(self._states[step])
+            if step > self.next_step:
+                self.plan(step - 1)
+                return self._snapshot()
+            raise ResumeError(f"state for step {step} is no longer kept (planner at {self.next_step}, keep={self.keep})")
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        problems = []
+        if state.get("version") != STATE_VERSION:
+            problems.append(f"state version {state.get('version')!r} != {STATE_VERSION}")
+        if state.get("config_digest") != self.config.digest():
+            problems.append("the data config changed (sources, seed, batch shape, strategy or mixing); "
+                            f"saved digest {state.get('config_digest')!r} != current {self.config.digest()!r}")
+        if state.get("world") != self.tree.layout():
+            problems.append(f"parallel layout changed: saved {state.get('world')} != current {self.tree.layout()}")
+        if problems:
+            raise ResumeError("cannot resume the data state: " + "; ".join(problems))
+        with self._lock:
+            self.next_step = int(state["step"])
+            self.cursors = np.asarray(state["cursors"], dtype=np.int64)
+            self.mixer.load_state_dict(state["mixer"])
+            self.plans.clear()
+            self._states.clear()

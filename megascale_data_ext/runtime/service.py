@@ -1,0 +1,113 @@
+"""DataService: starts (or joins) Ray and launches Planner, Source Loaders and Data Constructors.
+
+Actors are named (``<namespace>/loader/<i>``, ``<namespace>/planner``,
+``<namespace>/constructor/<j>``) in the Ray namespace of the config, so trainer processes
+find them by name after ``ray.init(address=...)``: nothing but the address and namespace has
+to travel to torchrun.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+
+from megascale_data_ext.dataplane.placetree import ClientPlaceTree
+from megascale_data_ext.runtime.actors import DataConstructorActor, PlannerActor, SourceLoaderActor
+from megascale_data_ext.runtime.config import ServiceConfig
+from megascale_data_ext.sources.tokenizer import load_tokenizer
+
+
+@dataclass(slots=True, kw_only=True)
+class ServiceHandles:
+    """What a client needs to reach the service: Ray address, namespace, actor layout."""
+
+    address: str
+    namespace: str
+    num_constructors: int
+    constructor_group: int
+
+    def constructor_for_bucket(self, bucket: int) -> str:
+        return f"constructor/{bucket // self.constructor_group}"
+
+
+class DataService:
+    """Owns the actors of one data service; `start()` returns once every actor is ready."""
+
+    def __init__(self, config: ServiceConfig, tree: ClientPlaceTree):
+        self.config = config
+        self.tree = tree
+        self.loaders: list[Any] = []
+        self.planner: Any = None
+        self.constructors: list[Any] = []
+        self.startup_seconds = 0.0
+        self._owns_ray = False
+
+    def start(self, *, num_cpus: int | None = None, state: dict | None = None) -> ServiceHandles:
+        """Start every actor; `state` (a saved `state_dict`) resumes the planner before prefetch starts."""
+        t0 = time.perf_counter()
+        cfg = self.config
+        if not ray.is_initialized():
+            ray.init(address=cfg.ray_address, namespace=cfg.namespace, num_cpus=num_cpus,
+                     include_dashboard=False, log_to_driver=True, configure_logging=False)
+            self._owns_ray = True
+        ns = cfg.namespace
+        self.loaders = [
+            SourceLoaderActor.options(name=f"loader/{i}", namespace=ns).remote(
+                i, spec, cfg.seed, cfg.shuffle
+            )
+            for i, spec in enumerate(cfg.sources)
+        ]
+        ray.get([h.size.remote() for h in self.loaders])  # surfaces source errors (missing files...) now
+        self.planner = PlannerActor.options(name="planner", namespace=ns).remote(cfg, self.tree, self.loaders)
+        ray.get([h.set_planner.remote(self.planner) for h in self.loaders])
+        start_step = 0
+        if state is not None:
+            ray.get(self.planner.load_state_dict.remote(state))
+            start_step = int(state["step"])
+        tok = load_tokenizer(cfg.sources[0].tokenizer)
+        axis = cfg.strategy_args.get("axis", "DP")
+        n_buckets = self.tree.buckets(axis).num_buckets
+        g = cfg.constructor_group
+        groups = [list(range(i, min(i + g, n_buckets))) for i in range(0, n_buckets, g)]
+        image_id = tok.image_id if any(s.image_column for s in cfg.sources) else None
+        self.constructors = [
+            DataConstructorActor.options(name=f"constructor/{j}", namespace=ns).remote(
+                buckets, cfg, self.tree, self.planner, self.loaders, tok.pad_id, image_id, start_step
+            )
+            for j, buckets in enumerate(groups)
+        ]
+        ray.get([c.stats.remote() for c in self.constructors])
+        self.startup_seconds = time.perf_counter() - t0
+        return ServiceHandles(
+            address=ray.get_runtime_context().gcs_address,
+            namespace=ns,
+            num_constructors=len(self.constructors),
+            constructor_group=g,
+        )
+
+    def plan_summary(self, step: int) -> dict:
+        return ray.get(self.planner.plan_summary.remote(step))
+
+    def state_dict(self, step: int) -> dict:
+        return ray.get(self.planner.state_dict.remote(step))
+
+    def load_state_dict(self, state: dict) -> None:
+        ray.get(self.planner.load_state_dict.remote(state))
+
+    def stats(self) -> dict:
+        return {
+            "loaders": ray.get([h.stats.remote() for h in self.loaders]),
+            "constructors": ray.get([c.stats.remote() for c in self.constructors]),
+            "startup_seconds": self.startup_seconds,
+        }
+
+    def stop(self) -> None:
+        for h in self.constructors + self.loaders + ([self.planner] if self.planner is not None else []):
+            ray.kill(h)
+        self.constructors, self.loaders, self.planner = [], [], None
+        if self._owns_ray:
+            ray.shutdown()
+            self._owns_ray = False

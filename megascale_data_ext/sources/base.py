@@ -1,0 +1,248 @@
+"""The Source contract between file formats and the runtime's Source Loader actors.
+
+A source is a random-access collection of samples (one epoch = ``len(source)`` samples).
+The Planner only ever sees :meth:`Source.metadata` (cost columns, never payloads), so the
+balancing decisions can be made before a single payload byte is read ("ahead-of-fetch
+balancing"); the Source Loader then calls :meth:`Source.read` for exactly the planned
+indices. Everything here is plain Python/numpy so unit tests can build a source without Ray.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol, get_args, runtime_checkable
+
+import numpy as np
+
+from megascale_data_ext.errors import ConfigError
+
+SourceFormat = Literal["parquet", "megatron", "jsonl"]
+DecodeMode = Literal["loader", "constructor"]
+
+#: Keys of the dict returned by :meth:`Source.metadata`; image patches are ragged
+#: (``image_offsets[i]:image_offsets[i+1]`` slices ``image_patch_counts`` for sample ``i``).
+METADATA_KEYS: tuple[str, ...] = ("text_tokens", "num_images", "image_offsets", "image_patch_counts")
+
+
+@dataclass(slots=True, kw_only=True)
+class Sample:
+    """One transformed sample, as a Source Loader hands it to a Data Constructor.
+
+    Attributes:
+        source: Name of the source the sample came from.
+        index: Index of the sample inside its source (the id the Planner planned).
+        tokens: int64 text token ids, ending with the EOD id.
+        images: One float32 ``[num_patches, patch_size * patch_size * 3]`` array per image
+            (NaViT-style variable resolution). Empty when decoding is deferred.
+        image_bytes: Raw encoded images when decoding is deferred to the Data Constructor
+            (``decode_images="constructor"``); ``None`` otherwise.
+        extra: Free-form per-sample fields (e.g. ``image_grids``: ``(rows, cols)`` per image).
+    """
+
+    source: str
+    index: int
+    tokens: np.ndarray
+    images: list[np.ndarray] = field(default_factory=list)
+    image_bytes: list[bytes] | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(slots=True, kw_only=True)
+class SkippedSample:
+    """A sample that ``read()`` skipped under the tolerance policy, with why and where."""
+
+    index: int
+    reason: str
+    path: str | None = None
+    row: int | None = None
+
+
+@dataclass(slots=True, kw_only=True)
+class ReadResult:
+    """What one ``read_report()`` call produced: samples in request order, minus the skipped.
+
+    ``len(samples) + len(skipped) == len(indices)`` always holds, so the runtime's accounting
+    of planned samples stays exact.
+    """
+
+    samples: list[Sample]
+    skipped: list[SkippedSample]
+
+
+@dataclass(slots=True, kw_only=True)
+class SourceSpec:
+    """Where a source's data is and how its samples are transformed.
+
+    Attributes:
+        name: Unique source name (used in plans, errors and metrics).
+        format: File format; see :data:`SourceFormat`.
+        paths: Files, globs or directories (Parquet/JSONL), or Megatron ``.bin/.idx`` prefixes.
+        weight: Mixing weight, consumed by the mixing schedule (not by the source).
+        text_column: Column/field holding raw text.
+        tokens_column: Column holding pre-tokenized ids (used instead of ``text_column``).
+        image_column: Column holding encoded image bytes (binary, list of binary, or struct
+            with a ``bytes`` field); ``None`` for text-only sources.
+        tokenizer: Path to a Hugging Face ``tokenizer.json``; ``None`` = byte-level.
+        patch_size: ViT patch edge in pixels.
+        max_image_patches: Cap on patches per image; larger images are downscaled.
+        decode_images: ``"loader"`` decodes/patchifies in ``read()``; ``"constructor"`` returns
+            raw bytes and leaves :func:`~megascale_data_ext.sources.transforms.decode_images`
+            to the Data Constructor.
+        max_tokens: Longest allowed token sequence (incl. EOD); ``None`` = unlimited.
+        truncate: Truncate longer samples to ``max_tokens`` instead of treating them as bad.
+        max_bad_fraction: Fraction of samples read so far that may be skipped as bad before
+            the source fails with ``SourceError``.
+        append_eod: Megatron sources: append EOD to each document (set False when the data
+            was preprocessed with ``--append-eod``).
+        eod_token_id: EOD id override (Megatron sources whose tokenizer is not given).
+        num_workers: Threads used by ``read()`` for tokenization and image decoding.
+        row_group_cache: Decoded Parquet row groups kept in the LRU cache.
+    """
+
+    name: str
+    format: SourceFormat
+    paths: list[str]
+    weight: float = 1.0
+    text_column: str = "text"
+    tokens_column: str | None = None
+    image_column: str | None = None
+    tokenizer: str | None = None
+    patch_size: int = 16
+    max_image_patches: int = 1024
+    decode_images: DecodeMode = "loader"
+    max_tokens: int | None = None
+    truncate: bool = False
+    max_bad_fraction: float = 0.0
+    append_eod: bool = True
+    eod_token_id: int | None = None
+    num_workers: int = 0
+    row_group_cache: int = 4
+
+    def __post_init__(self) -> None:
+        if isinstance(self.paths, str):
+            self.paths = [self.paths]
+        self.paths = [str(p) for p in self.paths]
+        problems = self._problems()
+        if problems:
+            raise ConfigError(f"invalid source spec {self.name!r}:\n  - " + "\n  - ".join(problems))
+
+    def _problems(self) -> list[str]:
+        where = f"sources.{self.name}"
+        out: list[str] = []
+        if not self.name or not isinstance(self.name, str):
+            out.append(f"`name` must be a non-empty string, got {self.name!r}")
+        from megascale_data_ext.sources.registry import source_formats  # formats can be plugged in
+
+        if self.format not in source_formats():
+            out.append(f"`{where}.format` must be one of {source_formats()}, got {self.format!r}")
+        if not self.paths:
+            out.append(f"`{where}.paths` is empty: give files, globs, directories or Megatron prefixes")
+        if not (self.weight >= 0):
+            out.append(f"`{where}.weight` must be >= 0, got {self.weight!r}")
+        if self.patch_size < 1:
+            out.append(f"`{where}.patch_size` must be >= 1, got {self.patch_size!r}")
+        if self.max_image_patches < 1:
+            out.append(f"`{where}.max_image_patches` must be >= 1, got {self.max_image_patches!r}")
+        if self.decode_images not in get_args(DecodeMode):
+            out.append(f"`{where}.decode_images` must be one of {get_args(DecodeMode)}, got {self.decode_images!r}")
+        if self.max_tokens is not None and self.max_tokens < 2:
+            out.append(f"`{where}.max_tokens` must be >= 2 (one token plus EOD) or null, got {self.max_tokens!r}")
+        if not 0.0 <= self.max_bad_fraction <= 1.0:
+            out.append(f"`{where}.max_bad_fraction` must be in [0, 1], got {self.max_bad_fraction!r}")
+        if self.num_workers < 0:
+            out.append(f"`{where}.num_workers` must be >= 0, got {self.num_workers!r}")
+        if self.row_group_cache < 1:
+            out.append(f"`{where}.row_group_cache` must be >= 1, got {self.row_group_cache!r}")
+        return out
+
+    @classmethod
+    def from_mapping(cls, data: Mapping[str, Any]) -> SourceSpec:
+        """Build a spec from a YAML/Hydra mapping, rejecting unknown keys by name."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ConfigError(
+                f"source spec {data.get('name', '?')!r} has unknown keys {unknown}; allowed: {sorted(known)}"
+            )
+        return cls(**dict(data))
+
+
+@runtime_checkable
+class Source(Protocol):
+    """A random-access sample collection; implementations are not thread-safe.
+
+    A Source Loader actor owns one instance and calls it from one thread; ``read()`` may use
+    its own worker threads internally.
+    """
+
+    name: str
+
+    def __len__(self) -> int:
+        """Samples in one epoch."""
+        ...
+
+    def metadata(self, indices: np.ndarray | None = None) -> dict[str, np.ndarray]:
+        """Cost columns for ``indices`` (all samples when ``None``); see :data:`METADATA_KEYS`."""
+        ...
+
+    def read(self, indices: Sequence[int]) -> list[Sample]:
+        """Transformed payloads of the planned samples, bad ones skipped under the tolerance."""
+        ...
+
+    def close(self) -> None:
+        """Release file handles and caches."""
+        ...
+
+
+def make_metadata(text_tokens: np.ndarray, patch_counts: Sequence[Sequence[int]]) -> dict[str, np.ndarray]:
+    """Pack per-sample token counts and per-image patch counts into the metadata layout."""
+    num_images = np.fromiter((len(p) for p in patch_counts), dtype=np.int64, count=len(patch_counts))
+    offsets = np.zeros(len(num_images) + 1, dtype=np.int64)
+    np.cumsum(num_images, out=offsets[1:])
+    flat = np.fromiter((c for p in patch_counts for c in p), dtype=np.int64, count=int(offsets[-1]))
+    return {
+        "text_tokens": np.asarray(text_tokens, dtype=np.int64),
+        "num_images": num_images,
+        "image_offsets": offsets,
+        "image_patch_counts": flat,
+    }
+
+
+def text_only_metadata(text_tokens: np.ndarray) -> dict[str, np.ndarray]:
+    """Metadata of a source without images (every sample has zero images)."""
+    n = len(text_tokens)
+    return {
+        "text_tokens": np.asarray(text_tokens, dtype=np.int64),
+        "num_images": np.zeros(n, dtype=np.int64),
+        "image_offsets": np.zeros(n + 1, dtype=np.int64),
+        "image_patch_counts": np.zeros(0, dtype=np.int64),
+    }
+
+
+def take_metadata(meta: Mapping[str, np.ndarray], indices: np.ndarray | None) -> dict[str, np.ndarray]:
+    """Gather the metadata rows ``indices`` (vectorized ragged take; ``None`` = copy all)."""
+    if indices is None:
+        return {k: np.array(meta[k], dtype=np.int64) for k in METADATA_KEYS}
+    idx = np.asarray(indices, dtype=np.int64)
+    counts = meta["num_images"][idx]
+    starts = meta["image_offsets"][idx]
+    offsets = np.zeros(len(idx) + 1, dtype=np.int64)
+    np.cumsum(counts, out=offsets[1:])
+    flat_idx = np.repeat(starts - offsets[:-1], counts) + np.arange(offsets[-1], dtype=np.int64)
+    return {
+        "text_tokens": meta["text_tokens"][idx].astype(np.int64, copy=False),
+        "num_images": counts.astype(np.int64, copy=False),
+        "image_offsets": offsets,
+        "image_patch_counts": meta["image_patch_counts"][flat_idx].astype(np.int64, copy=False),
+    }
+
+
+def check_indices(name: str, indices: Sequence[int] | np.ndarray, length: int) -> np.ndarray:
+    """Validate planned indices against the source length, naming the source on error."""
+    idx = np.asarray(indices, dtype=np.int64).reshape(-1)
+    if idx.size and (idx.min() < 0 or idx.max() >= length):
+        bad = idx[(idx < 0) | (idx >= length)][:5].tolist()
+        raise IndexError(f"source {name!r}: indices {bad} out of range [0, {length})")
+    return idx

@@ -1,0 +1,248 @@
+"""Parquet sources: many files, opened once, read by row group, cost columns read alone.
+
+Production row groups are 512 MB - 1 GB, so what a loader keeps per open file (footer,
+schema, a decoded row-group buffer) dominates its memory (MegaScale-Data Fig. 4). This
+reader keeps one :class:`pyarrow.parquet.ParquetFile` per file, maps a global row index to
+``(file, row group, offset)`` with one ``searchsorted`` over cumulative row counts, and holds
+at most ``spec.row_group_cache`` decoded row groups (LRU), each with the payload columns only.
+
+``metadata()`` reads only the cost columns ``num_tokens`` / ``image_patches`` that
+``prepare`` writes (ahead-of-fetch balancing: plans are made before any payload is read). A
+file without them, or prepared with another tokenizer or patch setting (recorded in the
+Parquet key-value metadata), has its costs computed by streaming its text/image column.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, OrderedDict
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from megascale_data_ext.errors import SourceError
+from megascale_data_ext.sources.base import SourceSpec, make_metadata
+from megascale_data_ext.sources.rowsource import RowSource, resolve_files
+from megascale_data_ext.sources.tokenizer import Tokenizer
+from megascale_data_ext.sources.transforms import RawSample
+
+#: Cost columns and the key-value metadata that says how they were computed.
+TOKENS_COLUMN = "num_tokens"
+PATCHES_COLUMN = "image_patches"
+KV_TOKENIZER = "megascale.tokenizer"
+KV_PATCH_SIZE = "megascale.patch_size"
+KV_MAX_PATCHES = "megascale.max_image_patches"
+
+_STREAM_BATCH_ROWS = 4096
+
+
+def image_list(value: object) -> list[bytes]:
+    """Normalize one image cell (bytes, list of bytes, ``{"bytes": ...}`` struct, null) to a list."""
+    if value is None:
+        return []
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return [bytes(value)]
+    if isinstance(value, dict):
+        data = value.get("bytes")
+        return [] if data is None else [bytes(data)]
+    if isinstance(value, list):
+        return [b for v in value for b in image_list(v)]
+    raise TypeError(f"unsupported image cell of type {type(value).__name__}")
+
+
+class ParquetSource(RowSource):
+    """A source made of one or more Parquet files (see module docstring).
+
+    ``io_log`` records every column set read as ``(purpose, file, columns)``; tests and
+    benchmarks use it to check that planning never touches payload columns.
+    """
+
+    def __init__(self, spec: SourceSpec, *, tokenizer: Tokenizer | None = None) -> None:
+        super().__init__(spec, tokenizer=tokenizer)
+        self.paths = resolve_files(spec.name, spec.paths, suffixes=(".parquet", ".pq"))
+        self._files: list[pq.ParquetFile] = []
+        try:
+            for path in self.paths:
+                self._files.append(self._open(path))
+        except BaseException:
+            self.close()
+            raise
+        self._payload_columns = [spec.tokens_column or spec.text_column] + (
+            [spec.image_column] if spec.image_column else []
+        )
+        self._check_columns()
+        rg_rows, rg_file, rg_index, file_rows = [], [], [], []
+        for f_i, pf in enumerate(self._files):
+            md = pf.metadata
+            file_rows.append(md.num_rows)
+            for r_i in range(md.num_row_groups):
+                rg_rows.append(md.row_group(r_i).num_rows)
+                rg_file.append(f_i)
+                rg_index.append(r_i)
+        self._rg_start = np.concatenate([[0], np.cumsum(rg_rows, dtype=np.int64)]).astype(np.int64)
+        self._rg_file = np.asarray(rg_file, dtype=np.int64)
+        self._rg_index = np.asarray(rg_index, dtype=np.int64)
+        self._file_start = np.concatenate([[0], np.cumsum(file_rows, dtype=np.int64)]).astype(np.int64)
+        if self._rg_start[-1] == 0:
+            self.close()
+            raise SourceError(f"source {self.name!r} is empty: 0 rows in {len(self.paths)} file(s) {self.paths[:3]}")
+        self._cache: OrderedDict[int, pa.Table] = OrderedDict()
+        self.io_log: list[tuple[str, str, tuple[str, ...]]] = []
+
+    def _open(self, path: str) -> pq.ParquetFile:
+        try:
+            return pq.ParquetFile(path)
+        except (pa.ArrowException, OSError) as exc:
+            raise SourceError(
+                f"source {self.name!r}: cannot open Parquet file {path!r} ({exc}); the file is corrupt or "
+                "truncated: re-create it (megascale-data prepare) or remove it from `paths`"
+            ) from exc
+
+    def _check_columns(self) -> None:
+        spec = self.spec
+        for path, pf in zip(self.paths, self._files):
+            names = pf.schema_arrow.names
+            missing = [c for c in self._payload_columns if c not in names]
+            if missing:
+                which = "tokens_column" if spec.tokens_column else "text_column"
+                raise SourceError(
+                    f"source {self.name!r}: file {path!r} has no column(s) {missing}; it has {names}. "
+                    f"Set `{which}`/`image_column` in the source spec to one of those"
+                )
+
+    def __len__(self) -> int:
+        return int(self._rg_start[-1])
+
+    @property
+    def num_files(self) -> int:
+        return len(self._files)
+
+    @property
+    def num_row_groups(self) -> int:
+        return len(self._rg_file)
+
+    # ---------------------------------------------------------------- metadata
+    def _kv(self, pf: pq.ParquetFile) -> dict[str, str]:
+        raw = pf.schema_arrow.metadata or {}
+        return {k.decode(): v.decode() for k, v in raw.items()}
+
+    def _precomputed(self, pf: pq.ParquetFile) -> tuple[bool, bool]:
+        """Whether the file's token / patch cost columns match this source's transforms."""
+        names, kv, spec = pf.schema_arrow.names, self._kv(pf), self.spec
+        tokens_ok = TOKENS_COLUMN in names and kv.get(KV_TOKENIZER, self.tokenizer.fingerprint()) == (
+            self.tokenizer.fingerprint()
+        )
+        patches_ok = (
+            PATCHES_COLUMN in names
+            and kv.get(KV_PATCH_SIZE, str(spec.patch_size)) == str(spec.patch_size)
+            and kv.get(KV_MAX_PATCHES, str(spec.max_image_patches)) == str(spec.max_image_patches)
+        )
+        return tokens_ok, patches_ok
+
+    def _compute_metadata(self) -> dict[str, np.ndarray]:
+        spec, tf = self.spec, self._transform
+        tokens_parts: list[np.ndarray] = []
+        patches: list[list[int]] = []
+        for path, pf in zip(self.paths, self._files):
+            tokens_ok, patches_ok = self._precomputed(pf)
+            want_images = spec.image_column is not None
+            cost_cols = [TOKENS_COLUMN] if tokens_ok else []
+            if want_images and patches_ok:
+                cost_cols.append(PATCHES_COLUMN)
+            if cost_cols:
+                table = self._read(pf, path, "metadata", cost_cols)
+                if tokens_ok:
+                    # Prepared counts include EOD before truncation; the cap applies here.
+                    raw = table.column(TOKENS_COLUMN).to_numpy(zero_copy_only=False).astype(np.int64)
+                    tokens_parts.append(tf.final_token_counts(raw, add_eod=False))
+                if want_images and patches_ok:
+                    patches.extend([list(p) if p is not None else [] for p in table.column(PATCHES_COLUMN).to_pylist()])
+            stream_cols = ([] if tokens_ok else [self._payload_columns[0]]) + (
+                [spec.image_column] if want_images and not patches_ok else []
+            )
+            if stream_cols:
+                self.io_log.append(("metadata", path, tuple(stream_cols)))
+                for batch in self._iter_batches(pf, path, stream_cols):
+                    if not tokens_ok:
+                        tokens_parts.append(self._count_tokens(batch.column(0)))
+                    if want_images and not patches_ok:
+                        cells = batch.column(spec.image_column).to_pylist()
+                        patches.extend(tf.image_patch_counts(image_list(c)) for c in cells)
+            if not want_images:
+                patches.extend([] for _ in range(pf.metadata.num_rows))
+        return make_metadata(np.concatenate(tokens_parts) if tokens_parts else np.zeros(0, np.int64), patches)
+
+    def _count_tokens(self, column: pa.Array) -> np.ndarray:
+        if self.spec.tokens_column:
+            lengths = pc.fill_null(pc.list_value_length(column), 0).to_numpy(zero_copy_only=False)
+            return self._transform.final_token_counts(lengths, add_eod=self.spec.append_eod)
+        return self._transform.text_token_counts(column.to_pylist())
+
+    def _iter_batches(self, pf: pq.ParquetFile, path: str, columns: list[str]):
+        try:
+            yield from pf.iter_batches(batch_size=_STREAM_BATCH_ROWS, columns=columns)
+        except (pa.ArrowException, OSError) as exc:
+            raise SourceError(f"source {self.name!r}: cannot read columns {columns} of {path!r}: {exc}") from exc
+
+    def _read(self, pf: pq.ParquetFile, path: str, purpose: str, columns: list[str], rg: int | None = None) -> pa.Table:
+        self.io_log.append((purpose, path, tuple(columns)))
+        try:
+            return pf.read(columns=columns) if rg is None else pf.read_row_group(rg, columns=columns)
+        except (pa.ArrowException, OSError) as exc:
+            where = f"row group {rg} of " if rg is not None else ""
+            raise SourceError(
+                f"source {self.name!r}: cannot read {where}{path!r} (columns {columns}): {exc}; the file is corrupt"
+            ) from exc
+
+    # ---------------------------------------------------------------- payloads
+    def _row_group(self, g: int) -> pa.Table:
+        table = self._cache.get(g)
+        if table is not None:
+            self._cache.move_to_end(g)
+            return table
+        f_i, r_i = int(self._rg_file[g]), int(self._rg_index[g])
+        table = self._read(self._files[f_i], self.paths[f_i], "read", self._payload_columns, rg=r_i)
+        self._cache[g] = table
+        while len(self._cache) > self.spec.row_group_cache:
+            self._cache.popitem(last=False)
+        return table
+
+    def _raw_rows(self, indices: np.ndarray) -> list[RawSample]:
+        spec = self.spec
+        groups = np.searchsorted(self._rg_start, indices, side="right") - 1
+        out: list[RawSample | None] = [None] * len(indices)
+        # Visit each needed row group once, so a plan touching k row groups costs k reads.
+        order = np.argsort(groups, kind="stable")
+        bounds = np.flatnonzero(np.diff(groups[order])) + 1
+        for chunk in np.split(order, bounds):
+            g = int(groups[chunk[0]])
+            table = self._row_group(g).take(pa.array(indices[chunk] - self._rg_start[g]))
+            f_i = int(self._rg_file[g])
+            first = table.column(0).to_pylist()
+            images = table.column(spec.image_column).to_pylist() if spec.image_column else [None] * len(chunk)
+            for j, pos in enumerate(chunk):
+                index = int(indices[pos])
+                raw = RawSample(index=index, path=self.paths[f_i], row=index - int(self._file_start[f_i]))
+                if spec.tokens_column:
+                    raw.tokens = None if first[j] is None else np.asarray(first[j], dtype=np.int64)
+                else:
+                    raw.text = first[j]
+                raw.images = image_list(images[j])
+                out[pos] = raw
+        return out  # type: ignore[return-value]
+
+    def cache_stats(self) -> dict[str, int]:
+        """Decoded row groups held and their bytes (the dominant per-source loader memory)."""
+        return {"row_groups": len(self._cache), "bytes": sum(t.nbytes for t in self._cache.values())}
+
+    def columns_read(self, purpose: str) -> Counter[str]:
+        """How many times each column was read for ``purpose`` (``"metadata"`` or ``"read"``)."""
+        return Counter(c for p, _, cols in self.io_log if p == purpose for c in cols)
+
+    def close(self) -> None:
+        super().close()
+        for pf in self._files:
+            pf.close()
+        self._files = []
+        getattr(self, "_cache", {}).clear()

@@ -1,0 +1,69 @@
+"""Source formats by name: ``open_source(spec)`` builds the reader ``spec.format`` names.
+
+Formats register a factory, so a new format (e.g. WebDataset shards) plugs in without
+touching the runtime that calls :func:`open_source` inside its Source Loader actors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from megascale_data_ext.errors import ConfigError
+from megascale_data_ext.sources.base import Source, SourceSpec
+from megascale_data_ext.sources.tokenizer import Tokenizer
+
+SourceFactory = Callable[..., Source]
+
+_FACTORIES: dict[str, SourceFactory] = {}
+
+
+def register_source_format(fmt: str, factory: SourceFactory) -> None:
+    """Register ``factory(spec, tokenizer=...)`` for ``fmt`` (replacing any earlier one)."""
+    _FACTORIES[fmt] = factory
+
+
+def source_formats() -> list[str]:
+    """Registered format names, sorted."""
+    return sorted(_FACTORIES)
+
+
+def open_source(spec: SourceSpec, *, tokenizer: Tokenizer | None = None) -> Source:
+    """Open the source ``spec`` describes.
+
+    Args:
+        spec: What and where the source is.
+        tokenizer: A tokenizer instance to share between sources (loading a Hugging Face
+            tokenizer once per loader rather than once per source); ``None`` loads
+            ``spec.tokenizer``.
+
+    Raises:
+        ConfigError: Unknown format (lists the registered ones).
+        SourceError: The files are missing, corrupt, empty or lack the configured columns.
+    """
+    factory = _FACTORIES.get(spec.format)
+    if factory is None:
+        raise ConfigError(f"`sources.{spec.name}.format` is {spec.format!r}; registered formats: {source_formats()}")
+    return factory(spec, tokenizer=tokenizer)
+
+
+def _parquet(spec: SourceSpec, *, tokenizer: Tokenizer | None = None) -> Source:
+    from megascale_data_ext.sources.parquet import ParquetSource
+
+    return ParquetSource(spec, tokenizer=tokenizer)
+
+
+def _megatron(spec: SourceSpec, *, tokenizer: Tokenizer | None = None) -> Source:
+    from megascale_data_ext.sources.megatron_indexed import MegatronIndexedSource
+
+    return MegatronIndexedSource(spec, tokenizer=tokenizer)
+
+
+def _jsonl(spec: SourceSpec, *, tokenizer: Tokenizer | None = None) -> Source:
+    from megascale_data_ext.sources.jsonl import JsonlSource
+
+    return JsonlSource(spec, tokenizer=tokenizer)
+
+
+register_source_format("parquet", _parquet)
+register_source_format("megatron", _megatron)
+register_source_format("jsonl", _jsonl)

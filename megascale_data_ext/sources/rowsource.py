@@ -1,0 +1,138 @@
+"""Shared machinery of the concrete sources: path resolution, metadata caching, read path.
+
+A format only says how many rows it has, how to compute its cost columns, and how to extract
+:class:`RawSample` rows for planned indices; :class:`RowSource` adds the rest of the
+:class:`~megascale_data_ext.sources.base.Source` contract (index checks, transforms,
+skip-and-count, cached metadata, context manager) identically for every format.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from megascale_data_ext.errors import SourceError
+from megascale_data_ext.sources.base import (
+    ReadResult,
+    Sample,
+    SkippedSample,
+    SourceSpec,
+    check_indices,
+    take_metadata,
+)
+from megascale_data_ext.sources.tokenizer import Tokenizer
+from megascale_data_ext.sources.transforms import RawSample, SampleTransform
+
+_GLOB_CHARS = frozenset("*?[")
+
+
+def resolve_files(source: str, paths: Sequence[str], *, suffixes: tuple[str, ...]) -> list[str]:
+    """Expand files, globs and directories into a sorted, de-duplicated file list.
+
+    Directories contribute their files ending in ``suffixes`` (recursively), globs their
+    matches; an entry that matches nothing is an error, so a typo never silently drops data.
+    """
+    out: list[str] = []
+    for entry in paths:
+        if _GLOB_CHARS & set(entry):
+            matches = sorted(p for p in glob.glob(entry, recursive=True) if os.path.isfile(p))
+            if not matches:
+                raise SourceError(f"source {source!r}: glob {entry!r} matches no files; check the path")
+            out.extend(matches)
+        elif os.path.isdir(entry):
+            matches = sorted(str(p) for p in Path(entry).rglob("*") if p.is_file() and p.name.endswith(suffixes))
+            if not matches:
+                raise SourceError(f"source {source!r}: directory {entry!r} holds no {'/'.join(suffixes)} files")
+            out.extend(matches)
+        elif os.path.isfile(entry):
+            out.append(entry)
+        else:
+            raise SourceError(f"source {source!r}: file {entry!r} not found; check `paths` in the source spec")
+    return list(dict.fromkeys(out))
+
+
+class RowSource(ABC):
+    """Base of the concrete sources; owned by one thread (a Source Loader actor).
+
+    Subclasses implement :meth:`__len__`, :meth:`_compute_metadata` and :meth:`_raw_rows`.
+    Metadata for all samples is computed once on first use and kept (a few int64 per sample).
+    """
+
+    def __init__(self, spec: SourceSpec, *, tokenizer: Tokenizer | None = None) -> None:
+        self.spec = spec
+        self.name = spec.name
+        self._transform = SampleTransform(spec, tokenizer)
+        self._meta: dict[str, np.ndarray] | None = None
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self._transform.tokenizer
+
+    @property
+    def eod_id(self) -> int:
+        return self._transform.eod_id
+
+    @abstractmethod
+    def __len__(self) -> int: ...
+
+    @abstractmethod
+    def _compute_metadata(self) -> dict[str, np.ndarray]:
+        """Cost columns of every sample, in index order."""
+
+    @abstractmethod
+    def _raw_rows(self, indices: np.ndarray) -> list[RawSample]:
+        """Untransformed rows for valid ``indices``, in the same order."""
+
+    def metadata(self, indices: np.ndarray | None = None) -> dict[str, np.ndarray]:
+        """Cost columns (``text_tokens``, ``num_images``, ragged image patches); never payloads."""
+        if self._meta is None:
+            self._meta = self._compute_metadata()
+        if indices is not None:
+            indices = check_indices(self.name, indices, len(self))
+        return take_metadata(self._meta, indices)
+
+    def read_report(self, indices: Sequence[int] | np.ndarray) -> ReadResult:
+        """Transformed samples for ``indices`` plus the ones skipped as bad (exact accounting).
+
+        Raises:
+            SourceError: The file cannot be read, or bad samples exceed ``max_bad_fraction``.
+        """
+        idx = check_indices(self.name, indices, len(self))
+        if idx.size == 0:
+            return ReadResult(samples=[], skipped=[])
+        return self._transform.run(self._raw_rows(idx))
+
+    def read(self, indices: Sequence[int] | np.ndarray) -> list[Sample]:
+        """Transformed samples for ``indices`` in request order, bad ones skipped (see ``read_report``)."""
+        return self.read_report(indices).samples
+
+    @property
+    def bad_samples(self) -> list[SkippedSample]:
+        """Every sample skipped so far, with reason, file and row."""
+        return list(self._transform.tracker.skipped)
+
+    @property
+    def samples_read(self) -> int:
+        """Samples requested from ``read()`` so far (good and bad)."""
+        return self._transform.tracker.samples_read
+
+    def bad_sample_reasons(self) -> dict[str, int]:
+        """Skipped-sample counts grouped by reason."""
+        return self._transform.tracker.reasons()
+
+    def close(self) -> None:
+        self._transform.close()
+
+    def __enter__(self) -> RowSource:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(name={self.name!r}, samples={len(self)})"
