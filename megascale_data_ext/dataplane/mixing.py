@@ -99,13 +99,13 @@ def _check_weights(
         return None
     if n is not None and arr.size != n:
         problems.append(
-            f"`{field_name}` has {arr.size} entries but there are {n} sources, got {list(arr)!r} "
+            f"`{field_name}` has {arr.size} entries but there are {n} sources, got {arr.tolist()!r} "
             f"({_names_hint(names, n)})"
         )
         return None
     if not np.all(np.isfinite(arr)) or np.any(arr < 0) or arr.sum() <= 0:
         problems.append(
-            f"`{field_name}` must be non-negative and sum to > 0, got {list(arr)!r} ({_names_hint(names, arr.size)})"
+            f"`{field_name}` must be non-negative and sum to > 0, got {arr.tolist()!r} ({_names_hint(names, arr.size)})"
         )
         return None
     return arr / arr.sum()

@@ -334,7 +334,7 @@ class ClientPlaceTree:
         """
         state = _read_parallel_state(importlib.import_module("megatron.core.parallel_state"))
         sizes = state["sizes"]
-        candidates = [order] if order is not None else _candidate_orders()
+        candidates = [order] if order is not None else _candidate_orders(sizes)
         first_mismatch: str | None = None
         for candidate in candidates:
             try:
@@ -627,7 +627,15 @@ def _read_parallel_state(ps: Any) -> dict[str, Any]:
     return {"sizes": sizes, "coords": coords, "groups": groups, "rank": groups["tp"][coords["tp"]]}
 
 
-def _candidate_orders() -> list[str]:
-    """Default order first, then every permutation of Megatron's five tokens."""
-    perms = ["-".join(p) for p in itertools.permutations(("tp", "cp", "ep", "dp", "pp"))]
+def _candidate_orders(sizes: dict[str, Any]) -> list[str]:
+    """Default order first, then every order of the tokens whose size exceeds 1.
+
+    Size-1 tokens do not move any rank, so these candidates cover every distinct layout and
+    the inferred order is spelled as a user would write it (``"tp-pp-dp"``).
+    """
+    world = sizes["tp"] * sizes["cp"] * sizes["pp"] * sizes["dp"]
+    edp = world // max(1, sizes["etp"] * sizes["ep"] * sizes["pp"])
+    big = [t for t in ("tp", "cp", "ep", "dp", "pp")
+           if max(sizes[t], sizes["etp"] if t == "tp" else 1, edp if t == "dp" else 1) > 1]
+    perms = ["-".join(p) for p in itertools.permutations(big)] if big else []
     return [DEFAULT_ORDER] + [p for p in perms if p != DEFAULT_ORDER]

@@ -116,6 +116,14 @@ class StepPlan:
         mean = costs.mean() if costs.size else 0.0
         return float(costs.max() / mean) if mean > 0 else 1.0
 
+    def vanilla_imbalance(self) -> float:
+        """max/mean bucket cost had the same samples been split Megatron-style (contiguous, equal count)."""
+        n, k = self.num_samples, self.num_buckets
+        if n == 0:
+            return 1.0
+        costs = np.bincount(np.arange(n) * k // n, weights=self.cost, minlength=k)
+        return float(costs.max() / costs.mean()) if costs.mean() > 0 else 1.0
+
     def loader_do_plan(self, source: int) -> LoaderPlan:
         rows = np.flatnonzero(self.source == source)
         rows = rows[np.argsort(self.position[rows], kind="stable")]
@@ -145,6 +153,7 @@ class StepPlan:
             "tokens": int(self.tokens.sum()),
             "buckets": self.num_buckets,
             "max_over_mean": self.imbalance(),
+            "vanilla_max_over_mean": self.vanilla_imbalance(),
             "max_bucket_cost": float(costs.max()) if costs.size else 0.0,
             "per_source": self.counts_per_source().tolist(),
         }

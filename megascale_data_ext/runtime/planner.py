@@ -85,7 +85,6 @@ class Planner:
         graph = DGraph.from_summary(BufferSummary.of(summaries), self.tree, step=step)
         graph = graph.mix(self.mixer, batch_size=self.config.samples_per_step)
         plan = self.strategy(graph).plan()
-        self.mixer.advance(step, plan.counts_per_source())
         self.cursors += plan.counts_per_source()
         self.plans[step] = plan
         self.next_step = step + 1

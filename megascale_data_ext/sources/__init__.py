@@ -1,1 +1,70 @@
-"""sources"""
+"""Data sources: Parquet, Megatron ``.bin/.idx`` and JSONL readers with sample transforms.
+
+Plain classes (no Ray): the runtime wraps one per Source Loader actor. The Megatron reader is
+loaded lazily because it imports torch.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from megascale_data_ext.sources.base import (
+    METADATA_KEYS,
+    ReadResult,
+    Sample,
+    SkippedSample,
+    Source,
+    SourceSpec,
+    make_metadata,
+    take_metadata,
+)
+from megascale_data_ext.sources.demo_data import make_demo_data
+from megascale_data_ext.sources.images import decode_patches, image_patch_count, image_patch_grid
+from megascale_data_ext.sources.jsonl import JsonlSource
+from megascale_data_ext.sources.parquet import ParquetSource
+from megascale_data_ext.sources.registry import open_source, register_source_format, source_formats
+from megascale_data_ext.sources.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer
+from megascale_data_ext.sources.transforms import decode_images
+from megascale_data_ext.sources.writer import PreparedParquetWriter
+
+_LAZY = {
+    "MegatronIndexedSource": "megascale_data_ext.sources.megatron_indexed",
+    "write_indexed_dataset": "megascale_data_ext.sources.megatron_indexed",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = [
+    "METADATA_KEYS",
+    "ByteTokenizer",
+    "HFTokenizer",
+    "JsonlSource",
+    "MegatronIndexedSource",
+    "ParquetSource",
+    "PreparedParquetWriter",
+    "ReadResult",
+    "Sample",
+    "SkippedSample",
+    "Source",
+    "SourceSpec",
+    "Tokenizer",
+    "decode_images",
+    "decode_patches",
+    "image_patch_count",
+    "image_patch_grid",
+    "load_tokenizer",
+    "make_demo_data",
+    "make_metadata",
+    "open_source",
+    "register_source_format",
+    "source_formats",
+    "take_metadata",
+    "write_indexed_dataset",
+]

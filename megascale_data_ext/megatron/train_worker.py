@@ -1,0 +1,144 @@
+"""One trainer rank of the main job: megatron-core GPT trained on the service's batches.
+
+Run under torchrun (``python -m torch.distributed.run ... -m megascale_data_ext.megatron.train_worker``).
+Each rank initialises gloo + Megatron's `parallel_state`, builds its `ClientPlaceTree` from
+Megatron, joins the Ray cluster of the service (fetching ranks only), and trains through
+`get_forward_backward_func` on the delivered microbatches. Rank 0 prints one line per step;
+every rank writes ``rank<N>.json`` (losses, delivered sample ids, fetch latencies) to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--pp", type=int, default=1)
+    p.add_argument("--cp", type=int, default=1)
+    p.add_argument("--vpp", type=int, default=None)
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--start-step", type=int, default=0)
+    p.add_argument("--num-microbatches", type=int, required=True)
+    p.add_argument("--seq-length", type=int, required=True)
+    p.add_argument("--vocab-size", type=int, required=True)
+    p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--namespace", required=True)
+    p.add_argument("--address", required=True)
+    p.add_argument("--constructor-group", type=int, default=1)
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--no-train", action="store_true", help="only consume batches (accounting tests)")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    from megatron.core import parallel_state
+
+    from megascale_data_ext.dataplane.placetree import ClientPlaceTree
+    from megascale_data_ext.megatron.model import GPTModelConfig, build_model_chunks, initialize_parallel, train_step
+    from megascale_data_ext.runtime.client import Client
+
+    vocab = -(-args.vocab_size // (64 * args.tp)) * 64 * args.tp  # pad like --make-vocab-size-divisible-by
+    cfg = GPTModelConfig(
+        vocab_size=vocab, hidden_size=args.hidden, num_layers=args.layers, num_attention_heads=args.heads,
+        seq_length=args.seq_length, tp=args.tp, pp=args.pp, cp=1, vpp=args.vpp,
+    )
+    if args.cp > 1:
+        # The local (non-TE) attention has no CP; the data path still slices per CP rank.
+        dist.init_process_group("gloo")
+        from megascale_data_ext.patches.cpu import apply_cpu_shims
+
+        apply_cpu_shims()
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp, context_parallel_size=args.cp
+        )
+        args.no_train = True
+    else:
+        initialize_parallel(cfg)
+    rank = dist.get_rank()
+    tree = ClientPlaceTree.from_megatron()
+    client = Client(
+        tree, rank, namespace=args.namespace, address=args.address, num_microbatches=args.num_microbatches,
+        constructor_group=args.constructor_group, tp_group=parallel_state.get_tensor_model_parallel_group(),
+    )
+    chunks = optimizer = None
+    if not args.no_train:
+        chunks = build_model_chunks(cfg)
+        params = [p for c in chunks for p in c.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(params, lr=3e-3, weight_decay=0.0)
+    planner = None
+    if rank == 0:
+        import ray
+
+        planner = ray.get_actor("planner", namespace=args.namespace)
+    log: dict = {"rank": rank, "coords": tree.coords(rank), "steps": []}
+    for step in range(args.start_step, args.start_step + args.steps):
+        t0 = time.perf_counter()
+        n_before = len(client.delivered)
+        fetch_before = len(client.fetch_seconds)
+        if args.no_train:
+            tokens = 0
+            for batch in client.step_iterator(step):
+                tokens += 0 if batch is None else int(batch.get("tokens", batch.get("labels")).numel())
+            result = {"loss": float("nan"), "num_tokens": float(tokens)}
+        else:
+            iters = _vpp_iterators(client, step, len(chunks)) if args.vpp else client.step_iterator(step)
+            result = train_step(chunks, optimizer, iters, num_microbatches=args.num_microbatches,
+                                seq_length=args.seq_length)
+        dt = time.perf_counter() - t0
+        infos = client.delivered[n_before:]
+        fetch = client.fetch_seconds[fetch_before:]
+        entry = {
+            "step": step,
+            "loss": result["loss"],
+            "num_tokens": result["num_tokens"],
+            "seconds": dt,
+            "fetch_ms": [1e3 * f for f in fetch],
+            "samples": [np.asarray(i["samples"]).tolist() for i in infos if i is not None],
+            "microbatch_tokens": [i["tokens"] for i in infos if i is not None],
+        }
+        log["steps"].append(entry)
+        if rank == 0:
+            import ray
+
+            s = ray.get(planner.plan_summary.remote(step))
+            tps = result["num_tokens"] / dt if dt > 0 else 0.0
+            p50 = float(np.median(fetch)) * 1e3 if fetch else 0.0
+            print(
+                f"step {step:3d} | loss {result['loss']:.4f} | imbalance max/mean vanilla {s.get('vanilla_max_over_mean', float('nan')):.3f}"
+                f" -> balanced {s['max_over_mean']:.3f} | samples {s['samples']} tokens {s['tokens']}"
+                f" | {tps:,.0f} loss-tokens/s | fetch p50 {p50:.1f} ms | step {dt:.2f} s",
+                flush=True,
+            )
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"rank{rank}.json").write_text(json.dumps(log))
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+def _vpp_iterators(client, step: int, num_chunks: int):
+    """Per-chunk iterators for interleaved pipelining.
+
+    Only the first virtual chunk (on the first stage) and the last one (on the last stage)
+    read data, and on one rank at most one of them does (pp > 1 with VPP), so one shared
+    iterator per step serves the rank and the other chunks get None.
+    """
+    shared = client.step_iterator(step)
+    return [shared if i in (0, num_chunks - 1) else None for i in range(num_chunks)]
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
