@@ -16,6 +16,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 NAME = "demo"
@@ -47,7 +48,8 @@ def run(args: argparse.Namespace) -> int:
     work.mkdir(parents=True, exist_ok=True)
     print(f"[demo] workdir {work}", flush=True)
     t0 = time.perf_counter()
-    specs = make_demo_data(work / "data", seed=args.seed, rows=args.rows)
+    # Long documents are cut to the context (truncate); without it they would be named errors.
+    specs = [replace(s, truncate=True) for s in make_demo_data(work / "data", seed=args.seed, rows=args.rows)]
     print(f"[demo] sample data: {len(specs)} sources ({', '.join(s.name for s in specs)}) "
           f"in {time.perf_counter() - t0:.1f} s", flush=True)
     world = args.tp * args.pp * args.dp

@@ -516,13 +516,13 @@ def apportion(deficit: np.ndarray, batch_size: int, *, eligible: np.ndarray | No
     if 0 < excess < held.size:
         # Priority of each source's last sample; on ties the higher index gives its sample back,
         # as the one-by-one rule (first index wins ties) would have served the lower one first.
-        last = d[held] - counts[held] + 1
+        last = d[held] - (counts[held] - 1)  # integer first: the same float the one-by-one rule compares
         counts[held[np.lexsort((-held, last))[:excess]]] -= 1
     elif excess != 0:  # rounding corner cases only: finish with the one-by-one rule
         while counts.sum() < batch_size:
             counts[int(np.argmax(np.where(ok, d - counts, -np.inf)))] += 1
         while counts.sum() > batch_size:
-            prio = np.where(counts > 0, d - counts + 1, np.inf)
+            prio = np.where(counts > 0, d - (counts - 1), np.inf)
             counts[prio.size - 1 - int(np.argmin(prio[::-1]))] -= 1
     return counts
 

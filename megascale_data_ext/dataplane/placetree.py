@@ -196,7 +196,8 @@ def _layout_problems(
     exp = _full_order(order, {"tp": etp, "cp": 1, "ep": ep, "dp": edp, "pp": pp}, "expert", problems)  # type: ignore[dict-item]
     if problems:
         return problems
-    if not dec[-1] == "pp" and pp != 1 and edp != dp:
+    # Megatron tests the raw string (initialize_model_parallel: ``order.endswith("pp")``).
+    if not order.endswith("pp") and pp != 1 and edp != dp:  # type: ignore[union-attr]
         problems.append(
             f"order {order!r} does not end in 'pp', so the expert data-parallel size ({edp}) must equal dp ({dp})"
         )

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from megascale_data_ext.errors import ConfigError
@@ -58,6 +58,9 @@ class ServiceConfig:
     ray_address: str | None = None
 
     def __post_init__(self) -> None:
+        # A sample can never be longer than the context: sources without their own limit get
+        # seq_length; their `truncate` flag decides between cutting and a named error.
+        self.sources = [s if s.max_tokens is not None else replace(s, max_tokens=self.seq_length) for s in self.sources]
         problems = []
         if not self.sources:
             problems.append("`sources` is empty: give at least one source")

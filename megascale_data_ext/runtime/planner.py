@@ -6,13 +6,14 @@ ahead of the trainer, and are a pure function of (config, tree, state before the
 `state_dict(step)` returns the state *before* `step`, so a resume at the trainer's consumed
 step recomputes exactly the plans an uninterrupted run would have made.
 
-State schema (version 1): ``{"version", "config_digest", "world", "step", "cursors",
+State schema (version 1): ``{"version", "config" (ServiceConfig.fingerprint()), "world", "step", "cursors",
 "mixer"}``.
 """
 
 from __future__ import annotations
 
 import copy
+import json
 import threading
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -30,6 +31,11 @@ from megascale_data_ext.runtime.config import ServiceConfig
 
 STATE_VERSION = 1
 Summarize = Callable[[int, int, int], SourceSummary]
+
+
+def _plain(value: Any) -> Any:
+    """JSON-normal form (tuples -> lists) so a state saved to disk compares equal to a live one."""
+    return json.loads(json.dumps(value, default=str))
 
 
 def make_strategy(config: ServiceConfig) -> Callable[[DGraph], DGraph]:
@@ -70,7 +76,7 @@ class Planner:
     def _snapshot(self) -> dict[str, Any]:
         return {
             "version": STATE_VERSION,
-            "config_digest": self.config.digest(),
+            "config": self.config.fingerprint(),
             "world": self.tree.layout(),
             "step": self.next_step,
             "cursors": self.cursors.tolist(),
@@ -130,10 +136,11 @@ class Planner:
         problems = []
         if state.get("version") != STATE_VERSION:
             problems.append(f"state version {state.get('version')!r} != {STATE_VERSION}")
-        if state.get("config_digest") != self.config.digest():
-            problems.append("the data config changed (sources, seed, batch shape, strategy or mixing); "
-                            f"saved digest {state.get('config_digest')!r} != current {self.config.digest()!r}")
-        if state.get("world") != self.tree.layout():
+        saved, now = _plain(state.get("config", {})), _plain(self.config.fingerprint())
+        for key in sorted(set(saved) | set(now)):
+            if saved.get(key) != now.get(key):
+                problems.append(f"`{key}` changed: saved {saved.get(key)!r}, now {now.get(key)!r}")
+        if _plain(state.get("world")) != _plain(self.tree.layout()):
             problems.append(f"parallel layout changed: saved {state.get('world')} != current {self.tree.layout()}")
         if problems:
             raise ResumeError("cannot resume the data state: " + "; ".join(problems))

@@ -1,0 +1,120 @@
+"""DGraph primitives, strategies and StepPlan views over simulated worlds (no Ray, no torch)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from megascale_data_ext.dataplane.dgraph import DGraph
+from megascale_data_ext.dataplane.mixing import ConstantSchedule, Mixer
+from megascale_data_ext.dataplane.placetree import ClientPlaceTree
+from megascale_data_ext.dataplane.strategies import LLMBalance, Vanilla, build_strategy
+from megascale_data_ext.dataplane.summary import BufferSummary, SourceSummary
+from megascale_data_ext.errors import ConfigError, PlanError
+
+
+def make_summary(seed: int = 0, sizes=(200, 150, 100), images: bool = True) -> BufferSummary:
+    rng = np.random.default_rng(seed)
+    parts = []
+    for s, n in enumerate(sizes):
+        text = np.where(rng.random(n) < 0.05, rng.integers(300, 900, n), rng.integers(4, 64, n))
+        nimg = rng.integers(0, 3, n) if images and s == 0 else np.zeros(n, np.int64)
+        offs = np.concatenate([[0], np.cumsum(nimg)])
+        parts.append(SourceSummary(source=s, name=f"src{s}", positions=np.arange(n), indices=rng.permutation(n),
+                                   text_tokens=text, image_offsets=offs,
+                                   image_patch_counts=rng.integers(16, 200, int(offs[-1]))))
+    return BufferSummary.of(parts)
+
+
+def mixed(tree, step=0, batch=96, weights=(0.5, 0.3, 0.2), summary=None) -> DGraph:
+    summary = summary or make_summary()
+    mixer = Mixer(ConstantSchedule(list(weights)), summary.names, seed=7)
+    return DGraph.from_summary(summary, tree, step=step).mix(mixer, batch_size=batch)
+
+
+TREE = ClientPlaceTree.from_sizes(tp=2, pp=2, dp=4)
+
+
+def test_mix_takes_stream_heads_in_mixer_counts():
+    g = mixed(TREE)
+    src, pos = g.cols["source"], g.cols["position"]
+    counts = np.bincount(src, minlength=3)
+    assert counts.sum() == 96 and counts.tolist() == [48, 29, 19]
+    for s in range(3):  # each source contributes its next samples in stream order, once
+        assert sorted(pos[src == s].tolist()) == list(range(counts[s]))
+
+
+def test_llm_balance_plan_accounts_every_sample_once_and_respects_cap():
+    plan = LLMBalance(num_microbatches=3, cap=4096, model="gpt-tiny")(mixed(TREE)).plan()
+    assert plan.num_buckets == 4 and plan.num_samples == 96
+    keys = set(zip(plan.source.tolist(), plan.position.tolist(), strict=True))
+    assert len(keys) == 96
+    assert plan.bin_tokens().max() <= 4096
+    assert set(plan.microbatch.tolist()) <= {0, 1, 2}
+    # loader and constructor views partition the same set
+    via_loaders = {(s, int(p)) for s in range(3) for p in plan.loader_do_plan(s).positions}
+    via_constructors = {(r.source, r.position) for b in range(4)
+                        for mb in plan.constructor_do_plan(b).microbatches for r in mb}
+    assert via_loaders == via_constructors == keys
+    # TP0 of first and last PP stage of every DP rank fetch; nobody else
+    assert plan.fetch_ranks == tuple(sorted(TREE.fetch_ranks("DP")))
+
+
+def test_balanced_beats_vanilla_on_the_same_samples():
+    cost = "llama-12b"
+    van = Vanilla(num_microbatches=2, model=cost)(mixed(TREE)).plan()
+    bal = LLMBalance(num_microbatches=2, cap=None, model=cost, level="inter")(mixed(TREE)).plan()
+    same = lambda p: sorted(zip(p.source.tolist(), p.position.tolist(), strict=True))  # noqa: E731
+    assert same(van) == same(bal)
+    assert bal.imbalance() < van.imbalance()
+    assert bal.imbalance() <= 1.05
+    assert van.vanilla_imbalance() == pytest.approx(van.imbalance())
+
+
+def test_keep_order_keeps_global_batch_order_inside_microbatches():
+    plan = LLMBalance(num_microbatches=2, cap=8192, model="gpt-tiny", keep_order=True)(mixed(TREE)).plan()
+    for b in range(plan.num_buckets):
+        for j in range(plan.num_microbatches):
+            rows = np.flatnonzero((plan.bucket == b) & (plan.microbatch == j))
+            assert np.all(np.diff(rows) > 0)
+
+
+def test_vlm_balance_assigns_every_image_to_a_world_bucket():
+    g = mixed(TREE)
+    n_images = int(g.cols["num_images"].sum())
+    plan = build_strategy("vlm_balance", num_microbatches=2, cap=8192, model="gpt-tiny", encoder_model="vit-1b")(g).plan()
+    enc = plan.encoder
+    assert enc is not None and enc.num_buckets == TREE.world_size
+    assert len(enc.bucket) == n_images
+    pairs = set(zip(enc.sample.tolist(), enc.image.tolist(), strict=True))
+    assert len(pairs) == n_images
+    ec = enc.bucket_costs()
+    assert ec.max() / ec.mean() < 1.5
+
+
+def test_group_size_balances_within_subgroups():
+    tree = ClientPlaceTree.from_sizes(dp=8)
+    plan = LLMBalance(num_microbatches=2, cap=None, model="gpt-tiny", group_size=2, level="inter")(
+        mixed(tree, batch=160, summary=make_summary(sizes=(400, 300, 200)))).plan()
+    assert plan.num_buckets == 8
+    assert plan.imbalance() < 1.1
+
+
+def test_errors_name_the_problem():
+    with pytest.raises(ConfigError, match="known strategies"):
+        build_strategy("nope")
+    summary = make_summary(sizes=(10, 10, 10))
+    with pytest.raises(PlanError, match="src0.*buffer"):
+        mixed(TREE, batch=96, summary=summary)
+    with pytest.raises(PlanError, match="distribute"):
+        mixed(TREE).balance("kk")
+
+
+def test_inspection_dot_and_str():
+    g = LLMBalance(num_microbatches=2, cap=8192, model="gpt-tiny")(mixed(TREE))
+    text = str(g)
+    assert "mix(" in text and "distribute(axis='DP'" in text and "balance('kk'" in text
+    dot = g.to_dot()
+    assert dot.startswith("digraph") and "src0 -> b" in dot and "clients 0,1,8,9" in dot
+    small = g.to_dot(per_sample=True)
+    assert small.count("shape=ellipse") == len(g)
