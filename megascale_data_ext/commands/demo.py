@@ -29,8 +29,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dp", type=int, default=2)
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--strategy", default="llm_balance", choices=["vanilla", "llm_balance", "vlm_balance"])
-    p.add_argument("--samples-per-step", type=int, default=48)
-    p.add_argument("--num-microbatches", type=int, default=2)
+    p.add_argument("--samples-per-step", type=int, default=12)
+    p.add_argument("--num-microbatches", type=int, default=4)
     p.add_argument("--seq-length", type=int, default=1024)
     p.add_argument("--rows", type=int, default=600, help="rows per demo text source")
     p.add_argument("--seed", type=int, default=1234)
@@ -49,7 +49,12 @@ def run(args: argparse.Namespace) -> int:
     print(f"[demo] workdir {work}", flush=True)
     t0 = time.perf_counter()
     # Long documents are cut to the context (truncate); without it they would be named errors.
-    specs = [replace(s, truncate=True) for s in make_demo_data(work / "data", seed=args.seed, rows=args.rows)]
+    # Image-text samples keep room for their image placeholders (one image of <= 256 patches).
+    patches = 256
+    specs = [
+        replace(s, truncate=True, max_tokens=args.seq_length - (patches if s.image_column else 0))
+        for s in make_demo_data(work / "data", seed=args.seed, rows=args.rows, max_image_patches=patches)
+    ]
     print(f"[demo] sample data: {len(specs)} sources ({', '.join(s.name for s in specs)}) "
           f"in {time.perf_counter() - t0:.1f} s", flush=True)
     world = args.tp * args.pp * args.dp

@@ -23,7 +23,7 @@ broke it are re-placed one by one into the least-loaded bin that still has room.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Protocol, get_args
 
@@ -163,39 +163,44 @@ def _rounds(order: np.ndarray, costs: np.ndarray, tokens: np.ndarray | None, bin
     """
     pos, n = 0, order.shape[0]
     wmin = 1.0 if bins.weight is None else float(bins.weight.min())
+    capped = bins.tok is not None and tokens is not None
     while pos < n:
         level = bins.level()
-        eligible = np.ones(level.shape[0], dtype=bool) if bins.left is None else bins.left > 0
-        if lpt:
-            eligible &= level <= level[eligible].min() + costs[order[pos]] / wmin
-        cand = np.flatnonzero(eligible)
-        if cand.shape[0] == 0:
-            raise _no_room(int(order[pos]), tokens, bins)
-        cand = cand[_order_asc(level[cand])]
+        if bins.left is None:
+            cand = np.flatnonzero(level <= level.min() + costs[order[pos]] / wmin) if lpt else None
+        else:
+            open_ = bins.left > 0
+            if not open_.any():
+                raise _no_room(int(order[pos]), tokens, bins)
+            if lpt:
+                open_ &= level <= level[open_].min() + costs[order[pos]] / wmin
+            cand = np.flatnonzero(open_)
+        cand = _order_asc(level) if cand is None else cand[_order_asc(level[cand])]
         r = min(cand.shape[0], n - pos)
         items, dest = order[pos : pos + r], cand[:r]
         pos += r
-        if bins.tok is not None and tokens is not None:
+        late = None
+        if capped:
             fits = bins.tok[dest] + tokens[items] <= bins.cap[dest]
-            late = items[~fits]
-            items, dest = items[fits], dest[fits]
-        else:
-            late = items[:0]
+            if not fits.all():
+                late = items[~fits]
+                items, dest = items[fits], dest[fits]
         out[items] = dest  # each bin gets at most one item per round: no duplicate indices
         bins.load[dest] += costs[items]
-        if bins.tok is not None and tokens is not None:
+        if capped:
             bins.tok[dest] += tokens[items]
         if bins.left is not None:
             bins.left[dest] -= 1
-        for i in late.tolist():
-            out[i] = bins.place_one(i, float(costs[i]), tokens)
+        if late is not None:
+            for i in late.tolist():
+                out[i] = bins.place_one(i, float(costs[i]), tokens)
 
 
 def _deficits(bins: _Bins, total: float, room_cost: np.ndarray | None) -> np.ndarray:
     """Cost each bin should receive so all reach one level λ: Σ_j clip(λ·w_j − L_j, 0, room_j) = total.
 
     Without a cap the level is exact (bins scanned by ascending level); with one, each bin's
-    share is also bounded by the cost its remaining tokens can carry and λ is bisected.
+    share is also bounded by the cost its remaining tokens can carry (λ from the breakpoints).
     """
     k = bins.load.shape[0]
     w = np.ones(k) if bins.weight is None else bins.weight
@@ -208,14 +213,15 @@ def _deficits(bins: _Bins, total: float, room_cost: np.ndarray | None) -> np.nda
         return np.maximum(0.0, lam[j] * w - bins.load)
     if room_cost.sum() <= total:  # cannot fit by this estimate: fill by room, repair sorts it out
         return room_cost * (total / max(float(room_cost.sum()), 1e-300))
-    lo, hi = float(lvl.min()), float(lvl.max()) + total / float(w.min())
-    for _ in range(40):
-        lam = 0.5 * (lo + hi)
-        if np.minimum(np.maximum(0.0, lam * w - bins.load), room_cost).sum() < total:
-            lo = lam
-        else:
-            hi = lam
-    return np.minimum(np.maximum(0.0, hi * w - bins.load), room_cost)
+    # f(λ) is piecewise linear: slope +w_j from L_j/w_j until (L_j + room_j)/w_j. Walk the breakpoints.
+    pts = np.concatenate((lvl, (bins.load + room_cost) / w))
+    order = np.argsort(pts, kind="stable")
+    p = pts[order]
+    slope = np.cumsum(np.concatenate((w, -w))[order])
+    f = np.concatenate(([0.0], np.cumsum(slope[:-1] * np.diff(p))))
+    i = min(int(np.searchsorted(f, total, side="right")) - 1, p.shape[0] - 2)
+    lam = p[i] + (total - f[i]) / slope[i] if slope[i] > 0 else p[i + 1]
+    return np.minimum(np.maximum(0.0, lam * w - bins.load), room_cost)
 
 
 def _water_fill(items: np.ndarray, costs: np.ndarray, tokens: np.ndarray | None, bins: _Bins,
@@ -284,29 +290,31 @@ def _tree_merge(costs: np.ndarray, k: int) -> np.ndarray:
     n = costs.shape[0]
     order = _order_desc(costs)
     rows = n // k
-    loads = costs[order].reshape(rows, k).copy()
+    padded = 1 << max(0, (rows - 1).bit_length())  # zero rows up to a power of two: no odd tuple
+    loads = np.zeros((padded, k))
+    loads[:rows] = costs[order].reshape(rows, k)
     pos = np.broadcast_to(np.arange(k), (rows, k)).copy()  # column of each original cell
-    owner = np.arange(rows)  # current tuple of each original row
+    owner = np.arange(rows)[:, None]  # current tuple of each original row
     while loads.shape[0] > 1:
-        t = loads.shape[0]
-        pairs = t // 2
-        a, b = loads[0 : 2 * pairs : 2], loads[1 : 2 * pairs : 2]
-        merged = a + b[:, ::-1]
-        srt = np.argsort(-merged, axis=1, kind="stable")
-        inv = np.empty_like(srt)
-        np.put_along_axis(inv, srt, np.arange(k)[None, :].repeat(pairs, 0), axis=1)
-        remap = np.empty((t, k), dtype=np.int64)
-        remap[0 : 2 * pairs : 2] = inv
-        remap[1 : 2 * pairs : 2] = inv[:, ::-1]
-        if t % 2:
-            remap[-1] = np.arange(k)
-        pos = np.take_along_axis(remap[owner], pos, axis=1)
-        new = np.take_along_axis(merged, srt, axis=1)
-        loads = np.concatenate([new, loads[-1:]]) if t % 2 else new
-        owner = owner // 2
+        merged = loads[0::2] + loads[1::2, ::-1]
+        srt = np.argsort(-merged, axis=1)
+        inv = np.argsort(srt, axis=1)
+        remap = np.empty((loads.shape[0], k), dtype=np.int64)
+        remap[0::2] = inv
+        remap[1::2] = inv[:, ::-1]
+        pos = remap[owner, pos]
+        loads = np.take_along_axis(merged, srt, axis=1)
+        owner = owner >> 1
     out = np.empty(n, dtype=np.int64)
     out[order] = pos.reshape(-1)
     return out
+
+
+def _quantile_estimate(values: np.ndarray, q: float) -> float:
+    """The q-quantile of a strided sample of ≤ 4096 values: O(n/stride), enough to size a head."""
+    sample = values[:: max(1, values.shape[0] // 4096)]
+    j = min(sample.shape[0] - 1, int(q * sample.shape[0]))
+    return float(np.partition(sample, j)[j])
 
 
 def _greedy_core(costs: np.ndarray, k: int, *, tokens: np.ndarray | None, cap: float | np.ndarray | None,
@@ -329,11 +337,16 @@ def _greedy_core(costs: np.ndarray, k: int, *, tokens: np.ndarray | None, cap: f
     c = costs[todo]
     threshold = TAIL_FRACTION * target * (1.0 if weights is None else float(weights.min()))
     if c.shape[0] > HEAD_ROUNDS * k:  # bound the sequential rounds; the tail error stays one item
-        threshold = max(threshold, float(np.partition(c, c.shape[0] - HEAD_ROUNDS * k)[c.shape[0] - HEAD_ROUNDS * k]))
+        threshold = max(threshold, _quantile_estimate(c, 1.0 - HEAD_ROUNDS * k / c.shape[0]))
     small = c < threshold
     head = todo[~small]
     _rounds(head[_order_desc(costs[head])], costs, tokens, bins, out, lpt=True)
-    _water_fill(todo[small], costs, tokens, bins, out)
+    tail = todo[small]
+    if tail.shape[0] >= 4 * k:  # fill with the larger half, then even out with the smaller half
+        fine = costs[tail] < _quantile_estimate(costs[tail], 0.5)
+        _water_fill(tail[~fine], costs, tokens, bins, out)
+        tail = tail[fine]
+    _water_fill(tail, costs, tokens, bins, out)
     return out
 
 
@@ -588,6 +601,8 @@ def _interleaved(costs: np.ndarray, tokens: np.ndarray | None, k: int, m: int, c
     bins = fn(costs, nbins, tokens=tokens, cap=cap, sizes=None)
     bin_cost = np.bincount(bins, weights=costs, minlength=nbins)
     bin_bucket = fn(bin_cost, k, tokens=None, cap=None, sizes=np.full(k, m, dtype=np.int64))
+    if k > 1 and n:
+        _refine(bins, bin_bucket, costs, tokens, cap, k)
     if keep_order:  # micro-batches of a bucket follow the sample stream: ordered by first sample
         key = np.full(nbins, n, dtype=np.int64)
         np.minimum.at(key, bins, np.arange(n, dtype=np.int64))
@@ -599,12 +614,94 @@ def _interleaved(costs: np.ndarray, tokens: np.ndarray | None, k: int, m: int, c
     return bin_bucket[bins], mb_of_bin[bins]
 
 
+def _refine(bins: np.ndarray, bin_bucket: np.ndarray, costs: np.ndarray, tokens: np.ndarray | None,
+            cap: float | None, k: int, *, tol: float = 1e-3) -> None:
+    """Move single samples from the heaviest bucket to the lightest (into a bin with room).
+
+    Dealing whole bins m per bucket cannot split a bin that holds one very long sample, so
+    that bucket ends up heavy; moving a few of its small samples out fixes it. Each move
+    takes the sample closest to half the gap, so the maximum strictly drops. In place.
+    """
+    nbins = bin_bucket.shape[0]
+    bucket_of = bin_bucket[bins]
+    bucket_cost = np.bincount(bucket_of, weights=costs, minlength=k)
+    bin_cost = np.bincount(bins, weights=costs, minlength=nbins)
+    bin_tok = None if cap is None else np.bincount(bins, weights=tokens, minlength=nbins)
+    mean = float(bucket_cost.mean())
+    for _ in range(4 * k):
+        h, lo = int(np.argmax(bucket_cost)), int(np.argmin(bucket_cost))
+        gap = float(bucket_cost[h] - bucket_cost[lo])
+        if gap <= tol * mean:
+            return
+        dest_bins = np.flatnonzero(bin_bucket == lo)
+        cand = np.flatnonzero((bucket_of == h) & (costs < gap))
+        if bin_tok is not None and cand.size:
+            cand = cand[tokens[cand] <= cap - bin_tok[dest_bins].min()]
+        if cand.size == 0:
+            return
+        i = int(cand[np.argmin(np.abs(costs[cand] - 0.5 * gap))])
+        if bin_tok is None:
+            j = int(dest_bins[np.argmin(bin_cost[dest_bins])])
+        else:
+            fits = dest_bins[bin_tok[dest_bins] + tokens[i] <= cap]
+            j = int(fits[np.argmin(bin_cost[fits])])
+            bin_tok[bins[i]] -= tokens[i]
+            bin_tok[j] += tokens[i]
+        bin_cost[bins[i]] -= costs[i]
+        bin_cost[j] += costs[i]
+        bucket_cost[h] -= costs[i]
+        bucket_cost[lo] += costs[i]
+        bins[i], bucket_of[i] = j, lo
+
+
 def _check_groups(groups: Sequence[Sequence[int]], k: int) -> list[np.ndarray]:
     out = [np.asarray(g, dtype=np.int64) for g in groups]
     flat = np.sort(np.concatenate(out)) if out else np.zeros(0, dtype=np.int64)
     if any(g.size == 0 for g in out) or not np.array_equal(flat, np.arange(k)):
         raise ConfigError(f"`groups` must partition buckets 0..{k - 1} into non-empty groups, got {groups!r}")
     return out
+
+
+def _solve(costs: np.ndarray, tok: np.ndarray | None, k: int, m: int, cap: float | None, method: str,
+           level: str, keep_order: bool) -> tuple[np.ndarray, np.ndarray]:
+    """(bucket, microbatch) of every item for one level over k buckets (inputs already checked)."""
+    n = costs.shape[0]
+    if level == "none":
+        return _vanilla(n, k, m)
+    if level == "interleaved":
+        return _interleaved(costs, tok, k, m, cap, method, keep_order)
+    fn = get_balancer(method)
+    if level == "inter":
+        bucket = fn(costs, k, tokens=tok, cap=None if cap is None else cap * m, sizes=None)
+        return bucket, _contiguous_microbatches(bucket, costs, tok, k, m, cap)
+    bucket, _ = _vanilla(n, k, m)  # intra: vanilla membership, balanced micro-batches inside
+    microbatch = np.empty(n, dtype=np.int64)
+    bounds = np.searchsorted(bucket, np.arange(k + 1))
+    for b in range(k):
+        lo, hi = int(bounds[b]), int(bounds[b + 1])
+        microbatch[lo:hi] = fn(costs[lo:hi], m, tokens=None if tok is None else tok[lo:hi], cap=cap, sizes=None)
+    return bucket, microbatch
+
+
+def _grouped(costs: np.ndarray, tok: np.ndarray | None, members: list[np.ndarray], m: int, cap: float | None,
+             method: str, level: str, keep_order: bool) -> tuple[np.ndarray, np.ndarray]:
+    """Balance over groups first (super-buckets weighted by size), then inside each group."""
+    n = costs.shape[0]
+    gsize = np.array([g.size for g in members], dtype=np.float64)
+    gcap = None if cap is None else cap * m * gsize
+    if np.all(gsize == gsize[0]):
+        group_of = get_balancer(method)(costs, len(members), tokens=tok, cap=None if gcap is None else gcap[0],
+                                        sizes=None)
+    else:
+        group_of = _greedy_core(costs, len(members), tokens=tok, cap=gcap, sizes=None, weights=gsize)
+    bucket, microbatch = np.empty(n, dtype=np.int64), np.empty(n, dtype=np.int64)
+    order = np.argsort(group_of, kind="stable")
+    bounds = np.searchsorted(group_of[order], np.arange(len(members) + 1))
+    for g, mem in enumerate(members):
+        sub = order[bounds[g] : bounds[g + 1]]
+        b, mb = _solve(costs[sub], None if tok is None else tok[sub], mem.size, m, cap, method, level, keep_order)
+        bucket[sub], microbatch[sub] = mem[b], mb
+    return bucket, microbatch
 
 
 def balance_step(
@@ -638,39 +735,10 @@ def balance_step(
     if tok is not None and cap is not None and level != "none" and tok.size and tok.max() > cap:
         raise _no_room(int(np.argmax(tok > cap)), tok, _Bins(load=np.zeros(1), cap=_cap_array(cap, 1)))
     capf = None if cap is None else float(cap)
-    bucket = microbatch = None
     if groups is not None and len(groups) > 1 and level != "none":
-        members = _check_groups(groups, k)
-        gsize = np.array([g.size for g in members], dtype=np.float64)
-        gcap = None if capf is None else capf * m * gsize
-        if np.all(gsize == gsize[0]):
-            group_of = get_balancer(method)(costs, len(members), tokens=tok, cap=None if gcap is None else gcap[0],
-                                            sizes=None)
-        else:
-            group_of = _greedy_core(costs, len(members), tokens=tok, cap=gcap, sizes=None, weights=gsize)
-        bucket, microbatch = np.empty(n, dtype=np.int64), np.empty(n, dtype=np.int64)
-        order = np.argsort(group_of, kind="stable")
-        bounds = np.searchsorted(group_of[order], np.arange(len(members) + 1))
-        for g, mem in enumerate(members):
-            sub = order[bounds[g] : bounds[g + 1]]
-            res = balance_step(costs[sub], tokens=None if tok is None else tok[sub], num_buckets=mem.size,
-                               num_microbatches=m, cap=cap, method=method, level=level, keep_order=keep_order)
-            bucket[sub], microbatch[sub] = mem[res.bucket], res.microbatch
-    elif level == "none":
-        bucket, microbatch = _vanilla(n, k, m)
-    elif level == "interleaved":
-        bucket, microbatch = _interleaved(costs, tok, k, m, capf, method, keep_order)
-    elif level == "inter":
-        bucket = get_balancer(method)(costs, k, tokens=tok, cap=None if capf is None else capf * m, sizes=None)
-        microbatch = _contiguous_microbatches(bucket, costs, tok, k, m, capf)
-    else:  # intra
-        bucket, _ = _vanilla(n, k, m)
-        microbatch = np.empty(n, dtype=np.int64)
-        fn = get_balancer(method)
-        bounds = np.searchsorted(bucket, np.arange(k + 1))
-        for b in range(k):
-            lo, hi = int(bounds[b]), int(bounds[b + 1])
-            microbatch[lo:hi] = fn(costs[lo:hi], m, tokens=None if tok is None else tok[lo:hi], cap=capf, sizes=None)
+        bucket, microbatch = _grouped(costs, tok, _check_groups(groups, k), m, capf, method, level, keep_order)
+    else:
+        bucket, microbatch = _solve(costs, tok, k, m, capf, method, level, keep_order)
     flat = bucket * m + microbatch
     bin_cost = np.bincount(flat, weights=costs, minlength=k * m).reshape(k, m)
     bin_tokens = None if tok is None else np.bincount(flat, weights=tok, minlength=k * m).reshape(k, m).astype(np.int64)

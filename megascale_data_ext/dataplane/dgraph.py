@@ -118,7 +118,31 @@ class _GraphBase:
             raise PlanError("balance() needs distribute(axis) first: it decides how many buckets there are")
         costs = self.costs if self.costs is not None else self.cols["seq_len"].astype(np.float64)
         groups = self.layout.groups if len(self.layout.groups) > 1 else None
-        res = balance_step(
+        try:
+            res = self._balance_step(costs, groups, method, level, num_microbatches, cap, keep_order)
+        except PlanError as exc:
+            raise PlanError(f"step {self.step}: {exc} [{self._describe_rows(exc)}]") from exc
+        self.bucket, self.microbatch = res.bucket.astype(np.int64), res.microbatch.astype(np.int64)
+        self.num_microbatches = num_microbatches
+        self.costs = costs
+        self._record(f"balance({method!r}, level={level!r}, m={num_microbatches}, cap={cap}, keep_order={keep_order})")
+        return self
+
+    def _describe_rows(self, exc: Exception) -> str:
+        """Name the source and sample behind an "item N" in a balancer error."""
+        import re
+
+        m = re.search(r"item (\d+)", str(exc))
+        if m is None or "source" not in self.cols:
+            return "no sample named"
+        i = int(m.group(1))
+        src = int(self.cols["source"][i])
+        names = getattr(getattr(self, "summary", None), "names", None)
+        name = names[src] if names else str(src)
+        return f"item {i} is sample {int(self.cols['index'][i]) if 'index' in self.cols else i} of source {name!r}"
+
+    def _balance_step(self, costs, groups, method, level, num_microbatches, cap, keep_order):
+        return balance_step(
             costs,
             tokens=self.cols["seq_len"],
             num_buckets=self.layout.num_buckets,
@@ -129,11 +153,6 @@ class _GraphBase:
             keep_order=keep_order,
             groups=groups,
         )
-        self.bucket, self.microbatch = res.bucket.astype(np.int64), res.microbatch.astype(np.int64)
-        self.num_microbatches = num_microbatches
-        self.costs = costs
-        self._record(f"balance({method!r}, level={level!r}, m={num_microbatches}, cap={cap}, keep_order={keep_order})")
-        return self
 
 
 class ImageDGraph(_GraphBase):

@@ -43,7 +43,7 @@ STATE_VERSION = 1
 _SCHEDULE_KEY = "schedule"
 
 
-class ScheduleType(str, enum.Enum):
+class ScheduleType(enum.StrEnum):
     """The schedule kinds ``build_schedule`` accepts as ``type``."""
 
     CONSTANT = "constant"
@@ -52,7 +52,7 @@ class ScheduleType(str, enum.Enum):
     FEEDBACK = "feedback"
 
 
-class MixMode(str, enum.Enum):
+class MixMode(enum.StrEnum):
     """How the Mixer turns weights into counts."""
 
     DETERMINISTIC = "deterministic"  # error minimisation on cumulative counts (Megatron-like)
@@ -123,6 +123,11 @@ def _names_tuple(source_names: Sequence[str] | None) -> tuple[str, ...] | None:
     if len(set(names)) != len(names):
         raise ConfigError(f"`source_names` must be unique, got {list(names)}")
     return names
+
+
+def _length(values: Any) -> int | None:
+    """Length of a would-be weight list (None if it is not one; ``_check_weights`` says why)."""
+    return len(values) if isinstance(values, Sequence | np.ndarray) and not isinstance(values, str) else None
 
 
 def _is_count(value: Any) -> bool:
@@ -216,7 +221,7 @@ class PiecewiseSchedule(_Schedule):
         if unit == "epoch" and (isinstance(steps_per_epoch, bool) or not isinstance(steps_per_epoch, int)
                                 or steps_per_epoch <= 0):
             problems.append(f"`steps_per_epoch` must be a positive integer when unit='epoch', got {steps_per_epoch!r}")
-        rows_in = [list(w) for w in weights]
+        rows_in = [list(w) if isinstance(w, Sequence | np.ndarray) else w for w in weights]
         b = np.asarray(list(boundaries), dtype=np.float64)
         if b.ndim != 1 or b.size == 0 or b.size != len(rows_in):
             problems.append(f"`boundaries` and `weights` must be non-empty lists of the same length, got "
@@ -225,7 +230,7 @@ class PiecewiseSchedule(_Schedule):
             problems.append(f"`boundaries` must start at 0 and strictly increase, got {list(boundaries)!r}")
         elif unit == "step" and np.any(b != np.round(b)):
             problems.append(f"`boundaries` must be whole steps when unit='step', got {list(boundaries)!r}")
-        n = len(self.source_names) if self.source_names is not None else (len(rows_in[0]) if rows_in else 0)
+        n = len(self.source_names) if self.source_names is not None else _length(rows_in[0] if rows_in else None)
         rows = [_check_weights(f"weights[{i}]", w, self.source_names, problems, num_sources=n)
                 for i, w in enumerate(rows_in)]
         _raise(problems, "piecewise mixing schedule")
@@ -234,7 +239,7 @@ class PiecewiseSchedule(_Schedule):
             raise ConfigError(f"invalid piecewise mixing schedule: `boundaries` {list(boundaries)!r} (epochs) map to "
                               f"repeated steps {self._starts.tolist()}; space them at least one step apart")
         self._boundaries = [float(x) if unit == "epoch" else int(x) for x in b]
-        self._raw = [[float(x) for x in r] for r in rows_in]
+        self._raw = [[float(x) for x in r] for r in rows_in]  # type: ignore[union-attr]
         self._table = np.stack(rows)  # type: ignore[arg-type]
 
     @property
@@ -278,7 +283,7 @@ class LinearRampSchedule(_Schedule):
     ) -> None:
         self.source_names = _names_tuple(source_names)
         problems: list[str] = []
-        n = len(self.source_names) if self.source_names is not None else len(list(start))
+        n = len(self.source_names) if self.source_names is not None else _length(start)
         a = _check_weights("start", start, self.source_names, problems, num_sources=n)
         b = _check_weights("end", end, self.source_names, problems, num_sources=n)
         problems += [f"`{k}` must be a non-negative integer, got {v!r}"
@@ -465,7 +470,8 @@ def build_schedule(config: Mapping[str, Any], *, source_names: Sequence[str] | N
     kind = ScheduleType(raw_type)
     cls, required, optional = _SPECS[kind]
     unknown = sorted(set(config) - set(required) - set(optional) - {"type"})
-    problems = [f"unknown keys {unknown} for type {kind.value!r} (allowed: {[*required, *optional]})"] if unknown else []
+    allowed_keys = [*required, *optional]
+    problems = [f"unknown keys {unknown} for type {kind.value!r} (allowed: {allowed_keys})"] if unknown else []
     problems += [f"missing key `{k}` for type {kind.value!r}" for k in required if k not in config]
     args = {k: config[k] for k in (*required, *optional) if k in config}
     for key in _WEIGHT_KEYS:
@@ -598,7 +604,8 @@ class Mixer:
             raise PlanError(f"mixer step must be a non-negative integer, got {step!r}")
         if self._last is not None and step == self._last[0]:
             if batch_size != self._last[1]:
-                raise PlanError(f"step {step} was planned with batch_size {self._last[1]}, asked again with {batch_size}")
+                raise PlanError(
+                    f"step {step} was planned with batch_size {self._last[1]}, asked again with {batch_size}")
             return self._last[2].copy()
         if self._next_step is not None and step != self._next_step:
             raise PlanError(f"mixer expects step {self._next_step} next, got {step}; plan steps in order "

@@ -22,6 +22,7 @@ from __future__ import annotations
 import enum
 import importlib
 import itertools
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
@@ -30,14 +31,7 @@ import numpy as np
 
 from megascale_data_ext.errors import ParallelLayoutError
 
-__all__ = [
-    "DEFAULT_ORDER",
-    "BucketAxis",
-    "BucketLayout",
-    "ClientPlaceTree",
-    "FetchStages",
-    "GroupName",
-]
+__all__ = ["DEFAULT_ORDER", "BucketAxis", "BucketLayout", "ClientPlaceTree", "FetchStages", "GroupName"]
 
 DEFAULT_ORDER = "tp-cp-ep-dp-pp"
 # Megatron appends tokens missing from the order in this sequence (RankGenerator.name_to_size).
@@ -47,19 +41,10 @@ _BROADCAST_DIMS = ("tp", "cp")
 GroupName = Literal["tp", "cp", "dp", "pp", "ep", "dp-cp", "tp-cp", "mp", "tp-pp", "tp-dp", "tp-dp-cp", "edp", "etp"]
 # group name -> (mesh, tokens); the tokens Megatron passes to RankGenerator.get_ranks.
 _GROUPS: dict[str, tuple[Literal["decoder", "expert"], tuple[str, ...]]] = {
-    "tp": ("decoder", ("tp",)),
-    "cp": ("decoder", ("cp",)),
-    "dp": ("decoder", ("dp",)),
-    "pp": ("decoder", ("pp",)),
-    "dp-cp": ("decoder", ("dp", "cp")),
-    "tp-cp": ("decoder", ("tp", "cp")),
+    **{name: ("decoder", tuple(name.split("-"))) for name in ("tp", "cp", "dp", "pp", "dp-cp", "tp-cp", "tp-pp",
+                                                              "tp-dp", "tp-dp-cp")},
     "mp": ("decoder", ("tp", "pp")),
-    "tp-pp": ("decoder", ("tp", "pp")),
-    "tp-dp": ("decoder", ("tp", "dp")),
-    "tp-dp-cp": ("decoder", ("tp", "dp", "cp")),
-    "ep": ("expert", ("ep",)),
-    "edp": ("expert", ("dp",)),
-    "etp": ("expert", ("tp",)),
+    **{name: ("expert", (token,)) for name, token in (("ep", "ep"), ("edp", "dp"), ("etp", "tp"))},
 }
 
 
@@ -75,9 +60,9 @@ class BucketAxis(str, enum.Enum):
         try:
             return cls(value.upper() if isinstance(value, str) else value)
         except ValueError:
-            raise ParallelLayoutError(
-                f"bucket axis must be one of {[a.value for a in cls]} (case-insensitive), got {value!r}"
-            ) from None
+            allowed = [a.value for a in cls]
+            msg = f"bucket axis must be one of {allowed} (case-insensitive), got {value!r}"
+            raise ParallelLayoutError(msg) from None
 
 
 class FetchStages(str, enum.Enum):
@@ -94,10 +79,10 @@ class _Mesh:
 
     tokens: tuple[str, ...]
     sizes: tuple[int, ...]
+    strides: tuple[int, ...] = field(init=False)
 
-    @property
-    def strides(self) -> tuple[int, ...]:
-        return tuple(int(np.prod(self.sizes[:i], dtype=np.int64)) for i in range(len(self.sizes)))
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "strides", tuple(math.prod(self.sizes[:i]) for i in range(len(self.sizes))))
 
     def stride(self, token: str) -> int:
         return self.strides[self.tokens.index(token)]
@@ -170,9 +155,10 @@ def _full_order(order: object, sizes: dict[str, int], mesh: str, problems: list[
     return tuple(tokens)
 
 
-def _layout_problems(
-    *, tp: object, cp: object, pp: object, dp: object, ep: object, etp: object, vpp: object, order: object
-) -> list[str]:
+def _layout(
+    *, tp: Any, cp: Any, pp: Any, dp: Any, ep: Any, etp: Any, vpp: Any, order: Any
+) -> tuple[list[str], tuple[_Mesh, _Mesh] | None]:
+    """Every problem Megatron would raise for these sizes, and the (decoder, expert) meshes."""
     problems = [
         f"`{name}` must be a positive int, got {value!r}"
         for name, value in (("tp", tp), ("cp", cp), ("pp", pp), ("dp", dp), ("ep", ep), ("etp", etp))
@@ -181,34 +167,36 @@ def _layout_problems(
     if vpp is not None and not _is_pos_int(vpp):
         problems.append(f"`vpp` must be None or a positive int, got {vpp!r}")
     if problems:
-        return problems
+        return problems, None
     if vpp is not None and pp == 1:
         problems.append(f"`vpp`={vpp} needs pp > 1 (Megatron's interleaved schedule), got pp=1")
-    world = tp * cp * pp * dp  # type: ignore[operator]
-    if world % (etp * ep * pp):  # type: ignore[operator]
+    world = tp * cp * pp * dp
+    if world % (etp * ep * pp):
         problems.append(
             f"world size {world} (tp*cp*pp*dp) is not divisible by etp*ep*pp = {etp}*{ep}*{pp}; "
             "choose ep (and etp) so that they divide tp*cp*dp"
         )
-        return problems
-    edp = world // (etp * ep * pp)  # type: ignore[operator]
-    dec = _full_order(order, {"tp": tp, "cp": cp, "ep": 1, "dp": dp, "pp": pp}, "decoder", problems)  # type: ignore[dict-item]
-    exp = _full_order(order, {"tp": etp, "cp": 1, "ep": ep, "dp": edp, "pp": pp}, "expert", problems)  # type: ignore[dict-item]
+        return problems, None
+    edp = world // (etp * ep * pp)
+    dsizes = {"tp": tp, "cp": cp, "ep": 1, "dp": dp, "pp": pp}
+    esizes = {"tp": etp, "cp": 1, "ep": ep, "dp": edp, "pp": pp}
+    dec_order = _full_order(order, dsizes, "decoder", problems)
+    exp_order = _full_order(order, esizes, "expert", problems)
     if problems:
-        return problems
+        return problems, None
+    dec = _Mesh(tokens=dec_order, sizes=tuple(int(dsizes[t]) for t in dec_order))
+    exp = _Mesh(tokens=exp_order, sizes=tuple(int(esizes[t]) for t in exp_order))
     # Megatron tests the raw string (initialize_model_parallel: ``order.endswith("pp")``).
-    if not order.endswith("pp") and pp != 1 and edp != dp:  # type: ignore[union-attr]
+    if not order.endswith("pp") and pp != 1 and edp != dp:
         problems.append(
             f"order {order!r} does not end in 'pp', so the expert data-parallel size ({edp}) must equal dp ({dp})"
         )
-    d_stride = int(np.prod([{"tp": tp, "cp": cp, "ep": 1, "dp": dp}[t] for t in dec[: dec.index("pp")]]))
-    e_stride = int(np.prod([{"tp": etp, "cp": 1, "ep": ep, "dp": edp}[t] for t in exp[: exp.index("pp")]]))
-    if pp != 1 and d_stride != e_stride:
+    if pp != 1 and dec.stride("pp") != exp.stride("pp"):
         problems.append(
-            f"with order {order!r} the pipeline groups of the dense (stride {d_stride}) and expert "
-            f"(stride {e_stride}) layers differ; Megatron requires them equal"
+            f"with order {order!r} the pipeline groups of the dense (stride {dec.stride('pp')}) and expert "
+            f"(stride {exp.stride('pp')}) layers differ; Megatron requires them equal"
         )
-    return problems
+    return problems, (dec, exp)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -248,7 +236,7 @@ class ClientPlaceTree:
 
     def __post_init__(self) -> None:
         etp = self.tp if self.etp is None else self.etp
-        problems = _layout_problems(
+        problems, meshes = _layout(
             tp=self.tp, cp=self.cp, pp=self.pp, dp=self.dp, ep=self.ep, etp=etp, vpp=self.vpp, order=self.order
         )
         dims = tuple(self.broadcast_dims) if isinstance(self.broadcast_dims, (tuple, list)) else None
@@ -256,21 +244,14 @@ class ClientPlaceTree:
             problems.append(
                 f"`broadcast_dims` must be distinct dims from {list(_BROADCAST_DIMS)}, got {self.broadcast_dims!r}"
             )
-        if problems:
+        if problems or meshes is None:
             raise ParallelLayoutError("invalid parallel layout:\n  - " + "\n  - ".join(problems))
-        object.__setattr__(self, "etp", int(etp))
-        object.__setattr__(self, "order", self.order.lower())
-        object.__setattr__(self, "broadcast_dims", dims)
-        object.__setattr__(self, "consumer_axis", BucketAxis.parse(self.consumer_axis))
-        object.__setattr__(self, "fetch_stages", FetchStages(self.fetch_stages))
-        world, edp = self.world_size, self.world_size // (int(etp) * self.ep * self.pp)
-        dec = _full_order(self.order, {"tp": self.tp, "cp": self.cp, "ep": 1, "dp": self.dp, "pp": self.pp}, "", [])
-        exp = _full_order(self.order, {"tp": int(etp), "cp": 1, "ep": self.ep, "dp": edp, "pp": self.pp}, "", [])
-        sizes = {"tp": self.tp, "cp": self.cp, "ep": 1, "dp": self.dp, "pp": self.pp}
-        esizes = {"tp": int(etp), "cp": 1, "ep": self.ep, "dp": edp, "pp": self.pp}
-        object.__setattr__(self, "_decoder", _Mesh(tokens=dec, sizes=tuple(sizes[t] for t in dec)))
-        object.__setattr__(self, "_expert", _Mesh(tokens=exp, sizes=tuple(esizes[t] for t in exp)))
-        object.__setattr__(self, "_cache", {"world": world})
+        for name, value in (
+            ("etp", int(etp)), ("order", self.order.lower()), ("broadcast_dims", dims),
+            ("consumer_axis", BucketAxis.parse(self.consumer_axis)), ("fetch_stages", FetchStages(self.fetch_stages)),
+            ("_decoder", meshes[0]), ("_expert", meshes[1]), ("_cache", {}),
+        ):
+            object.__setattr__(self, name, value)
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -308,10 +289,10 @@ class ClientPlaceTree:
             elif _is_pos_int(dp) and dp * model != world_size:
                 problems.append(f"dp={dp} with tp*cp*pp={model} gives {dp * model} ranks, not world_size={world_size}")
         sizes_known = dp is not None or not problems
-        layout = _layout_problems(
+        layout, _ = _layout(
             tp=tp, cp=cp, pp=pp, dp=dp if dp is not None else 1, ep=ep, etp=tp if etp is None else etp,
             vpp=vpp, order=order,
-        ) if sizes_known else []
+        ) if sizes_known else ([], None)
         problems += [p for p in layout if p not in problems]
         if problems:
             raise ParallelLayoutError("invalid parallel layout:\n  - " + "\n  - ".join(problems))
@@ -331,7 +312,7 @@ class ClientPlaceTree:
 
         Raises:
             ParallelLayoutError: parallel_state is not initialised, or no order reproduces
-                Megatron's groups (the message shows Megatron's groups and the default's).
+                Megatron's groups (the message shows Megatron's groups and the first mismatch).
         """
         state = _read_parallel_state(importlib.import_module("megatron.core.parallel_state"))
         sizes = state["sizes"]
@@ -383,13 +364,8 @@ class ClientPlaceTree:
         """
         ax = BucketAxis.parse(axis)
         world = ax is BucketAxis.WORLD
-        enc = replace(
-            self,
-            consumer_axis=ax,
-            broadcast_dims=() if world else self.broadcast_dims,
-            fetch_stages=FetchStages.ALL if world else FetchStages.FIRST,
-            encoder=None,
-        )
+        enc = replace(self, consumer_axis=ax, broadcast_dims=() if world else self.broadcast_dims,
+                      fetch_stages=FetchStages.ALL if world else FetchStages.FIRST, encoder=None)
         return replace(self, encoder=enc)
 
     # ------------------------------------------------------------------ coordinates and groups
@@ -470,12 +446,8 @@ class ClientPlaceTree:
         members = np.split(world[order], np.cumsum(np.bincount(ids, minlength=n))[:-1])
         g = n if group_size is None else int(group_size)
         layout = BucketLayout(
-            axis=ax,
-            num_buckets=n,
-            bucket_coords=coords,
-            bucket_ranks=tuple(tuple(m.tolist()) for m in members),
-            groups=tuple(tuple(range(s, min(s + g, n))) for s in range(0, n, g)),
-            rank_to_bucket=tuple(ids.tolist()),
+            axis=ax, num_buckets=n, bucket_coords=coords, bucket_ranks=tuple(tuple(m.tolist()) for m in members),
+            groups=tuple(tuple(range(s, min(s + g, n))) for s in range(0, n, g)), rank_to_bucket=tuple(ids.tolist()),
         )
         self._cache[key] = layout
         return layout
@@ -578,13 +550,9 @@ class ClientPlaceTree:
 # Megatron's module-level rank lists for the calling rank (pure Python lists, so reading them
 # needs no torch.distributed call); group name -> attribute name in parallel_state 0.16.1.
 _MEGATRON_RANK_LISTS = {
-    "tp": "_TENSOR_MODEL_PARALLEL_GLOBAL_RANKS",
-    "pp": "_PIPELINE_GLOBAL_RANKS",
-    "dp": "_DATA_PARALLEL_GLOBAL_RANKS",
-    "dp-cp": "_DATA_PARALLEL_GLOBAL_RANKS_WITH_CP",
-    "cp": "_CONTEXT_PARALLEL_GLOBAL_RANKS",
-    "mp": "_MODEL_PARALLEL_GLOBAL_RANKS",
-    "ep": "_EXPERT_MODEL_PARALLEL_RANKS",
+    "tp": "_TENSOR_MODEL_PARALLEL_GLOBAL_RANKS", "pp": "_PIPELINE_GLOBAL_RANKS", "dp": "_DATA_PARALLEL_GLOBAL_RANKS",
+    "dp-cp": "_DATA_PARALLEL_GLOBAL_RANKS_WITH_CP", "cp": "_CONTEXT_PARALLEL_GLOBAL_RANKS",
+    "mp": "_MODEL_PARALLEL_GLOBAL_RANKS", "ep": "_EXPERT_MODEL_PARALLEL_RANKS",
 }
 
 
@@ -597,22 +565,13 @@ def _read_parallel_state(ps: Any) -> dict[str, Any]:
         )
     tp = int(ps.get_tensor_model_parallel_world_size())
     etp = ps.get_expert_tensor_parallel_world_size()
-    sizes = {
-        "tp": tp,
-        "pp": int(ps.get_pipeline_model_parallel_world_size()),
-        "cp": int(ps.get_context_parallel_world_size()),
-        "dp": int(ps.get_data_parallel_world_size()),
-        "ep": int(ps.get_expert_model_parallel_world_size()),
-        "etp": tp if etp is None else int(etp),
-        "vpp": ps.get_virtual_pipeline_model_parallel_world_size(),
-    }
-    coords = {
-        "tp": int(ps.get_tensor_model_parallel_rank()),
-        "pp": int(ps.get_pipeline_model_parallel_rank()),
-        "cp": int(ps.get_context_parallel_rank()),
-        "dp": int(ps.get_data_parallel_rank()),
-        "ep": int(ps.get_expert_model_parallel_rank()),
-    }
+    sizes = {"tp": tp, "pp": int(ps.get_pipeline_model_parallel_world_size()),
+             "cp": int(ps.get_context_parallel_world_size()), "dp": int(ps.get_data_parallel_world_size()),
+             "ep": int(ps.get_expert_model_parallel_world_size()), "etp": tp if etp is None else int(etp),
+             "vpp": ps.get_virtual_pipeline_model_parallel_world_size()}
+    coords = {"tp": int(ps.get_tensor_model_parallel_rank()), "pp": int(ps.get_pipeline_model_parallel_rank()),
+              "cp": int(ps.get_context_parallel_rank()), "dp": int(ps.get_data_parallel_rank()),
+              "ep": int(ps.get_expert_model_parallel_rank())}
     groups: dict[str, list[int]] = {}
     for name, attr in _MEGATRON_RANK_LISTS.items():
         ranks = getattr(ps, attr, None)
@@ -621,10 +580,8 @@ def _read_parallel_state(ps: Any) -> dict[str, Any]:
         # A rank in several pipeline groups (rare custom layouts) stores a list of lists.
         groups[name] = [int(r) for r in (ranks[0] if ranks and isinstance(ranks[0], list) else ranks)]
     if "tp" not in groups:
-        raise ParallelLayoutError(
-            "megatron parallel_state has no _TENSOR_MODEL_PARALLEL_GLOBAL_RANKS; "
-            "this megatron-core version is not supported by ClientPlaceTree.from_megatron()"
-        )
+        raise ParallelLayoutError("megatron parallel_state has no _TENSOR_MODEL_PARALLEL_GLOBAL_RANKS; this "
+                                  "megatron-core version is not supported by ClientPlaceTree.from_megatron()")
     return {"sizes": sizes, "coords": coords, "groups": groups, "rank": groups["tp"][coords["tp"]]}
 
 

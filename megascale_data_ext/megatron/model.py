@@ -18,6 +18,9 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any, Literal
 
+import re
+import zlib
+
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -39,6 +42,7 @@ __all__ = [
     "build_gpt_model",
     "build_model_chunks",
     "forward_step",
+    "init_layout_invariant",
     "initialize_parallel",
     "loss_func",
     "set_random_seed",
@@ -136,6 +140,13 @@ class GPTModelConfig:
             gradient_accumulation_fusion=False,
             persist_layer_norm=False,
             apply_rope_fusion=False,
+            # Interleaving (VPP) sends activations and grads to both neighbours in one call;
+            # batch_isend_irecv posts them in the same order on every rank, so with pp=2
+            # (prev == next) each receive matches the wrong send. Megatron-LM's VPP default
+            # (overlap on, batching off) uses the even/odd-ordered p2p path and one direction
+            # per call, which is also what keeps the variable-length shape exchange paired.
+            overlap_p2p_comm=self.vpp is not None,
+            batch_p2p_comm=self.vpp is None,
         )
 
 
@@ -229,6 +240,41 @@ def build_model_chunks(cfg: GPTModelConfig, *, ddp: bool = True) -> list[torch.n
         config.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
         config.finalize_model_grads_func = finalize_model_grads
     return chunks
+
+
+_LOCAL_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+
+
+def init_layout_invariant(model_chunks: Sequence[torch.nn.Module], *, seed: int) -> None:
+    """Re-initialise every parameter from its global name, independent of TP/PP/VPP/DP.
+
+    Each parameter's full (unsharded) tensor is drawn from a generator seeded by
+    ``(seed, crc32(global name))`` and this rank keeps its TP shard, cut the way megatron's
+    CPU initialisation cuts master weights (contiguous along ``partition_dim``). Layers are
+    named by their global ``layer_number``, so any layout computes the same function: losses
+    of a TP2·PP2 run can be compared with a single-process run step by step.
+    """
+    tp, tp_rank = parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_tensor_model_parallel_rank()
+    for chunk in model_chunks:
+        gpt = get_attr_wrapped_model(chunk, "decoder", return_model_obj=True)
+        layers = gpt.decoder.layers
+        for name, param in gpt.named_parameters():
+            global_name = _LOCAL_LAYER.sub(lambda m: f"decoder.layers.{layers[int(m[1])].layer_number - 1}.", name)
+            full_shape = list(param.shape)
+            sharded = bool(getattr(param, "tensor_model_parallel", False))
+            if sharded:
+                full_shape[param.partition_dim] *= tp
+            if name.endswith(".bias"):
+                full = torch.zeros(full_shape)
+            elif "norm" in name:
+                full = torch.ones(full_shape)
+            else:
+                gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(global_name.encode()))
+                full = torch.randn(full_shape, generator=gen) * 0.02
+            if sharded:
+                full = full.chunk(tp, dim=param.partition_dim)[tp_rank]
+            with torch.no_grad():
+                param.copy_(full)
 
 
 def stage_batch_keys(*, pre_process: bool, post_process: bool) -> tuple[str, ...]:

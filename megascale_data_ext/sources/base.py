@@ -199,14 +199,26 @@ class Source(Protocol):
 def make_metadata(text_tokens: np.ndarray, patch_counts: Sequence[Sequence[int]]) -> dict[str, np.ndarray]:
     """Pack per-sample token counts and per-image patch counts into the metadata layout."""
     num_images = np.fromiter((len(p) for p in patch_counts), dtype=np.int64, count=len(patch_counts))
+    flat = np.fromiter((c for p in patch_counts for c in p), dtype=np.int64, count=int(num_images.sum()))
+    return metadata_from_counts(text_tokens, num_images, flat)
+
+
+def metadata_from_counts(
+    text_tokens: np.ndarray, num_images: np.ndarray, flat_patch_counts: np.ndarray
+) -> dict[str, np.ndarray]:
+    """Metadata from per-sample image counts and the flattened per-image patch counts."""
     offsets = np.zeros(len(num_images) + 1, dtype=np.int64)
     np.cumsum(num_images, out=offsets[1:])
-    flat = np.fromiter((c for p in patch_counts for c in p), dtype=np.int64, count=int(offsets[-1]))
+    if offsets[-1] != len(flat_patch_counts) or len(text_tokens) != len(num_images):
+        raise ValueError(
+            f"inconsistent metadata: {len(text_tokens)} samples, {len(num_images)} image counts summing to "
+            f"{offsets[-1]}, {len(flat_patch_counts)} patch counts"
+        )
     return {
         "text_tokens": np.asarray(text_tokens, dtype=np.int64),
-        "num_images": num_images,
+        "num_images": np.asarray(num_images, dtype=np.int64),
         "image_offsets": offsets,
-        "image_patch_counts": flat,
+        "image_patch_counts": np.asarray(flat_patch_counts, dtype=np.int64),
     }
 
 

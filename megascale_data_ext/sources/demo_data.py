@@ -42,7 +42,9 @@ def caption_lengths(rng: np.random.Generator, n: int, *, long_fraction: float = 
     return np.where(rng.random(n) < long_fraction, long, short)
 
 
-def document_lengths(rng: np.random.Generator, n: int, *, long_fraction: float = 0.05, max_len: int = 16_000) -> np.ndarray:
+def document_lengths(
+    rng: np.random.Generator, n: int, *, long_fraction: float = 0.05, max_len: int = 16_000
+) -> np.ndarray:
     """long-short document lengths in tokens: lognormal short docs plus a heavy long tail."""
     short = np.clip(rng.lognormal(np.log(200.0), 0.8, n), 8, 2000).astype(np.int64)
     long = rng.integers(2000, max_len, n)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import io
 import math
+import re
 
 import numpy as np
 
@@ -49,6 +50,11 @@ def image_patch_count(width: int, height: int, *, patch_size: int = 16, max_patc
     return rows * cols
 
 
+def _describe(exc: Exception) -> str:
+    """Exception text without object addresses, so equal failures group under one reason."""
+    return f"{type(exc).__name__}: " + re.sub(r"\s*<[^>]*>", "", str(exc))
+
+
 def image_size(data: bytes) -> tuple[int, int]:
     """``(width, height)`` from the encoded image's header, without decoding pixels."""
     from PIL import Image
@@ -57,7 +63,7 @@ def image_size(data: bytes) -> tuple[int, int]:
         with Image.open(io.BytesIO(data)) as im:
             return int(im.size[0]), int(im.size[1])
     except Exception as exc:  # Pillow raises UnidentifiedImageError, OSError, ValueError, ...
-        raise SampleError(f"cannot read image header ({len(data)} bytes): {type(exc).__name__}: {exc}") from exc
+        raise SampleError(f"cannot read image header: {_describe(exc)}") from exc
 
 
 def header_patch_count(data: bytes, *, patch_size: int = 16, max_patches: int = 1024) -> int:
@@ -74,9 +80,7 @@ def patchify(pixels: np.ndarray, patch_size: int) -> np.ndarray:
     return np.ascontiguousarray(grid.reshape(rows * cols, patch_size * patch_size * c))
 
 
-def decode_patches(
-    data: bytes, *, patch_size: int = 16, max_patches: int = 1024
-) -> tuple[np.ndarray, tuple[int, int]]:
+def decode_patches(data: bytes, *, patch_size: int = 16, max_patches: int = 1024) -> tuple[np.ndarray, tuple[int, int]]:
     """Decode, resize and patchify one encoded image.
 
     Returns:
@@ -102,7 +106,7 @@ def decode_patches(
     except SampleError:
         raise
     except Exception as exc:
-        raise SampleError(f"cannot decode image ({len(data)} bytes): {type(exc).__name__}: {exc}") from exc
+        raise SampleError(f"cannot decode image: {_describe(exc)}") from exc
     pixels = (pixels * np.float32(1.0 / 255.0) - IMAGE_MEAN) / IMAGE_STD
     return patchify(pixels, patch_size), (rows, cols)
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import os
+from contextlib import ExitStack
+from typing import BinaryIO
 
 import numpy as np
 
@@ -55,7 +57,7 @@ class JsonlSource(RowSource):
     def __len__(self) -> int:
         return int(self._start[-1])
 
-    def _record(self, fh, f_i: int, line: int) -> dict:
+    def _record(self, fh: BinaryIO, f_i: int, line: int) -> dict:
         fh.seek(int(self._offsets[f_i][line]))
         try:
             record = json.loads(fh.readline())
@@ -93,15 +95,16 @@ class JsonlSource(RowSource):
     def _raw_rows(self, indices: np.ndarray) -> list[RawSample]:
         spec = self.spec
         files = np.searchsorted(self._start, indices, side="right") - 1
-        handles: dict[int, object] = {}
+        handles: dict[int, BinaryIO] = {}
         out = []
-        try:
-            for index, f_i in zip(indices.tolist(), files.tolist()):
+        with ExitStack() as stack:
+            for index, f_i in zip(indices.tolist(), files.tolist(), strict=True):
                 path, line = self.paths[f_i], index - int(self._start[f_i])
-                fh = handles.get(f_i) or handles.setdefault(f_i, open(path, "rb"))
+                if f_i not in handles:
+                    handles[f_i] = stack.enter_context(open(path, "rb"))
                 raw = RawSample(index=index, path=path, row=line)
                 try:
-                    record = self._record(fh, f_i, line)
+                    record = self._record(handles[f_i], f_i, line)
                     raw.text = record.get(spec.text_column)
                     for p in image_paths(record, spec.image_column, os.path.dirname(path)):
                         with open(p, "rb") as img:
@@ -109,7 +112,4 @@ class JsonlSource(RowSource):
                 except (SampleError, OSError) as exc:
                     raw.error = f"cannot load line: {exc}"
                 out.append(raw)
-        finally:
-            for fh in handles.values():
-                fh.close()  # type: ignore[attr-defined]
         return out

@@ -104,7 +104,7 @@ class MegatronIndexedSource(RowSource):
     def _raw_rows(self, indices: np.ndarray) -> list[RawSample]:
         which = np.searchsorted(self._ds_start, indices, side="right") - 1
         out = []
-        for index, d_i in zip(indices.tolist(), which.tolist()):
+        for index, d_i in zip(indices.tolist(), which.tolist(), strict=True):
             doc = index - int(self._ds_start[d_i])
             docs = self._doc_indices[d_i]
             start, stop = int(docs[doc]), int(docs[doc + 1])

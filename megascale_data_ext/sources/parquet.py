@@ -22,7 +22,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from megascale_data_ext.errors import SourceError
-from megascale_data_ext.sources.base import SourceSpec, make_metadata
+from megascale_data_ext.sources.base import SourceSpec, metadata_from_counts, text_only_metadata
 from megascale_data_ext.sources.rowsource import RowSource, resolve_files
 from megascale_data_ext.sources.tokenizer import Tokenizer
 from megascale_data_ext.sources.transforms import RawSample
@@ -101,7 +101,7 @@ class ParquetSource(RowSource):
 
     def _check_columns(self) -> None:
         spec = self.spec
-        for path, pf in zip(self.paths, self._files):
+        for path, pf in zip(self.paths, self._files, strict=True):
             names = pf.schema_arrow.names
             missing = [c for c in self._payload_columns if c not in names]
             if missing:
@@ -142,36 +142,42 @@ class ParquetSource(RowSource):
 
     def _compute_metadata(self) -> dict[str, np.ndarray]:
         spec, tf = self.spec, self._transform
-        tokens_parts: list[np.ndarray] = []
-        patches: list[list[int]] = []
-        for path, pf in zip(self.paths, self._files):
+        want_images = spec.image_column is not None
+        tokens: list[np.ndarray] = []
+        num_images: list[np.ndarray] = []
+        flat_patches: list[np.ndarray] = []
+        for path, pf in zip(self.paths, self._files, strict=True):
             tokens_ok, patches_ok = self._precomputed(pf)
-            want_images = spec.image_column is not None
-            cost_cols = [TOKENS_COLUMN] if tokens_ok else []
-            if want_images and patches_ok:
-                cost_cols.append(PATCHES_COLUMN)
+            patches_ok = patches_ok and want_images
+            cost_cols = [TOKENS_COLUMN] * tokens_ok + [PATCHES_COLUMN] * patches_ok
             if cost_cols:
                 table = self._read(pf, path, "metadata", cost_cols)
                 if tokens_ok:
                     # Prepared counts include EOD before truncation; the cap applies here.
                     raw = table.column(TOKENS_COLUMN).to_numpy(zero_copy_only=False).astype(np.int64)
-                    tokens_parts.append(tf.final_token_counts(raw, add_eod=False))
-                if want_images and patches_ok:
-                    patches.extend([list(p) if p is not None else [] for p in table.column(PATCHES_COLUMN).to_pylist()])
-            stream_cols = ([] if tokens_ok else [self._payload_columns[0]]) + (
-                [spec.image_column] if want_images and not patches_ok else []
+                    tokens.append(tf.final_token_counts(raw, add_eod=False))
+                if patches_ok:
+                    lists = table.column(PATCHES_COLUMN).combine_chunks()
+                    num_images.append(pc.fill_null(pc.list_value_length(lists), 0).to_numpy(zero_copy_only=False))
+                    flat_patches.append(pc.list_flatten(lists).to_numpy(zero_copy_only=False))
+            stream_cols = [self._payload_columns[0]] * (not tokens_ok) + [spec.image_column] * (
+                want_images and not patches_ok
             )
             if stream_cols:
                 self.io_log.append(("metadata", path, tuple(stream_cols)))
                 for batch in self._iter_batches(pf, path, stream_cols):
                     if not tokens_ok:
-                        tokens_parts.append(self._count_tokens(batch.column(0)))
+                        tokens.append(self._count_tokens(batch.column(0)))
                     if want_images and not patches_ok:
-                        cells = batch.column(spec.image_column).to_pylist()
-                        patches.extend(tf.image_patch_counts(image_list(c)) for c in cells)
-            if not want_images:
-                patches.extend([] for _ in range(pf.metadata.num_rows))
-        return make_metadata(np.concatenate(tokens_parts) if tokens_parts else np.zeros(0, np.int64), patches)
+                        counts = [
+                            tf.image_patch_counts(image_list(c)) for c in batch.column(spec.image_column).to_pylist()
+                        ]
+                        num_images.append(np.fromiter(map(len, counts), dtype=np.int64, count=len(counts)))
+                        flat_patches.append(np.fromiter((c for cs in counts for c in cs), dtype=np.int64))
+        text_tokens = np.concatenate(tokens) if tokens else np.zeros(0, np.int64)
+        if not want_images:
+            return text_only_metadata(text_tokens)
+        return metadata_from_counts(text_tokens, np.concatenate(num_images), np.concatenate(flat_patches))
 
     def _count_tokens(self, column: pa.Array) -> np.ndarray:
         if self.spec.tokens_column:

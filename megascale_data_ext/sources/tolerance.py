@@ -52,4 +52,3 @@ class BadSampleTracker:
     def reasons(self) -> dict[str, int]:
         """How many samples were skipped for each distinct reason (location stripped)."""
         return dict(Counter(s.reason.split(" (source=")[0] for s in self.skipped))
-

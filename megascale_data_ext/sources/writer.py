@@ -84,7 +84,11 @@ class PreparedParquetWriter:
         fields = [pa.field(TEXT_COLUMN, pa.string()), pa.field(TOKENS_COLUMN, pa.int32())]
         if kind == "image-text":
             fields += [pa.field(IMAGE_COLUMN, pa.list_(pa.binary())), pa.field(PATCHES_COLUMN, pa.list_(pa.int32()))]
-        kv = {KV_TOKENIZER: tokenizer.fingerprint(), KV_PATCH_SIZE: str(patch_size), KV_MAX_PATCHES: str(max_image_patches)}
+        kv = {
+            KV_TOKENIZER: tokenizer.fingerprint(),
+            KV_PATCH_SIZE: str(patch_size),
+            KV_MAX_PATCHES: str(max_image_patches),
+        }
         self.schema = pa.schema(fields, metadata=kv)
         self._buf: dict[str, list] = {f.name: [] for f in fields}
         self._writer: pq.ParquetWriter | None = None

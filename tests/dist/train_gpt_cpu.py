@@ -51,6 +51,20 @@ def make_microbatch(*, dp_rank: int, index: int, step: int, seq_length: int, voc
     }
 
 
+def rank_microbatches(*, dp_rank: int, emulate_dp: int, num_microbatches: int, step: int, seq_length: int,
+                      vocab_size: int) -> list[dict[str, np.ndarray]]:
+    """This DP rank's microbatches; with ``emulate_dp`` = K it also plays K consecutive DP ranks.
+
+    A DP=1 run with ``emulate_dp=2`` and twice the microbatches sees exactly the global batch
+    of a DP=2 run, so their losses must agree.
+    """
+    return [
+        make_microbatch(dp_rank=dp_rank * emulate_dp + d, index=i, step=step, seq_length=seq_length,
+                        vocab_size=vocab_size)
+        for d in range(emulate_dp) for i in range(num_microbatches // emulate_dp)
+    ]
+
+
 def expected_num_tokens(*, dp_size: int, num_microbatches: int, step: int, seq_length: int, vocab_size: int) -> int:
     """Loss tokens of one step summed over every DP rank (what train_step must report)."""
     return int(sum(
@@ -68,6 +82,9 @@ def _parse() -> argparse.Namespace:
     parser.add_argument("--num-microbatches", type=int, default=4)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--repeat", action="store_true", help="use the step-0 batch at every step")
+    parser.add_argument("--emulate-dp", type=int, default=1, help="play this many DP ranks' data per rank")
+    parser.add_argument("--invariant-init", action="store_true",
+                        help="layout-independent weights, so runs of different layouts can be compared")
     parser.add_argument("--out", type=Path, default=None)
     return parser.parse_args()
 
@@ -78,7 +95,7 @@ def main() -> int:
     from megatron.core import parallel_state as ps
 
     from megascale_data_ext.megatron.model import (
-        GPTModelConfig, build_model_chunks, initialize_parallel, stage_batch_keys, train_step,
+        GPTModelConfig, build_model_chunks, init_layout_invariant, initialize_parallel, stage_batch_keys, train_step,
     )
 
     torch.set_num_threads(1)
@@ -86,14 +103,16 @@ def main() -> int:
                          seq_length=64, tp=args.tp, pp=args.pp, vpp=args.vpp)
     shims = initialize_parallel(cfg)
     chunks = build_model_chunks(cfg)
+    if args.invariant_init:
+        init_layout_invariant(chunks, seed=cfg.seed)
     optimizer = torch.optim.Adam([p for c in chunks for p in c.parameters()], lr=args.lr)
     dp_rank = ps.get_data_parallel_rank()
 
     def stage_iterator(chunk: torch.nn.Module, data_step: int) -> Iterator[dict[str, np.ndarray]] | None:
         module = chunk.module if hasattr(chunk, "module") else chunk
         keys = stage_batch_keys(pre_process=module.pre_process, post_process=module.post_process)
-        batches = (make_microbatch(dp_rank=dp_rank, index=i, step=data_step, seq_length=cfg.seq_length,
-                                   vocab_size=cfg.vocab_size) for i in range(args.num_microbatches))
+        batches = rank_microbatches(dp_rank=dp_rank, emulate_dp=args.emulate_dp, num_microbatches=args.num_microbatches,
+                                    step=data_step, seq_length=cfg.seq_length, vocab_size=cfg.vocab_size)
         return iter([{k: b[k] for k in keys} for b in batches])
 
     results = []

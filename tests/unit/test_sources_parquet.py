@@ -25,7 +25,10 @@ TOK = ByteTokenizer()
 
 def _texts(n: int, seed: int = 0) -> list[str]:
     rng = np.random.default_rng(seed)
-    return ["".join(chr(97 + c) for c in rng.integers(0, 26, int(k))) + f" #{i} é" for i, k in enumerate(rng.integers(0, 40, n))]
+    return [
+        "".join(chr(97 + c) for c in rng.integers(0, 26, int(k))) + f" #{i} é"
+        for i, k in enumerate(rng.integers(0, 40, n))
+    ]
 
 
 def _write_text_files(tmp_path, sizes=(7, 0, 13, 5), rg=4) -> list[str]:
@@ -56,7 +59,9 @@ def test_many_files_row_groups_global_index(tmp_path):
     spec = SourceSpec(name="t", format="parquet", paths=[str(tmp_path / "shard-*.parquet")])
     src = open_source(spec)
     assert isinstance(src, ParquetSource)
-    assert len(src) == 25 and src.num_files == 4 and src.num_row_groups == 2 + 1 + 4 + 2  # the empty file has one 0-row group
+    assert (
+        len(src) == 25 and src.num_files == 4 and src.num_row_groups == 2 + 1 + 4 + 2
+    )  # the empty file has one 0-row group
     idx = np.array([24, 0, 7, 6, 19, 3, 7, 12])  # unordered, spans files and row groups, a duplicate
     samples = _meta_vs_read(src, idx)
     for s in samples:
@@ -87,7 +92,9 @@ def _image_text_file(tmp_path, n=12, *, multi=False, name="img") -> tuple[str, l
     images = []
     for i in range(n):
         k = 1 + int(i % 3 == 0) if multi else 1
-        images.append([synthetic_jpeg(int(rng.integers(20, 300)), int(rng.integers(20, 300)), seed=i * 7 + j) for j in range(k)])
+        images.append(
+            [synthetic_jpeg(int(rng.integers(20, 300)), int(rng.integers(20, 300)), seed=i * 7 + j) for j in range(k)]
+        )
     with PreparedParquetWriter(tmp_path / name, kind="image-text", tokenizer=TOK, row_group_rows=5) as w:
         for i, ims in enumerate(images):
             w.add(f"caption {i} " + "x" * (i * 3), ims)
@@ -142,7 +149,15 @@ def test_image_column_layouts_without_cost_columns(tmp_path, layout):
     else:
         col = pa.array([[b, b] for b in ims], pa.list_(pa.binary()))
     pq.write_table(pa.table({"caption": [f"c{i}" for i in range(5)], "jpg": col}), tmp_path / "x.parquet")
-    spec = SourceSpec(name="x", format="parquet", paths=[str(tmp_path / "x.parquet")], text_column="caption", image_column="jpg", patch_size=14, max_image_patches=20)
+    spec = SourceSpec(
+        name="x",
+        format="parquet",
+        paths=[str(tmp_path / "x.parquet")],
+        text_column="caption",
+        image_column="jpg",
+        patch_size=14,
+        max_image_patches=20,
+    )
     src = ParquetSource(spec)
     samples = _meta_vs_read(src, np.arange(5))
     assert src.metadata()["image_patch_counts"].max() <= 20
@@ -171,9 +186,11 @@ def test_worker_threads_give_identical_samples(tmp_path):
     idx = np.array([5, 0, 11, 2, 7])
     outs = []
     for workers in (0, 3):
-        with ParquetSource(SourceSpec(name="c", format="parquet", paths=[path], image_column="image", num_workers=workers)) as src:
+        with ParquetSource(
+            SourceSpec(name="c", format="parquet", paths=[path], image_column="image", num_workers=workers)
+        ) as src:
             outs.append(src.read(idx))
-    for a, b in zip(*outs):
+    for a, b in zip(*outs, strict=True):
         assert a.index == b.index
         np.testing.assert_array_equal(a.tokens, b.tokens)
         np.testing.assert_array_equal(a.images[0], b.images[0])
@@ -193,7 +210,9 @@ def test_pretokenized_column(tmp_path):
     ids = [[5, 6, 7], [], [9] * 4]
     pq.write_table(pa.table({"ids": pa.array(ids, pa.list_(pa.int32()))}), tmp_path / "t.parquet")
     for append, extra in ((True, 1), (False, 0)):
-        spec = SourceSpec(name="t", format="parquet", paths=[str(tmp_path)], tokens_column="ids", append_eod=append, eod_token_id=2)
+        spec = SourceSpec(
+            name="t", format="parquet", paths=[str(tmp_path)], tokens_column="ids", append_eod=append, eod_token_id=2
+        )
         src = ParquetSource(spec)
         assert src.metadata()["text_tokens"].tolist() == [len(x) + extra for x in ids]
         samples = _meta_vs_read(src, np.arange(3))
@@ -209,7 +228,9 @@ def test_hf_tokenizer_file(tmp_path):
     tok.save(str(tmp_path / "tokenizer.json"))
     texts = ["hello world", "big big big world foo", ""]
     pq.write_table(pa.table({"text": texts}), tmp_path / "t.parquet")
-    spec = SourceSpec(name="hf", format="parquet", paths=[str(tmp_path / "t.parquet")], tokenizer=str(tmp_path / "tokenizer.json"))
+    spec = SourceSpec(
+        name="hf", format="parquet", paths=[str(tmp_path / "t.parquet")], tokenizer=str(tmp_path / "tokenizer.json")
+    )
     src = ParquetSource(spec)
     assert (src.tokenizer.eod_id, src.tokenizer.pad_id, src.tokenizer.vocab_size) == (1, 2, 6)
     samples = _meta_vs_read(src, np.arange(3))
@@ -221,8 +242,13 @@ def test_bytes_payload_never_materialized_for_metadata(tmp_path):
     # A 4 MB payload column next to the cost column: metadata must not decode it.
     n = 64
     blob = io.BytesIO(b"\0" * 65536).getvalue()
-    schema = pa.schema([("text", pa.string()), ("num_tokens", pa.int32()), ("blob", pa.binary())], metadata={KV_TOKENIZER: TOK.fingerprint()})
-    pq.write_table(pa.table({"text": ["a"] * n, "num_tokens": [2] * n, "blob": [blob] * n}, schema=schema), tmp_path / "b.parquet")
+    schema = pa.schema(
+        [("text", pa.string()), ("num_tokens", pa.int32()), ("blob", pa.binary())],
+        metadata={KV_TOKENIZER: TOK.fingerprint()},
+    )
+    pq.write_table(
+        pa.table({"text": ["a"] * n, "num_tokens": [2] * n, "blob": [blob] * n}, schema=schema), tmp_path / "b.parquet"
+    )
     src = ParquetSource(SourceSpec(name="b", format="parquet", paths=[str(tmp_path / "b.parquet")]))
     assert src.metadata()["text_tokens"].sum() == 2 * n
     assert set(src.columns_read("metadata")) == {"num_tokens"}

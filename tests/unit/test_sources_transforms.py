@@ -51,7 +51,9 @@ def test_patch_grid_respects_cap_and_rounding(w, h, p, cap):
     assert image_patch_count(w, h, patch_size=p, max_patches=cap) == rows * cols
 
 
-@pytest.mark.parametrize("size,cap", [((37, 250), 64), ((640, 480), 1024), ((1000, 30), 16), ((8, 8), 4), ((333, 333), 100)])
+@pytest.mark.parametrize(
+    "size,cap", [((37, 250), 64), ((640, 480), 1024), ((1000, 30), 16), ((8, 8), 4), ((333, 333), 100)]
+)
 def test_header_count_equals_decoded_patches(size, cap):
     data = synthetic_jpeg(*size, seed=3)
     patches, (rows, cols) = decode_patches(data, patch_size=16, max_patches=cap)

@@ -1,0 +1,214 @@
+"""megatron-core 0.16.1 on CPU: the shims, the GPT forward step, and real torchrun training.
+
+Fast tests check the shims in-process (apply/remove, RNG stream semantics, the schedule's
+``device="cuda"`` redirect) and the forward-step batch contract against a stub model. Slow
+tests train a real GPTModel through megatron's pipeline schedules on gloo ranks with packed,
+variable-length microbatches; with layout-invariant weights every layout (TP2·PP2, PP2·VPP2,
+TP2·DP2) must reproduce a single-process run's losses step for step.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from megascale_data_ext.errors import ConfigError, ParallelLayoutError, SampleError
+from megascale_data_ext.megatron.model import GPTModelConfig, forward_step, loss_func, stage_batch_keys
+from megascale_data_ext.patches import CPU_SHIMS, active_cpu_shims, apply_cpu_shims, remove_cpu_shims
+from tests.dist.launch import run_torchrun
+from tests.dist.train_gpt_cpu import expected_num_tokens, make_microbatch
+
+SCRIPT = Path(__file__).resolve().parents[1] / "dist" / "train_gpt_cpu.py"
+STEPS = 10
+SEQ, VOCAB = 64, 512
+
+
+@pytest.fixture
+def shims() -> Any:
+    names = apply_cpu_shims()
+    yield names
+    remove_cpu_shims()
+
+
+# --------------------------------------------------------------------------- shims
+
+
+def test_shims_apply_idempotently_and_remove_restores_originals() -> None:
+    import megatron.core.fusions.fused_softmax as fused_softmax
+    import megatron.core.pipeline_parallel.schedules as schedules
+    from megatron.core.tensor_parallel.random import CudaRNGStatesTracker
+
+    originals = (torch.cuda.current_device, torch.cuda.synchronize, schedules.torch,
+                 fused_softmax.get_default_causal_mask, vars(CudaRNGStatesTracker)["fork"])
+    first = apply_cpu_shims()
+    try:
+        assert first == [s.name for s in CPU_SHIMS] and len(first) == 6
+        assert apply_cpu_shims() == first == active_cpu_shims()
+        assert torch.cuda.current_device() == torch.device("cpu")
+        torch.cuda.synchronize()  # no-op instead of "Torch not compiled with CUDA enabled"
+        assert schedules.torch is not torch
+    finally:
+        assert remove_cpu_shims() == first
+    assert active_cpu_shims() == [] and remove_cpu_shims() == []
+    assert (torch.cuda.current_device, torch.cuda.synchronize, schedules.torch,
+            fused_softmax.get_default_causal_mask, vars(CudaRNGStatesTracker)["fork"]) == originals
+
+
+def test_schedule_torch_redirects_cuda_factories_only(shims: list[str]) -> None:
+    import megatron.core.pipeline_parallel.schedules as schedules
+
+    total = schedules.torch.zeros([], dtype=torch.int, device="cuda")  # the literal in the schedules
+    assert total.device.type == "cpu" and total.dtype == torch.int
+    assert schedules.torch.ones(2, device=torch.device("cuda", 0)).device.type == "cpu"
+    assert schedules.torch.autograd is torch.autograd and schedules.torch.Tensor is torch.Tensor
+
+
+def test_default_causal_mask_is_upper_triangle_on_cpu(shims: list[str]) -> None:
+    import megatron.core.fusions.fused_softmax as fused_softmax
+
+    mask = fused_softmax.get_default_causal_mask(4)
+    assert mask.dtype == torch.bool and mask.device.type == "cpu"
+    assert torch.equal(mask, torch.tensor([[0, 1, 1, 1], [0, 0, 1, 1], [0, 0, 0, 1], [0, 0, 0, 0]]).bool())
+
+
+def test_rng_tracker_fork_is_a_separate_cpu_stream(shims: list[str]) -> None:
+    from megatron.core.tensor_parallel.random import CudaRNGStatesTracker
+
+    tracker = CudaRNGStatesTracker()
+    tracker.add("model-parallel-rng", 7)
+    torch.manual_seed(0)
+    with tracker.fork():
+        a = torch.rand(3)
+    b = torch.rand(3)  # default stream untouched by the fork
+    with tracker.fork("model-parallel-rng"):
+        c = torch.rand(3)  # the named stream continues where it stopped
+    expected = torch.Generator().manual_seed(7)
+    assert torch.equal(a, torch.rand(3, generator=expected)) and torch.equal(c, torch.rand(3, generator=expected))
+    assert torch.equal(b, torch.rand(3, generator=torch.Generator().manual_seed(0)))
+    with pytest.raises(RuntimeError, match="not added"):
+        with tracker.fork("expert-parallel-rng"):
+            pass
+    with pytest.raises(RuntimeError, match="already exists"):
+        tracker.add("other", 7)
+
+
+# --------------------------------------------------------------- config and forward step
+
+
+def test_config_reports_every_layout_problem_at_once() -> None:
+    with pytest.raises(ParallelLayoutError) as err:
+        GPTModelConfig(num_layers=4, num_attention_heads=4, vocab_size=511, tp=3, pp=3, cp=2).validate(world_size=8)
+    msg = str(err.value)
+    for fragment in ("`num_layers`=4", "num_attention_heads`=4", "`vocab_size`=511", "`cp`=2", "world size 8"):
+        assert fragment in msg
+    with pytest.raises(ConfigError, match="`position_embedding_type`"):
+        GPTModelConfig(position_embedding_type="alibi").validate()  # type: ignore[arg-type]
+    GPTModelConfig(tp=2, pp=2).validate(world_size=8)
+
+
+class _StubStage(torch.nn.Module):
+    """Stands in for a GPTModel chunk: records what forward_step passes it."""
+
+    def __init__(self, *, pre_process: bool, post_process: bool) -> None:
+        super().__init__()
+        self.pre_process, self.post_process = pre_process, post_process
+        self.calls: list[tuple[Any, ...]] = []
+
+    def forward(self, tokens: Any, position_ids: Any, attention_mask: Any, labels: Any = None) -> torch.Tensor:
+        self.calls.append((tokens, position_ids, attention_mask, labels))
+        return torch.arange(labels.numel(), dtype=torch.float32).view_as(labels) if labels is not None else torch.zeros(1)
+
+
+def test_forward_step_converts_numpy_batches_per_stage() -> None:
+    batch = make_microbatch(dp_rank=0, index=1, step=0, seq_length=SEQ, vocab_size=VOCAB)
+    only = stage_batch_keys(pre_process=True, post_process=True)
+    model = _StubStage(pre_process=True, post_process=True)
+    output, loss_fn = forward_step(iter([{k: batch[k] for k in only}]), model)
+    tokens, position_ids, mask, labels = model.calls[0]
+    assert tokens.dtype == torch.long and torch.equal(tokens, torch.from_numpy(batch["tokens"]))
+    assert torch.equal(position_ids, torch.from_numpy(batch["position_ids"]))
+    assert mask.dtype == torch.bool and mask.shape == (1, 1, 40, 40)
+    assert torch.equal(labels, torch.from_numpy(batch["labels"]))
+    loss, num_tokens, report = loss_fn(output)
+    weights = batch["loss_mask"].reshape(-1)
+    assert num_tokens.dtype == torch.int and int(num_tokens) == int(weights.sum())
+    assert float(loss) == pytest.approx(float((np.arange(weights.size) * weights).sum()))
+    assert report["lm loss"].tolist() == [pytest.approx(float(loss)), float(num_tokens)]
+
+    middle = _StubStage(pre_process=False, post_process=False)
+    forward_step(iter([{"attention_mask": batch["attention_mask"]}]), middle)
+    assert middle.calls[0][:2] == (None, None) and middle.calls[0][2].shape == (1, 1, 40, 40)
+    forward_step(None, middle)  # no iterator: nothing pulled, plain causal mask downstream
+    assert middle.calls[1] == (None, None, None, None)
+
+
+def test_forward_step_names_missing_keys() -> None:
+    last = _StubStage(pre_process=False, post_process=True)
+    with pytest.raises(SampleError, match=r"last pipeline stage lacks \['labels', 'loss_mask'\]"):
+        forward_step(iter([{"tokens": np.zeros((1, 4), np.int64)}]), last)
+
+
+# ------------------------------------------------------------------- torchrun training
+
+
+def _train(tmp_path: Path, name: str, nproc: int, *args: str) -> list[dict[str, Any]]:
+    out = tmp_path / name
+    proc = run_torchrun(SCRIPT, nproc=nproc, timeout=180,
+                        args=["--repeat", "--invariant-init", "--steps", str(STEPS), "--out", str(out), *args])
+    records = [json.loads((out / f"rank{r}.json").read_text()) for r in range(nproc)]
+    print(proc.stdout[-2000:])
+    for record in records:
+        assert record["finite"] and record["shims"] == [s.name for s in CPU_SHIMS]
+        assert record["steps"] == records[0]["steps"]  # loss broadcast: every rank reports the same
+    return records
+
+
+def _losses(records: list[dict[str, Any]]) -> list[float]:
+    return [step["loss"] for step in records[0]["steps"]]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    """Single-process TP1·PP1 run on DP rank 0's batch."""
+    return _train(tmp_path_factory.mktemp("ref"), "ref", 1, "--tp", "1", "--pp", "1")
+
+
+def _assert_matches(records: list[dict[str, Any]], reference: list[dict[str, Any]]) -> None:
+    for got, want in zip(records[0]["steps"], reference[0]["steps"], strict=True):
+        assert got["num_tokens"] == want["num_tokens"]
+        assert got["loss"] == pytest.approx(want["loss"], abs=2e-4)
+        assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=2e-3)
+
+
+@pytest.mark.slow
+def test_tp2_pp2_trains_and_matches_single_process(tmp_path: Path, reference: list[dict[str, Any]]) -> None:
+    records = _train(tmp_path, "tp2pp2", 4, "--tp", "2", "--pp", "2")
+    assert sorted((r["tp_rank"], r["pp_rank"]) for r in records) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    losses = _losses(records)
+    assert all(math.isfinite(x) for x in losses)
+    assert losses[0] == pytest.approx(math.log(VOCAB), abs=0.1)  # untrained: uniform over the vocab
+    assert losses[-1] < losses[0] - 1.0 and all(b < a for a, b in zip(losses[2:], losses[3:]))
+    tokens = expected_num_tokens(dp_size=1, num_microbatches=4, step=0, seq_length=SEQ, vocab_size=VOCAB)
+    assert all(step["num_tokens"] == tokens for step in records[0]["steps"])
+    _assert_matches(records, reference)
+
+
+@pytest.mark.slow
+def test_pp2_vpp2_interleaved_matches_single_process(tmp_path: Path, reference: list[dict[str, Any]]) -> None:
+    _assert_matches(_train(tmp_path, "pp2vpp2", 2, "--tp", "1", "--pp", "2", "--vpp", "2"), reference)
+
+
+@pytest.mark.slow
+def test_tp2_dp2_matches_single_process_on_the_same_global_batch(tmp_path: Path) -> None:
+    records = _train(tmp_path, "tp2dp2", 4, "--tp", "2", "--pp", "1")
+    assert sorted(r["dp_rank"] for r in records) == [0, 0, 1, 1] and records[0]["dp_size"] == 2
+    tokens = expected_num_tokens(dp_size=2, num_microbatches=4, step=0, seq_length=SEQ, vocab_size=VOCAB)
+    assert records[0]["steps"][0]["num_tokens"] == tokens
+    single = _train(tmp_path, "ref_dp2", 1, "--tp", "1", "--pp", "1", "--emulate-dp", "2", "--num-microbatches", "8")
+    _assert_matches(records, single)

@@ -1,0 +1,146 @@
+"""Bad input: clear errors naming source + file (+ row), and the skip-and-count tolerance."""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from megascale_data_ext.errors import ConfigError, SourceError
+from megascale_data_ext.sources import SourceSpec, open_source, registry
+from megascale_data_ext.sources.images import synthetic_jpeg
+
+
+def _spec(path, **kw) -> SourceSpec:
+    return SourceSpec(name="src", format="parquet", paths=[str(path)], **kw)
+
+
+def _good(tmp_path, name="good.parquet", n=8):
+    path = tmp_path / name
+    pq.write_table(pa.table({"text": [f"row {i}" for i in range(n)]}), path, row_group_size=3)
+    return path
+
+
+def test_missing_file_glob_and_directory(tmp_path):
+    with pytest.raises(SourceError, match=r"source 'src': file '.*nope.parquet' not found"):
+        open_source(_spec(tmp_path / "nope.parquet"))
+    with pytest.raises(SourceError, match=r"glob '.*\*.parquet' matches no files"):
+        open_source(_spec(tmp_path / "*.parquet"))
+    (tmp_path / "empty_dir").mkdir()
+    with pytest.raises(SourceError, match=r"directory '.*empty_dir' holds no .parquet"):
+        open_source(_spec(tmp_path / "empty_dir"))
+
+
+@pytest.mark.parametrize("damage", ["bad_magic", "truncated", "zero_bytes"])
+def test_corrupt_parquet_names_file(tmp_path, damage):
+    good = _good(tmp_path).read_bytes()
+    bad = tmp_path / "bad.parquet"
+    bad.write_bytes(
+        {"bad_magic": b"JUNK" + good[4:-4] + b"JUNK", "truncated": good[: len(good) // 2], "zero_bytes": b""}[damage]
+    )
+    with pytest.raises(SourceError) as err:
+        open_source(_spec(tmp_path))  # directory: good file opens, bad one fails
+    assert (
+        "source 'src'" in str(err.value)
+        and "bad.parquet" in str(err.value)
+        and "corrupt or truncated" in str(err.value)
+    )
+
+
+def test_missing_column_lists_existing(tmp_path):
+    pq.write_table(pa.table({"caption": ["a"], "jpg": [b"x"]}), tmp_path / "x.parquet")
+    with pytest.raises(SourceError) as err:
+        open_source(_spec(tmp_path / "x.parquet", image_column="jpg"))
+    msg = str(err.value)
+    assert (
+        "has no column(s) ['text']" in msg
+        and "['caption', 'jpg']" in msg
+        and "x.parquet" in msg
+        and "text_column" in msg
+    )
+
+
+def test_empty_source(tmp_path):
+    pq.write_table(pa.table({"text": pa.array([], pa.string())}), tmp_path / "e.parquet")
+    with pytest.raises(SourceError, match=r"source 'src' is empty: 0 rows in 1 file"):
+        open_source(_spec(tmp_path / "e.parquet"))
+
+
+def _image_rows(tmp_path, bad_rows: set[int], n=10):
+    ims = [b"\x89PNG broken" if i in bad_rows else synthetic_jpeg(32, 48, seed=i) for i in range(n)]
+    path = tmp_path / "imgs.parquet"
+    pq.write_table(pa.table({"text": [f"c{i}" for i in range(n)], "image": ims}), path, row_group_size=4)
+    return path
+
+
+def test_undecodable_image_zero_tolerance_raises(tmp_path):
+    src = open_source(_spec(_image_rows(tmp_path, {6}), image_column="image"))
+    assert src.metadata()["image_patch_counts"][6] == 0  # header unreadable: no cost, read() skips
+    src.read([0, 1])
+    with pytest.raises(SourceError) as err:
+        src.read([5, 6])
+    msg = str(err.value)
+    assert "1 bad samples out of 4 read exceeds max_bad_fraction=0.0" in msg
+    assert "cannot decode image" in msg and "file=" in msg and "imgs.parquet" in msg and "row=6" in msg
+
+
+def test_skip_and_count_within_tolerance(tmp_path):
+    src = open_source(_spec(_image_rows(tmp_path, {2, 7}), image_column="image", max_bad_fraction=0.25))
+    report = src.read_report(np.arange(8)[::-1])
+    assert [s.index for s in report.samples] == [6, 5, 4, 3, 1, 0]
+    assert [(s.index, s.row) for s in report.skipped] == [(7, 7), (2, 2)]
+    assert len(report.samples) + len(report.skipped) == 8
+    assert all("imgs.parquet" in s.path and "cannot decode image" in s.reason for s in report.skipped)
+    assert [s.index for s in src.bad_samples] == [7, 2] and src.samples_read == 8
+    assert src.bad_sample_reasons() == {
+        "image 0: cannot decode image: UnidentifiedImageError: cannot identify image file": 2
+    }
+    with pytest.raises(SourceError, match="3 bad samples out of 9 read"):
+        src.read([2])  # the same bad row again: 3 > 0.25 * 9
+
+
+def test_too_long_sample_without_truncation(tmp_path):
+    pq.write_table(pa.table({"text": ["short", "x" * 50, "ok"]}), tmp_path / "t.parquet")
+    src = open_source(_spec(tmp_path / "t.parquet", max_tokens=16, max_bad_fraction=0.5))
+    assert src.metadata()["text_tokens"].tolist() == [6, 51, 3]  # true length: the planner can see it
+    report = src.read_report([0, 1, 2])
+    assert [s.index for s in report.samples] == [0, 2]
+    (skip,) = report.skipped
+    assert "51 tokens > max_tokens=16" in skip.reason and "truncate=true" in skip.reason and skip.row == 1
+
+
+def test_null_text_is_a_bad_sample(tmp_path):
+    pq.write_table(pa.table({"text": ["a", None, "b"]}), tmp_path / "t.parquet")
+    src = open_source(_spec(tmp_path / "t.parquet", max_bad_fraction=1.0))
+    report = src.read_report([0, 1, 2])
+    assert [s.index for s in report.skipped] == [1] and "null" in report.skipped[0].reason
+
+
+def test_out_of_range_indices(tmp_path):
+    src = open_source(_spec(_good(tmp_path)))
+    with pytest.raises(IndexError, match=r"source 'src': indices \[8, -1\] out of range \[0, 8\)"):
+        src.read([0, 8, -1])
+    with pytest.raises(IndexError):
+        src.metadata(np.array([9]))
+
+
+def test_corrupt_row_group_data_is_source_error(tmp_path):
+    path = _good(tmp_path, n=3000)
+    data = bytearray(path.read_bytes())
+    md = pq.ParquetFile(path).metadata
+    col = md.row_group(500).column(0) if md.num_row_groups > 500 else md.row_group(1).column(0)
+    start = col.data_page_offset
+    data[start + 8 : start + 40] = b"\xff" * 32  # smash a data page, keep the footer intact
+    path.write_bytes(bytes(data))
+    src = open_source(_spec(path))
+    with pytest.raises(SourceError, match=r"source 'src': cannot read row group \d+ of '.*good.parquet'"):
+        src.read(np.arange(len(src)))
+
+
+def test_unknown_format_and_plugin(monkeypatch):
+    with pytest.raises(ConfigError, match=r"must be one of \['jsonl', 'megatron', 'parquet'\], got 'csv'"):
+        SourceSpec(name="s", format="csv", paths=["x"])
+    monkeypatch.setattr(registry, "_FACTORIES", dict(registry._FACTORIES))  # keep the global registry clean
+    registry.register_source_format("fake", lambda spec, tokenizer=None: ("fake", spec.name))
+    assert open_source(SourceSpec(name="s", format="fake", paths=["x"])) == ("fake", "s")
