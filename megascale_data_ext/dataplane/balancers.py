@@ -281,20 +281,19 @@ def _evict_over_cap(items: np.ndarray, costs: np.ndarray, tokens: np.ndarray, bi
     return np.sort(evict)
 
 
-def _tree_merge(costs: np.ndarray, k: int) -> np.ndarray:
-    """Equal sizes, no cap: sorted chunks of k items merged pairwise (largest with smallest).
+def _merge_rows(rows: np.ndarray) -> np.ndarray:
+    """Final slot of every cell when k-tuples (rows, each sorted descending) are merged pairwise.
 
-    Merging two k-tuples never widens their spread beyond the larger one, so the result
-    is within one first-chunk spread, like LPT — but log2(n/k) vectorized passes.
+    Merging pairs the heaviest slot of one tuple with the lightest of the other, which never
+    widens the spread beyond the larger of the two: log2(rows) vectorized passes give what
+    LPT rounds give one round at a time.
     """
-    n = costs.shape[0]
-    order = _order_desc(costs)
-    rows = n // k
-    padded = 1 << max(0, (rows - 1).bit_length())  # zero rows up to a power of two: no odd tuple
+    r, k = rows.shape
+    padded = 1 << max(0, (r - 1).bit_length())  # zero rows up to a power of two: no odd tuple
     loads = np.zeros((padded, k))
-    loads[:rows] = costs[order].reshape(rows, k)
-    pos = np.broadcast_to(np.arange(k), (rows, k)).copy()  # column of each original cell
-    owner = np.arange(rows)[:, None]  # current tuple of each original row
+    loads[:r] = rows
+    pos = np.broadcast_to(np.arange(k), (r, k)).copy()  # column of each original cell
+    owner = np.arange(r)[:, None]  # current tuple of each original row
     while loads.shape[0] > 1:
         merged = loads[0::2] + loads[1::2, ::-1]
         srt = np.argsort(-merged, axis=1)
@@ -305,8 +304,15 @@ def _tree_merge(costs: np.ndarray, k: int) -> np.ndarray:
         pos = remap[owner, pos]
         loads = np.take_along_axis(merged, srt, axis=1)
         owner = owner >> 1
+    return pos
+
+
+def _tree_merge(costs: np.ndarray, k: int) -> np.ndarray:
+    """Equal sizes, no cap: sorted chunks of k items, merged by `_merge_rows`."""
+    n = costs.shape[0]
+    order = _order_desc(costs)
     out = np.empty(n, dtype=np.int64)
-    out[order] = pos.reshape(-1)
+    out[order] = _merge_rows(costs[order].reshape(n // k, k)).reshape(-1)
     return out
 
 

@@ -108,6 +108,7 @@ def main(argv: list[str] | None = None) -> int:
             "fetch_ms": [1e3 * f for f in fetch],
             "samples": [np.asarray(i["samples"]).tolist() for i in infos if i is not None],
             "microbatch_tokens": [i["tokens"] for i in infos if i is not None],
+            "digests": client.digests[n_before:],
         }
         log["steps"].append(entry)
         if rank == 0:

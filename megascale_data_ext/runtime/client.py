@@ -11,6 +11,7 @@ masked), cu_seqlens int32.
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -39,6 +40,14 @@ def to_torch(batch: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
         want = _DTYPES.get(k)
         out[k] = t.to(want) if want is not None and t.dtype != want else t
     return out
+
+
+def _digest(batch: dict[str, torch.Tensor]) -> str:
+    h = hashlib.sha1()
+    for k in sorted(batch):
+        h.update(k.encode())
+        h.update(batch[k].contiguous().numpy().tobytes())
+    return h.hexdigest()
 
 
 class Client:
@@ -77,6 +86,7 @@ class Client:
         self.src = tree.broadcast_source(rank, "tp")
         self.fetch_seconds: list[float] = []
         self.delivered: list[dict[str, Any]] = []
+        self.digests: list[str] = []  # one hash of every delivered microbatch (TP-identity checks)
         self._handle = None
         if self.fetches:
             import ray
@@ -118,6 +128,7 @@ class Client:
         if self.tree.tp > 1:
             batch, info = self._broadcast(batch, info)
         self.delivered.append(info)
+        self.digests.append(_digest(batch))
         return batch
 
     def step_iterator(self, step: int) -> Iterator[dict[str, torch.Tensor] | None]:

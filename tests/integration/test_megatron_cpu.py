@@ -157,10 +157,10 @@ def test_forward_step_names_missing_keys() -> None:
 # ------------------------------------------------------------------- torchrun training
 
 
-def _train(tmp_path: Path, name: str, nproc: int, *args: str) -> list[dict[str, Any]]:
+def _train(tmp_path: Path, name: str, nproc: int, *args: str, steps: int = STEPS) -> list[dict[str, Any]]:
     out = tmp_path / name
     proc = run_torchrun(SCRIPT, nproc=nproc, timeout=180,
-                        args=["--repeat", "--invariant-init", "--steps", str(STEPS), "--out", str(out), *args])
+                        args=["--repeat", "--invariant-init", "--steps", str(steps), "--out", str(out), *args])
     records = [json.loads((out / f"rank{r}.json").read_text()) for r in range(nproc)]
     print(proc.stdout[-2000:])
     for record in records:
@@ -180,7 +180,8 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
 
 
 def _assert_matches(records: list[dict[str, Any]], reference: list[dict[str, Any]]) -> None:
-    for got, want in zip(records[0]["steps"], reference[0]["steps"], strict=True):
+    assert len(records[0]["steps"]) <= len(reference[0]["steps"])
+    for got, want in zip(records[0]["steps"], reference[0]["steps"]):  # a shorter run compares its prefix
         assert got["num_tokens"] == want["num_tokens"]
         assert got["loss"] == pytest.approx(want["loss"], abs=2e-4)
         assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=2e-3)
@@ -201,14 +202,15 @@ def test_tp2_pp2_trains_and_matches_single_process(tmp_path: Path, reference: li
 
 @pytest.mark.slow
 def test_pp2_vpp2_interleaved_matches_single_process(tmp_path: Path, reference: list[dict[str, Any]]) -> None:
-    _assert_matches(_train(tmp_path, "pp2vpp2", 2, "--tp", "1", "--pp", "2", "--vpp", "2"), reference)
+    _assert_matches(_train(tmp_path, "pp2vpp2", 2, "--tp", "1", "--pp", "2", "--vpp", "2", steps=4), reference)
 
 
 @pytest.mark.slow
 def test_tp2_dp2_matches_single_process_on_the_same_global_batch(tmp_path: Path) -> None:
-    records = _train(tmp_path, "tp2dp2", 4, "--tp", "2", "--pp", "1")
+    records = _train(tmp_path, "tp2dp2", 4, "--tp", "2", "--pp", "1", steps=4)
     assert sorted(r["dp_rank"] for r in records) == [0, 0, 1, 1] and records[0]["dp_size"] == 2
     tokens = expected_num_tokens(dp_size=2, num_microbatches=4, step=0, seq_length=SEQ, vocab_size=VOCAB)
     assert records[0]["steps"][0]["num_tokens"] == tokens
-    single = _train(tmp_path, "ref_dp2", 1, "--tp", "1", "--pp", "1", "--emulate-dp", "2", "--num-microbatches", "8")
+    single = _train(tmp_path, "ref_dp2", 1, "--tp", "1", "--pp", "1", "--emulate-dp", "2", "--num-microbatches", "8",
+                    steps=4)
     _assert_matches(records, single)

@@ -1,0 +1,390 @@
+"""`megascale-data bench throughput`: Megatron's own loader vs this service, same data, same run.
+
+One seeded long-short blend of pre-tokenized Megatron ``.bin/.idx`` sources (documents end
+with EOD, as ``preprocess_data.py --append-eod`` writes them) is consumed twice:
+
+* **megatron**: ``BlendedMegatronDatasetBuilder(GPTDataset, ...)`` exactly as
+  ``pretrain_gpt.py`` builds it (index build with the C++ helpers on "rank 0" of a one-process
+  gloo group, ``.npy`` cache in the temp dir), then a torch ``DataLoader`` with a
+  ``MegatronPretrainingSampler``-style sequential batch sampler and one worker.
+* **service (<strategy>)**: a `DataService` on embedded Ray (``num_cpus=2``) over the same
+  prefixes (``format="megatron"``, ``append_eod=False``); one consumer process plays every
+  fetching client of a DP=2 tree and calls the constructors' ``get`` with prefetch on.
+
+Both deliver ``steps × dp × m`` microbatches. Megatron's are fixed ``seq_length`` windows
+cut across documents (every position a real token); the service's are packed microbatches of
+whole documents (truncated to the context), so the token count is the non-pad positions.
+
+Measured per loader: time to first batch (index build or service start included), delivered
+tokens/s after the first batch, per-fetch latency p50/p99, and CPU seconds after the first
+batch: "loader CPU" is the DataLoader worker + main process for Megatron and the Ray actors
+(loaders, planner, constructors; pids via ``__ray_call__``) for the service; "all-in CPU"
+adds the consumer process and every descendant process (raylet, GCS, idle workers).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from tqdm import tqdm
+
+NAME = "bench throughput"
+HELP = "Tokens/s, fetch latency and CPU of Megatron's GPTDataset loader vs this Ray data service."
+
+EOD_ID, PAD_ID, TOKEN_OFFSET, VOCAB_SIZE = 1, 0, 3, 259  # ByteTokenizer ids: data ids are >= OFFSET
+DP, NUM_MICROBATCHES = 2, 4
+FILL = 0.6  # expected fraction of the k·m·L token capacity that a balanced step fills
+
+
+@dataclass(slots=True, kw_only=True)
+class LoaderResult:
+    """What one loader delivered and what it cost.
+
+    ``cpu_*`` are CPU seconds (user + system) from the first batch to the last one; the
+    ``*_total`` fields include startup (index build / actor start).
+    """
+
+    name: str
+    batches: int
+    tokens: int
+    first_batch_s: float
+    steady_s: float
+    fetch_ms: list[float] = field(repr=False)
+    cpu_loader_s: float
+    cpu_all_s: float
+    cpu_loader_total_s: float
+    samples_per_step: int | None = None
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.steady_s if self.steady_s > 0 else float("nan")
+
+    def percentile_ms(self, q: float) -> float:
+        return float(np.percentile(self.fetch_ms, q)) if self.fetch_ms else float("nan")
+
+    def metrics(self) -> dict[str, float]:
+        per_cpu = self.tokens / self.cpu_loader_s if self.cpu_loader_s > 0 else float("nan")
+        per_all = self.tokens / self.cpu_all_s if self.cpu_all_s > 0 else float("nan")
+        return {
+            "time to first batch (s)": self.first_batch_s,
+            "tokens/s (wall)": self.tokens_per_s,
+            "tokens per loader CPU-s": per_cpu,
+            "tokens per all-in CPU-s": per_all,
+            "fetch p50 (ms)": self.percentile_ms(50),
+            "fetch p99 (ms)": self.percentile_ms(99),
+            "loader CPU s (steady)": self.cpu_loader_s,
+            "loader CPU s (incl. startup)": self.cpu_loader_total_s,
+            "tokens/microbatch": self.tokens / max(self.batches, 1),
+        }
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", type=Path, help="write both loaders' metrics here")
+    parser.add_argument("--quick", action="store_true", help="tiny blend and few steps (smoke test, < 1 min)")
+    parser.add_argument("--sources", type=int, default=3, help="Megatron .bin/.idx sources in the blend (3)")
+    parser.add_argument("--docs", type=int, default=4000, help="documents per source (4000)")
+    parser.add_argument("--seq-length", type=int, default=2048, help="context length L (2048)")
+    parser.add_argument("--steps", type=int, default=40, help="global steps of dp=2 × m=4 microbatches (40)")
+    parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--strategies", default="vanilla,llm_balance", help="service strategies, comma-separated")
+    parser.add_argument("--attention-mask", action="store_true", help="build the [s, s] attention mask in both loaders")
+    parser.add_argument("--workdir", type=Path, help="where the blend and caches go (default: a temp dir)")
+
+
+# -- data --------------------------------------------------------------------------------
+def write_blend(out: Path, *, sources: int, docs: int, seq_length: int, seed: int) -> list[str]:
+    """Seeded long-short documents (ending with EOD) as ``sources`` Megatron prefixes."""
+    from megascale_data_ext.sources.demo_data import document_lengths
+    from megascale_data_ext.sources.megatron_indexed import write_indexed_dataset
+
+    prefixes = []
+    for s, child in enumerate(np.random.SeedSequence(seed).spawn(sources)):
+        rng = np.random.default_rng(child)
+        lengths = document_lengths(rng, docs, max_len=2 * seq_length)  # long ones span Megatron windows
+        body = (np.append(rng.integers(TOKEN_OFFSET, VOCAB_SIZE, int(n)), EOD_ID) for n in lengths)
+        prefixes.append(write_indexed_dataset(out / f"source{s}" / "text_document", body, vocab_size=VOCAB_SIZE))
+    return prefixes
+
+
+# -- CPU accounting ----------------------------------------------------------------------
+_TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def _stat(pid: int) -> list[str] | None:
+    """Fields of ``/proc/<pid>/stat`` after the command name (None when the process is gone).
+
+    Read directly rather than through psutil, which is not a dependency of this package.
+    """
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+
+
+def _cpu(pids: list[int]) -> float:
+    """User + system CPU seconds of live processes (those gone count as 0)."""
+    total = 0.0
+    for pid in pids:
+        fields = _stat(pid)
+        if fields is not None:  # fields[11], fields[12] are utime, stime (stat fields 14, 15)
+            total += (int(fields[11]) + int(fields[12])) / _TICK
+    return total
+
+
+def _descendants() -> list[int]:
+    """Every live descendant of this process (DataLoader workers; Ray's raylet, GCS, workers)."""
+    parent: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            fields = _stat(int(entry))
+            if fields is not None:
+                parent[int(entry)] = int(fields[1])
+    out, frontier = [], [os.getpid()]
+    while frontier:
+        kids = [pid for pid, ppid in parent.items() if ppid in frontier]
+        out += kids
+        frontier = kids
+    return out
+
+
+class _CpuMeter:
+    """CPU of a changing set of processes: per-pid deltas from the first time a pid is seen."""
+
+    def __init__(self, pids: Callable[[], list[int]]) -> None:
+        self._pids = pids
+        self._start: dict[int, float] = {}
+
+    def mark(self) -> None:
+        self._start = {pid: _cpu([pid]) for pid in self._pids()}
+
+    def since_mark(self) -> float:
+        return sum(_cpu([pid]) - self._start.get(pid, 0.0) for pid in self._pids())
+
+
+# -- Megatron's path ---------------------------------------------------------------------
+class _EodTokenizer:
+    """The three fields megatron-core datasets read from a tokenizer (no text is tokenized)."""
+
+    eod, pad, vocab_size = EOD_ID, PAD_ID, VOCAB_SIZE
+    unique_identifiers = {"class": "megascale_data_ext.bench_throughput._EodTokenizer"}
+
+
+class MegatronPretrainingSampler:
+    """Megatron-LM's sequential pretraining batch sampler (``megatron/training/datasets/data_samplers.py``).
+
+    Yields this DP rank's ``micro_batch_size`` indices of every ``micro_batch_size × dp``
+    consecutive samples, starting at ``consumed_samples``; drops the last partial batch.
+    """
+
+    def __init__(self, *, total_samples: int, consumed_samples: int, micro_batch_size: int,
+                 data_parallel_rank: int, data_parallel_size: int) -> None:
+        self.total_samples = total_samples
+        self.consumed_samples = consumed_samples
+        self.micro_batch_size = micro_batch_size
+        self.rank, self.size = data_parallel_rank, data_parallel_size
+
+    def __len__(self) -> int:
+        return (self.total_samples - self.consumed_samples) // (self.micro_batch_size * self.size)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        chunk = self.micro_batch_size * self.size
+        lo = self.rank * self.micro_batch_size
+        for start in range(self.consumed_samples, self.total_samples - chunk + 1, chunk):
+            yield list(range(start + lo, start + lo + self.micro_batch_size))
+
+
+def run_megatron(prefixes: list[str], *, seq_length: int, batches: int, seed: int, cache: Path,
+                 attention_mask: bool) -> LoaderResult:
+    """Build Megatron's blended GPTDataset and time a one-worker DataLoader over it.
+
+    One loader consumes the whole global stream (dp_size=1 in the sampler), i.e. the work of
+    every DP rank's loader, so its tokens and CPU compare with the service serving DP=2.
+    """
+    import torch
+    import torch.distributed as dist
+    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+
+    cache.mkdir(parents=True, exist_ok=True)
+    own_pg = not dist.is_initialized()
+    if own_pg:  # BlendedDataset's cache logic asks torch.distributed for the rank
+        dist.init_process_group("gloo", init_method=f"file://{cache / 'pg'}", rank=0, world_size=1)
+    meter = _CpuMeter(lambda: [os.getpid(), *_descendants()])
+    cpu0, t0 = time.process_time(), time.perf_counter()
+    try:
+        config = GPTDatasetConfig(
+            random_seed=seed, sequence_length=seq_length, blend=(prefixes, [1.0] * len(prefixes)),
+            split="100,0,0", tokenizer=_EodTokenizer(), reset_position_ids=True, reset_attention_mask=True,
+            eod_mask_loss=False, create_attention_mask=attention_mask, path_to_cache=str(cache),
+        )
+        train, _, _ = BlendedMegatronDatasetBuilder(GPTDataset, [batches, 0, 0], lambda: True, config).build()
+        sampler = MegatronPretrainingSampler(total_samples=batches, consumed_samples=0, micro_batch_size=1,
+                                             data_parallel_rank=0, data_parallel_size=1)
+        loader = torch.utils.data.DataLoader(train, batch_sampler=sampler, num_workers=1, pin_memory=False)
+        it = iter(loader)
+        fetch_ms: list[float] = []
+        tokens, first = 0, 0.0
+        for i in tqdm(range(len(sampler)), desc="megatron", file=sys.stderr, leave=False):
+            f0 = time.perf_counter()
+            batch = next(it)
+            now = time.perf_counter()
+            if i == 0:
+                first, startup_cpu = now - t0, time.process_time() - cpu0 + _cpu(_descendants())
+                meter.mark()
+                continue
+            fetch_ms.append((now - f0) * 1e3)
+            tokens += int(batch["tokens"].numel())
+        steady = time.perf_counter() - t0 - first
+        cpu = meter.since_mark()  # worker still alive: the iterator is not exhausted past len
+        del it, loader
+    finally:
+        if own_pg:
+            dist.destroy_process_group()
+    return LoaderResult(name="megatron", batches=batches - 1, tokens=tokens, first_batch_s=first, steady_s=steady,
+                        fetch_ms=fetch_ms, cpu_loader_s=cpu, cpu_all_s=cpu, cpu_loader_total_s=startup_cpu + cpu)
+
+
+# -- this service ------------------------------------------------------------------------
+def service_samples_per_step(prefixes: list[str], *, seq_length: int, strategy: str) -> int:
+    """Documents per step: one per microbatch for vanilla (it has no token cap, so it cannot
+    pack safely), else ~FILL of the k·m·L capacity at the blend's mean truncated length."""
+    if strategy == "vanilla":
+        return DP * NUM_MICROBATCHES
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    lengths = np.concatenate([np.minimum(IndexedDataset(p).sequence_lengths, seq_length) for p in prefixes])
+    return max(DP * NUM_MICROBATCHES, int(FILL * DP * NUM_MICROBATCHES * seq_length / float(lengths.mean())))
+
+
+def run_service(prefixes: list[str], *, strategy: str, seq_length: int, steps: int, seed: int,
+                attention_mask: bool) -> LoaderResult:
+    """Start a DataService on embedded Ray and fetch every microbatch of every fetching client."""
+    import ray
+
+    from megascale_data_ext.dataplane.placetree import ClientPlaceTree
+    from megascale_data_ext.runtime.config import ServiceConfig
+    from megascale_data_ext.runtime.service import DataService
+    from megascale_data_ext.sources.base import SourceSpec
+
+    specs = [SourceSpec(name=f"source{i}", format="megatron", paths=[p], append_eod=False, truncate=True,
+                        eod_token_id=EOD_ID) for i, p in enumerate(prefixes)]
+    per_step = service_samples_per_step(prefixes, seq_length=seq_length, strategy=strategy)
+    config = ServiceConfig(
+        sources=specs, seed=seed, samples_per_step=per_step, num_microbatches=NUM_MICROBATCHES,
+        seq_length=seq_length, strategy=strategy, strategy_args={"model": "gpt-tiny"}, prefetch=2,
+        with_attention_mask=attention_mask, buffer_size=1024, namespace=f"bench-throughput-{os.getpid()}-{strategy}",
+    )
+    tree = ClientPlaceTree.from_sizes(dp=DP)
+    layout = tree.buckets("DP")
+    ranks = tree.fetch_ranks("DP")
+    service = DataService(config, tree)
+    all_meter = _CpuMeter(lambda: [os.getpid(), *_descendants()])
+    t0 = time.perf_counter()
+    try:
+        service.start(num_cpus=2)
+        handles = [*service.loaders, service.planner, *service.constructors]
+        actor_pids = ray.get([h.__ray_call__.remote(lambda _self: os.getpid()) for h in handles])
+        fetch_ms: list[float] = []
+        tokens = batches = 0
+        first = 0.0
+        total = steps * len(ranks) * NUM_MICROBATCHES
+        with tqdm(total=total, desc=f"service {strategy}", file=sys.stderr, leave=False) as bar:
+            for step in range(steps):
+                for rank in ranks:
+                    con = service.constructors[layout.bucket_of_rank(rank) // config.constructor_group]
+                    for j in range(NUM_MICROBATCHES):
+                        f0 = time.perf_counter()
+                        batch, _info = ray.get(con.get.remote(step, j, rank))
+                        now = time.perf_counter()
+                        bar.update()
+                        if first == 0.0:
+                            first = now - t0
+                            startup_cpu = _cpu(actor_pids)
+                            loader_cpu0 = startup_cpu
+                            all_meter.mark()
+                            t_first = now
+                            continue
+                        fetch_ms.append((now - f0) * 1e3)
+                        tokens += int(batch["num_tokens"][0])
+                        batches += 1
+        steady = time.perf_counter() - t_first
+        loader_cpu = _cpu(actor_pids) - loader_cpu0
+        all_cpu = all_meter.since_mark()
+    finally:
+        service.stop()
+    return LoaderResult(name=f"service {strategy}", batches=batches, tokens=tokens, first_batch_s=first,
+                        steady_s=steady, fetch_ms=fetch_ms, cpu_loader_s=loader_cpu, cpu_all_s=all_cpu,
+                        cpu_loader_total_s=startup_cpu + loader_cpu, samples_per_step=per_step)
+
+
+# -- report ------------------------------------------------------------------------------
+def format_table(results: list[LoaderResult]) -> str:
+    """One row per metric: each loader's value and service / Megatron ratios."""
+    base = results[0].metrics()
+    others = results[1:]
+    head = ["metric", results[0].name, *(r.name for r in others), *(f"{r.name} / megatron" for r in others)]
+    rows = [head]
+    for key, ref in base.items():
+        vals = [r.metrics()[key] for r in others]
+        ratios = [v / ref if ref else float("nan") for v in vals]
+        rows.append([key, _fmt(ref), *(_fmt(v) for v in vals), *(f"{x:.2f}x" for x in ratios)])
+    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+    lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True)))
+             for r in rows]
+    lines.insert(1, "-" * len(lines[0]))
+    return "\n".join(lines)
+
+
+def _fmt(x: float) -> str:
+    if x != x:
+        return "n/a"
+    return f"{x:,.0f}" if abs(x) >= 1000 else f"{x:.3g}"
+
+
+def run(args: argparse.Namespace) -> int:
+    from megascale_data_ext.errors import ConfigError
+
+    if args.quick:
+        args.sources, args.docs, args.seq_length, args.steps = min(args.sources, 2), min(args.docs, 300), 1024, 4
+    problems = [f"`--{k.replace('_', '-')}` must be a positive integer, got {getattr(args, k)!r}"
+                for k in ("sources", "docs", "seq_length", "steps") if getattr(args, k) < 1]
+    strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
+    if problems:
+        raise ConfigError("invalid bench throughput arguments:\n  - " + "\n  - ".join(problems))
+    work = args.workdir or Path(tempfile.mkdtemp(prefix="megascale-bench-throughput-"))
+    work.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    prefixes = write_blend(work / "data", sources=args.sources, docs=args.docs, seq_length=args.seq_length,
+                           seed=args.seed)
+    print(f"[bench throughput] blend: {args.sources} Megatron sources × {args.docs} long-short docs in {work} "
+          f"({time.perf_counter() - t0:.1f} s); L={args.seq_length}, DP={DP} × m={NUM_MICROBATCHES}, "
+          f"{args.steps} steps", file=sys.stderr)
+    batches = args.steps * DP * NUM_MICROBATCHES
+    results = [run_megatron(prefixes, seq_length=args.seq_length, batches=batches, seed=args.seed,
+                            cache=work / "megatron-cache", attention_mask=args.attention_mask)]
+    for strategy in strategies:
+        results.append(run_service(prefixes, strategy=strategy, seq_length=args.seq_length, steps=args.steps,
+                                   seed=args.seed, attention_mask=args.attention_mask))
+    print(format_table(results))
+    for r in results[1:]:
+        print(f"{r.name}: {r.samples_per_step} documents per step")
+    if args.json:
+        payload: dict[str, Any] = {
+            "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "func"},
+            "results": [{**{k: v for k, v in asdict(r).items() if k != "fetch_ms"}, "metrics": r.metrics()}
+                        for r in results],
+        }
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(payload, indent=2, default=str))
+    return 0
