@@ -43,9 +43,10 @@ def test_from_megatron_matches_parallel_state_for_every_layout() -> None:
 def test_run_torchrun_raises_with_every_ranks_output(tmp_path: Path) -> None:
     script = tmp_path / "fail_on_rank1.py"
     script.write_text(
-        "import os, sys\n"
+        "import os, sys, time\n"
         "rank = int(os.environ['RANK'])\n"
         "print(f'hello from rank {rank} threads={os.environ[\"OMP_NUM_THREADS\"]}', flush=True)\n"
+        "time.sleep(3 if rank == 1 else 0)  # rank 0 has printed before torchrun tears the job down\n"
         "sys.exit(3 if rank == 1 else 0)\n"
     )
     with pytest.raises(TorchrunError) as err:
