@@ -96,7 +96,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seq-length", type=int, default=2048, help="context length L (2048)")
     parser.add_argument("--steps", type=int, default=40, help="global steps of dp=2 × m=4 microbatches (40)")
     parser.add_argument("--seed", type=int, default=1234)
-    parser.add_argument("--strategies", default="vanilla,llm_balance", help="service strategies, comma-separated")
+    parser.add_argument("--strategies", default=None,
+                        help="service strategies, comma-separated (default vanilla,llm_balance; --quick: llm_balance)")
     parser.add_argument("--attention-mask", action="store_true", help="build the [s, s] attention mask in both loaders")
     parser.add_argument("--workdir", type=Path, help="where the blend and caches go (default: a temp dir)")
 
@@ -110,7 +111,7 @@ def write_blend(out: Path, *, sources: int, docs: int, seq_length: int, seed: in
     prefixes = []
     for s, child in enumerate(np.random.SeedSequence(seed).spawn(sources)):
         rng = np.random.default_rng(child)
-        lengths = document_lengths(rng, docs, max_len=2 * seq_length)  # long ones span Megatron windows
+        lengths = document_lengths(rng, docs, max_len=max(2 * seq_length, 2001))  # long ones span windows
         body = (np.append(rng.integers(TOKEN_OFFSET, VOCAB_SIZE, int(n)), EOD_ID) for n in lengths)
         prefixes.append(write_indexed_dataset(out / f"source{s}" / "text_document", body, vocab_size=VOCAB_SIZE))
     return prefixes
@@ -263,7 +264,12 @@ def service_samples_per_step(prefixes: list[str], *, seq_length: int, strategy: 
         return DP * NUM_MICROBATCHES
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
-    lengths = np.concatenate([np.minimum(IndexedDataset(p).sequence_lengths, seq_length) for p in prefixes])
+    parts = []
+    for prefix in prefixes:
+        ds = IndexedDataset(prefix)  # keep it alive: sequence_lengths views its mmap, freed with it
+        parts.append(np.minimum(np.asarray(ds.sequence_lengths, dtype=np.int64), seq_length))
+        del ds
+    lengths = np.concatenate(parts)
     return max(DP * NUM_MICROBATCHES, int(FILL * DP * NUM_MICROBATCHES * seq_length / float(lengths.mean())))
 
 
@@ -355,11 +361,17 @@ def _fmt(x: float) -> str:
 def run(args: argparse.Namespace) -> int:
     from megascale_data_ext.errors import ConfigError
 
-    if args.quick:
+    if args.quick:  # one Ray start only: on a loaded 2-core box it alone takes ~10-30 s
         args.sources, args.docs, args.seq_length, args.steps = min(args.sources, 2), min(args.docs, 300), 1024, 4
+        args.strategies = args.strategies or "llm_balance"
+    args.strategies = args.strategies or "vanilla,llm_balance"
     problems = [f"`--{k.replace('_', '-')}` must be a positive integer, got {getattr(args, k)!r}"
                 for k in ("sources", "docs", "seq_length", "steps") if getattr(args, k) < 1]
     strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
+    allowed = ("vanilla", "llm_balance")
+    problems += [f"`--strategies`: {s!r} is not one of {allowed} (text-only blend)" for s in strategies if s not in allowed]
+    if not os.path.isdir("/proc"):
+        problems.append("CPU accounting reads /proc: run this benchmark on Linux")
     if problems:
         raise ConfigError("invalid bench throughput arguments:\n  - " + "\n  - ".join(problems))
     work = args.workdir or Path(tempfile.mkdtemp(prefix="megascale-bench-throughput-"))
@@ -381,7 +393,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"{r.name}: {r.samples_per_step} documents per step")
     if args.json:
         payload: dict[str, Any] = {
-            "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "func"},
+            "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if not k.startswith("_")},
             "results": [{**{k: v for k, v in asdict(r).items() if k != "fetch_ms"}, "metrics": r.metrics()}
                         for r in results],
         }
