@@ -1,0 +1,151 @@
+"""Schedule hooks: feed Megatron's pipeline schedule from the data service, installed by one call.
+
+`install(client)` wraps ``get_forward_backward_func`` wherever a loaded module holds it
+(megatron-core's own modules, Megatron-LM's training loop, a user's script), so each call of
+the returned schedule is one global step served by the service:
+
+* the step's balanced microbatches replace the ``data_iterator`` argument — one iterator per
+  virtual-pipeline model chunk; only the first chunk on the first stage and the last chunk on
+  the last stage read data, the others get ``None``;
+* ``config.variable_seq_lengths`` is set on the model's config for the call, because balanced
+  packed microbatches differ in length and pipeline stages must exchange shapes;
+* Megatron-LM's TP-rank-0 broadcast (``megatron.training.utils.get_batch_on_this_tp_rank``,
+  when that package is present) becomes a plain ``next()``: the client already did
+  ``broadcast_at("tp")``, so every TP rank holds the batch.
+
+Everything it replaces is restored by `Installation.uninstall()`; modules that do not hold
+these functions are not touched. The installation's `state_dict()` is the data position
+(next global step) saved with a checkpoint; see `megascale_data_ext.megatron.checkpoint`.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from megascale_data_ext.errors import ConfigError, ResumeError
+
+STATE_VERSION = 1
+
+
+def _model_configs(model: Any) -> list[Any]:
+    chunks = model if isinstance(model, list | tuple) else [model]
+    out = []
+    for chunk in chunks:
+        inner = chunk
+        while hasattr(inner, "module") and not hasattr(inner, "config"):
+            inner = inner.module
+        cfg = getattr(inner, "config", None)
+        if cfg is not None and all(cfg is not c for c in out):
+            out.append(cfg)
+    return out
+
+
+class Installation:
+    """The hooks of one training run; see the module docstring. Not thread-safe (one per rank).
+
+    Args:
+        client: The rank's `runtime.client.Client` (anything with `step_iterator(step)` and
+            `num_microbatches`).
+        num_model_chunks: Virtual pipeline chunks of this rank (1 without VPP).
+        start_step: First global step to serve (the saved step when resuming).
+    """
+
+    def __init__(self, client: Any, *, num_model_chunks: int = 1, start_step: int = 0) -> None:
+        self.client = client
+        self.num_model_chunks = num_model_chunks
+        self.step = start_step
+        self._patched: list[tuple[Any, str, Any]] = []
+        self.steps_served = 0
+
+    # -- what the schedule sees ----------------------------------------------------
+    def iterators(self, step: int) -> Iterator[Any] | list[Iterator[Any] | None]:
+        it = self.client.step_iterator(step)
+        if self.num_model_chunks == 1:
+            return it
+        # pp > 1 with VPP: on a rank at most one of the data-reading chunks reads, so one
+        # shared iterator serves it and the middle chunks get None.
+        return [it if i in (0, self.num_model_chunks - 1) else None for i in range(self.num_model_chunks)]
+
+    def wrap(self, schedule: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(schedule)
+        def fed_by_service(*args: Any, **kwargs: Any) -> Any:
+            if args:
+                raise ConfigError("call the pipeline schedule with keyword arguments (as megatron does)")
+            want = self.client.num_microbatches
+            if kwargs.get("num_microbatches", want) != want:
+                raise ConfigError(
+                    f"the schedule was asked for {kwargs['num_microbatches']} microbatches but the data service plans "
+                    f"{want} per step: set data.num_microbatches = global_batch_size / (DP * micro_batch_size)"
+                )
+            kwargs["num_microbatches"] = want
+            kwargs["data_iterator"] = self.iterators(self.step)
+            configs = _model_configs(kwargs.get("model", []))
+            saved = [getattr(c, "variable_seq_lengths", False) for c in configs]
+            for c in configs:
+                c.variable_seq_lengths = True
+            try:
+                out = schedule(**kwargs)
+            finally:
+                for c, v in zip(configs, saved, strict=True):
+                    c.variable_seq_lengths = v
+            self.step += 1
+            self.steps_served += 1
+            return out
+
+        fed_by_service.__megascale_original__ = schedule  # type: ignore[attr-defined]
+        return fed_by_service
+
+    # -- install / uninstall -------------------------------------------------------
+    def install(self) -> Installation:
+        from megatron.core import pipeline_parallel
+
+        original = getattr(pipeline_parallel.get_forward_backward_func, "__megascale_original__",
+                           pipeline_parallel.get_forward_backward_func)
+
+        def get_forward_backward_func(*args: Any, **kwargs: Any) -> Callable[..., Any]:
+            return self.wrap(original(*args, **kwargs))
+
+        get_forward_backward_func.__megascale_original__ = original  # type: ignore[attr-defined]
+        for mod in list(sys.modules.values()):
+            if getattr(mod, "get_forward_backward_func", None) is original:
+                self._patch(mod, "get_forward_backward_func", get_forward_backward_func)
+        utils = sys.modules.get("megatron.training.utils")
+        if utils is not None and hasattr(utils, "get_batch_on_this_tp_rank"):
+            self._patch(utils, "get_batch_on_this_tp_rank", _batch_already_broadcast)
+        return self
+
+    def _patch(self, mod: Any, name: str, value: Any) -> None:
+        self._patched.append((mod, name, getattr(mod, name)))
+        setattr(mod, name, value)
+
+    def uninstall(self) -> None:
+        for mod, name, old in reversed(self._patched):
+            setattr(mod, name, old)
+        self._patched.clear()
+
+    @property
+    def installed(self) -> bool:
+        return bool(self._patched)
+
+    # -- state ---------------------------------------------------------------------
+    def state_dict(self) -> dict[str, int]:
+        """The data position to save with a checkpoint: the next global step to serve."""
+        return {"version": STATE_VERSION, "step": self.step}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        if state.get("version") != STATE_VERSION:
+            raise ResumeError(f"data iterator state version {state.get('version')!r} != {STATE_VERSION}")
+        self.step = int(state["step"])
+
+
+def _batch_already_broadcast(data_iterator: Any, *args: Any, **kwargs: Any) -> Any:
+    """Replacement for get_batch_on_this_tp_rank: the client already broadcast over TP."""
+    return next(data_iterator) if data_iterator is not None else None
+
+
+def install(client: Any, *, num_model_chunks: int = 1, start_step: int = 0) -> Installation:
+    """Install the schedule hooks for this rank; returns the (reversible) installation."""
+    return Installation(client, num_model_chunks=num_model_chunks, start_step=start_step).install()

@@ -1,0 +1,97 @@
+"""Schedule hooks with a fake schedule and fake client (no process groups needed)."""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import pytest
+
+pipeline_parallel = pytest.importorskip("megatron.core.pipeline_parallel")
+
+from megascale_data_ext.errors import ConfigError, ResumeError  # noqa: E402
+from megascale_data_ext.megatron.hooks import install  # noqa: E402
+
+
+class FakeClient:
+    num_microbatches = 3
+
+    def step_iterator(self, step):
+        for j in range(self.num_microbatches):
+            yield {"step": step, "mb": j}
+
+
+class Cfg:
+    variable_seq_lengths = False
+
+
+class Chunk:
+    def __init__(self):
+        self.config = Cfg()
+
+
+def fake_schedule(**kwargs):
+    seen = {"varlen": [c.config.variable_seq_lengths for c in kwargs["model"]]}
+    its = kwargs["data_iterator"]
+    its = its if isinstance(its, list) else [its]
+    seen["same"] = len(its) > 1 and its[0] is its[-1]
+    seen["none"] = [it is None for it in its]
+    first = next(it for it in its if it is not None)  # on a rank only one data chunk reads
+    seen["batches"] = [[next(first) for _ in range(kwargs["num_microbatches"])]]
+    return seen
+
+
+@pytest.fixture
+def patched_megatron(monkeypatch):
+    def getter(pp_size=None, vp_size=None):
+        return fake_schedule
+
+    monkeypatch.setattr(pipeline_parallel, "get_forward_backward_func", getter)
+    user = types.ModuleType("user_training_script")
+    user.get_forward_backward_func = getter
+    untouched = types.ModuleType("unrelated")
+    untouched.get_forward_backward_func = lambda: "someone else's"
+    monkeypatch.setitem(sys.modules, "user_training_script", user)
+    monkeypatch.setitem(sys.modules, "unrelated", untouched)
+    return getter, user, untouched
+
+
+def test_install_feeds_each_call_one_step_and_is_reversible(patched_megatron):
+    getter, user, untouched = patched_megatron
+    inst = install(FakeClient(), start_step=5)
+    model = [Chunk()]
+    out = user.get_forward_backward_func()(forward_step_func=None, data_iterator=iter(()), model=model,
+                                           num_microbatches=3, seq_length=64, micro_batch_size=1)
+    assert out["varlen"] == [True]  # set for the call
+    assert model[0].config.variable_seq_lengths is False  # and restored after
+    assert out["batches"] == [[{"step": 5, "mb": j} for j in range(3)]]
+    out = pipeline_parallel.get_forward_backward_func()(model=model, num_microbatches=3, data_iterator=None)
+    assert out["batches"][0][0]["step"] == 6
+    assert inst.state_dict() == {"version": 1, "step": 7}
+    assert untouched.get_forward_backward_func() == "someone else's"
+    inst.uninstall()
+    assert user.get_forward_backward_func is getter and pipeline_parallel.get_forward_backward_func is getter
+
+
+def test_vpp_chunks_get_shared_iterator_on_data_chunks_only(patched_megatron):
+    inst = install(FakeClient(), num_model_chunks=3)
+    try:
+        out = pipeline_parallel.get_forward_backward_func()(model=[Chunk(), Chunk(), Chunk()], num_microbatches=3,
+                                                            data_iterator=None)
+        assert out["none"] == [False, True, False] and out["same"]
+        assert out["batches"][0] == [{"step": 0, "mb": j} for j in range(3)]
+    finally:
+        inst.uninstall()
+
+
+def test_wrong_microbatch_count_and_bad_state_are_refused(patched_megatron):
+    inst = install(FakeClient())
+    try:
+        with pytest.raises(ConfigError, match="data.num_microbatches"):
+            pipeline_parallel.get_forward_backward_func()(model=[Chunk()], num_microbatches=4, data_iterator=None)
+        with pytest.raises(ResumeError, match="version"):
+            inst.load_state_dict({"step": 3})
+        inst.load_state_dict({"version": 1, "step": 3})
+        assert inst.step == 3
+    finally:
+        inst.uninstall()
