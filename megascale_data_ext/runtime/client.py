@@ -96,7 +96,11 @@ class Client:
             bucket = tree.buckets(axis).bucket_of_rank(rank)
             self._handle = ray.get_actor(f"constructor/{bucket // constructor_group}", namespace=namespace)
 
-    def _fetch(self, step: int, microbatch: int) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    def fetch(self, step: int, microbatch: int) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+        """Pull one microbatch from the constructor (fetching ranks only), no TP broadcast.
+
+        For callers that broadcast themselves (Megatron-LM's `get_batch_on_this_tp_rank`).
+        """
         import ray
 
         t0 = time.perf_counter()
@@ -123,7 +127,7 @@ class Client:
             return None
         batch = info = None
         if self.fetches:
-            raw, info = self._fetch(step, microbatch)
+            raw, info = self.fetch(step, microbatch)
             batch = to_torch(raw)
         if self.tree.tp > 1:
             batch, info = self._broadcast(batch, info)
