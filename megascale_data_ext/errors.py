@@ -23,6 +23,14 @@ class PlanError(MegascaleDataError):
     """The planner cannot build a plan for a step (e.g. a sample that fits no microbatch)."""
 
 
+class CapacityError(PlanError):
+    """A step's samples do not fit its microbatch bins (too many tokens for DP x m x cap).
+
+    The Planner defers the samples that do not fit to the next step (`overflow="defer"`)
+    or raises this (`overflow="error"`).
+    """
+
+
 class SourceError(MegascaleDataError):
     """A source cannot be opened or read: missing/corrupt file, wrong columns, empty source."""
 

@@ -29,7 +29,7 @@ from typing import Literal, Protocol, get_args
 
 import numpy as np
 
-from megascale_data_ext.errors import ConfigError, PlanError
+from megascale_data_ext.errors import CapacityError, ConfigError, PlanError
 
 __all__ = [
     "BalanceResult",
@@ -113,7 +113,7 @@ def _no_room(i: int, tokens: np.ndarray | None, bins: _Bins) -> PlanError:
             f"(context length / micro-batch token budget), or truncate or split that sample before balancing"
         )
     used = "" if bins.tok is None else f" (bins hold {int(bins.tok.sum())} tokens, cap {cap:g} each)"
-    return PlanError(
+    return CapacityError(
         f"item {i}" + ("" if tokens is None else f" ({int(tokens[i])} tokens)") + f" fits no bin{used}: "
         "the step has more tokens than its bins can hold; add micro-batches, raise the cap or sample fewer tokens"
     )

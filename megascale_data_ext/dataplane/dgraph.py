@@ -121,7 +121,7 @@ class _GraphBase:
         try:
             res = self._balance_step(costs, groups, method, level, num_microbatches, cap, keep_order)
         except PlanError as exc:
-            raise PlanError(f"step {self.step}: {exc} [{self._describe_rows(exc)}]") from exc
+            raise type(exc)(f"step {self.step}: {exc} [{self._describe_rows(exc)}]") from exc
         self.bucket, self.microbatch = res.bucket.astype(np.int64), res.microbatch.astype(np.int64)
         self.num_microbatches = num_microbatches
         self.costs = costs

@@ -161,6 +161,25 @@ class Mixer:
         self._next_step, self._last = int(step) + 1, (int(step), int(batch_size), c)
         return c.copy()
 
+    def settle(self, step: int, counts: np.ndarray) -> None:
+        """Record that `step` took only `counts` (<= what `counts()` gave), e.g. after the
+        Planner deferred samples that did not fit the step's microbatches.
+
+        The shortfall leaves the cumulative target too, so the deferred samples' sources are
+        not over-served later: the mixture stays exact over the samples actually delivered.
+        """
+        c = np.asarray(counts, dtype=np.int64)
+        if self._last is None or self._last[0] != step:
+            raise PlanError(f"settle({step}) must follow counts({step}) for the same step")
+        given = self._last[2]
+        if c.shape != given.shape or np.any(c < 0) or np.any(c > given):
+            raise PlanError(f"settled counts {c.tolist()} must be within the allocated {given.tolist()}")
+        w = np.asarray(self.schedule.weights(step), dtype=np.float64)
+        w = w / w.sum()
+        self._target -= w * float(given.sum() - c.sum())
+        self._consumed += c - given
+        self._last = (int(step), int(c.sum()), c.copy())
+
     def order(self, step: int, counts: np.ndarray) -> np.ndarray:
         """Source index of each sample of ``step``'s global batch, interleaved.
 

@@ -99,9 +99,18 @@ def register_strategy(name: str, factory: Callable[..., Strategy]) -> None:
 
 def build_strategy(name: str, **kwargs: Any) -> Strategy:
     """Build a registered strategy; `vlm_balance` takes the backbone's fields flat."""
-    if name not in STRATEGIES:
+    factory = STRATEGIES.get(name)
+    if factory is None and "." in name:  # a `_target_` path: importable in every actor process
+        import importlib
+
+        module, _, attr = name.rpartition(".")
+        try:
+            factory = getattr(importlib.import_module(module), attr)
+        except (ImportError, AttributeError) as exc:
+            raise ConfigError(f"strategy {name!r} cannot be imported: {exc}") from exc
+    if factory is None:
         raise ConfigError(f"strategy {name!r} is not registered; known strategies: {sorted(STRATEGIES)}")
-    return STRATEGIES[name](**kwargs)
+    return factory(**kwargs)
 
 
 def _vlm_factory(

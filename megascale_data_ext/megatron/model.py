@@ -383,8 +383,13 @@ def train_step(
     """
     if num_microbatches < 1:
         raise ConfigError(f"`num_microbatches` must be >= 1, got {num_microbatches}")
-    if data_iterators is None or isinstance(data_iterators, Iterator):
-        data_iterators = [data_iterators] * len(model_chunks)
+    if data_iterators is None:
+        data_iterators = [None] * len(model_chunks)
+    elif isinstance(data_iterators, Iterator):
+        if len(model_chunks) != 1:
+            raise ConfigError(f"got one data iterator for {len(model_chunks)} model chunks (VPP); "
+                              "pass a list with one iterator per chunk")
+        data_iterators = [data_iterators]
     if len(data_iterators) != len(model_chunks):
         raise ConfigError(f"got {len(data_iterators)} data iterators for {len(model_chunks)} model chunks; "
                           "pass one per chunk (None for chunks that read no data)")

@@ -42,6 +42,7 @@ def serve(service_config: Any, tree: Any, *, state: dict | None, ray_kwargs: dic
     dist.broadcast_object_list(payload, src=0)
     if isinstance(payload[0], Exception):
         raise payload[0]
+    payload[0].apply_env()
     return service, payload[0]
 
 
@@ -161,9 +162,14 @@ def pretrain_gpt(cfg: Any) -> list[dict]:
                       f"{result['num_tokens'] / dt:,.0f} loss-tokens/s | fetch p50 {p50:.1f} ms | {dt:.2f} s", flush=True)
             if save_dir and interval and (step + 1) % interval == 0:
                 save_checkpoint(save_dir, step + 1, chunks, optimizer, hooks, service)
-    finally:
+    except BaseException:
+        # No barrier here: peers may be blocked in a collective; torchrun tears the job down.
         hooks.uninstall()
-        dist.barrier()
         if service is not None:
             service.stop()
+        raise
+    hooks.uninstall()
+    dist.barrier()
+    if service is not None:
+        service.stop()
     return log

@@ -29,6 +29,9 @@ class ServiceConfig:
         strategy_args: Keyword arguments of the strategy (model, method, level, ...).
         mixing: Mixing schedule mapping for `mixing.build_schedule` (default: source weights).
         mix_mode: "deterministic" (Megatron-like error minimisation) or "random".
+        overflow: "defer": samples of a step that do not fit DP x num_microbatches x seq_length
+            tokens wait for the next step (`samples_per_step` is then a maximum); "error": stop
+            with a CapacityError naming the sample.
         shuffle: Shuffle each source's order per epoch (seeded).
         buffer_size: Samples per source whose metadata the planner may look at.
         prefetch: Steps planned and assembled ahead of the trainer.
@@ -54,6 +57,7 @@ class ServiceConfig:
     constructor_group: int = 1
     with_attention_mask: bool = True
     pad_to_multiple_of: int = 8
+    overflow: str = "defer"
     namespace: str = "megascale"
     ray_address: str | None = None
 
@@ -73,6 +77,8 @@ class ServiceConfig:
                 problems.append(f"`{key}` must be a positive integer, got {value!r}")
         if self.mix_mode not in ("deterministic", "random"):
             problems.append(f"`mix_mode` must be 'deterministic' or 'random', got {self.mix_mode!r}")
+        if self.overflow not in ("defer", "error"):
+            problems.append(f"`overflow` must be 'defer' or 'error', got {self.overflow!r}")
         if problems:
             raise ConfigError("invalid data service config:\n  - " + "\n  - ".join(problems))
 
@@ -97,6 +103,7 @@ class ServiceConfig:
             "mixing": json.dumps(self.mixing_config(), sort_keys=True, default=str),
             "mix_mode": self.mix_mode,
             "shuffle": self.shuffle,
+            "overflow": self.overflow,
         }
 
     def digest(self) -> str:

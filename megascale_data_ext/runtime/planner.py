@@ -27,7 +27,7 @@ from megascale_data_ext.dataplane.placetree import ClientPlaceTree
 from megascale_data_ext.dataplane.plan import LoaderPlan, StepPlan
 from megascale_data_ext.dataplane.strategies import build_strategy
 from megascale_data_ext.dataplane.summary import BufferSummary, SourceSummary
-from megascale_data_ext.errors import ResumeError
+from megascale_data_ext.errors import CapacityError, ResumeError
 from megascale_data_ext.runtime.config import ServiceConfig
 
 STATE_VERSION = 1
@@ -89,9 +89,15 @@ class Planner:
         self._states[step] = self._snapshot()
         window = self.config.buffer_size
         summaries = [self.summarize(s, int(self.cursors[s]), window) for s in range(len(self.cursors))]
-        graph = DGraph.from_summary(BufferSummary.of(summaries), self.tree, step=step)
-        graph = graph.mix(self.mixer, batch_size=self.config.samples_per_step)
-        plan = self.strategy(graph).plan()
+        buffer = BufferSummary.of(summaries)
+        graph = DGraph.from_summary(buffer, self.tree, step=step).mix(self.mixer, batch_size=self.config.samples_per_step)
+        try:
+            plan = self.strategy(graph).plan()
+        except CapacityError:
+            if self.config.overflow != "defer":
+                raise
+            plan = self._fit(buffer, graph, step)
+            self.mixer.settle(step, plan.counts_per_source())
         self.cursors += plan.counts_per_source()
         self.plans[step] = plan
         self.next_step = step + 1
@@ -99,6 +105,24 @@ class Planner:
             self.plans.pop(old, None)
             self._states.pop(old, None)
         return plan
+
+    def _fit(self, buffer: BufferSummary, mixed: DGraph, step: int) -> StepPlan:
+        """Plan the longest prefix of the step's mixed order that fits its microbatches.
+
+        A prefix of the mix order is, for every source, a prefix of its stream, so the
+        deferred samples are exactly the next ones each source serves: none lost or repeated.
+        """
+        rows, tokens = mixed.selected, mixed.cols["seq_len"]
+        axis = self.config.strategy_args.get("axis", "DP")
+        capacity = self.tree.buckets(axis).num_buckets * self.config.num_microbatches * self.config.seq_length
+        n = int(np.searchsorted(np.cumsum(tokens), capacity, side="right"))
+        while n > 0:
+            graph = DGraph.from_summary(buffer, self.tree, step=step).select(rows[:n], note="mix-fit")
+            try:
+                return self.strategy(graph).plan()
+            except CapacityError:
+                n = min(n - 1, int(n * 0.9))
+        raise CapacityError(f"step {step}: not even one sample fits {capacity} tokens of microbatches")
 
     def plan(self, step: int) -> StepPlan:
         with self._lock:

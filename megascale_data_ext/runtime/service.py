@@ -9,7 +9,7 @@ to travel to torchrun.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+import os
 from typing import Any
 
 import ray
@@ -17,20 +17,8 @@ import ray
 from megascale_data_ext.dataplane.placetree import ClientPlaceTree
 from megascale_data_ext.runtime.actors import DataConstructorActor, PlannerActor, SourceLoaderActor
 from megascale_data_ext.runtime.config import ServiceConfig
+from megascale_data_ext.runtime.handles import ServiceHandles
 from megascale_data_ext.sources.tokenizer import load_tokenizer
-
-
-@dataclass(slots=True, kw_only=True)
-class ServiceHandles:
-    """What a client needs to reach the service: Ray address, namespace, actor layout."""
-
-    address: str
-    namespace: str
-    num_constructors: int
-    constructor_group: int
-
-    def constructor_for_bucket(self, bucket: int) -> str:
-        return f"constructor/{bucket // self.constructor_group}"
 
 
 class DataService:
@@ -86,6 +74,7 @@ class DataService:
             namespace=ns,
             num_constructors=len(self.constructors),
             constructor_group=g,
+            ray_env={k: v for k, v in os.environ.items() if k.startswith("RAY_AUTH_")},
         )
 
     def plan_summary(self, step: int) -> dict:

@@ -27,6 +27,10 @@ from tests.dist.train_gpt_cpu import expected_num_tokens, make_microbatch
 SCRIPT = Path(__file__).resolve().parents[1] / "dist" / "train_gpt_cpu.py"
 STEPS = 10
 SEQ, VOCAB = 64, 512
+# Every run sees the same global batch: the DP=2 run's 2 x 4 microbatches. Runs with DP=1
+# play both DP ranks' data (8 microbatches), so all layouts compare with one reference.
+GLOBAL_BATCH_AS_DP1 = ("--emulate-dp", "2", "--num-microbatches", "8")
+TOKENS = expected_num_tokens(dp_size=2, num_microbatches=4, step=0, seq_length=SEQ, vocab_size=VOCAB)
 
 
 @pytest.fixture
@@ -122,7 +126,9 @@ class _StubStage(torch.nn.Module):
 
     def forward(self, tokens: Any, position_ids: Any, attention_mask: Any, labels: Any = None) -> torch.Tensor:
         self.calls.append((tokens, position_ids, attention_mask, labels))
-        return torch.arange(labels.numel(), dtype=torch.float32).view_as(labels) if labels is not None else torch.zeros(1)
+        if labels is None:
+            return torch.zeros(1)
+        return torch.arange(labels.numel(), dtype=torch.float32).view_as(labels)  # a known "per-token loss"
 
 
 def test_forward_step_converts_numpy_batches_per_stage() -> None:
@@ -175,8 +181,8 @@ def _losses(records: list[dict[str, Any]]) -> list[float]:
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    """Single-process TP1·PP1 run on DP rank 0's batch."""
-    return _train(tmp_path_factory.mktemp("ref"), "ref", 1, "--tp", "1", "--pp", "1")
+    """Single-process TP1·PP1 run on the global batch."""
+    return _train(tmp_path_factory.mktemp("ref"), "ref", 1, "--tp", "1", "--pp", "1", *GLOBAL_BATCH_AS_DP1)
 
 
 def _assert_matches(records: list[dict[str, Any]], reference: list[dict[str, Any]]) -> None:
@@ -189,28 +195,27 @@ def _assert_matches(records: list[dict[str, Any]], reference: list[dict[str, Any
 
 @pytest.mark.slow
 def test_tp2_pp2_trains_and_matches_single_process(tmp_path: Path, reference: list[dict[str, Any]]) -> None:
-    records = _train(tmp_path, "tp2pp2", 4, "--tp", "2", "--pp", "2")
+    records = _train(tmp_path, "tp2pp2", 4, "--tp", "2", "--pp", "2", *GLOBAL_BATCH_AS_DP1)
     assert sorted((r["tp_rank"], r["pp_rank"]) for r in records) == [(0, 0), (0, 1), (1, 0), (1, 1)]
     losses = _losses(records)
     assert all(math.isfinite(x) for x in losses)
     assert losses[0] == pytest.approx(math.log(VOCAB), abs=0.1)  # untrained: uniform over the vocab
     assert losses[-1] < losses[0] - 1.0 and all(b < a for a, b in zip(losses[2:], losses[3:]))
-    tokens = expected_num_tokens(dp_size=1, num_microbatches=4, step=0, seq_length=SEQ, vocab_size=VOCAB)
-    assert all(step["num_tokens"] == tokens for step in records[0]["steps"])
+    assert all(step["num_tokens"] == TOKENS for step in records[0]["steps"])
     _assert_matches(records, reference)
 
 
 @pytest.mark.slow
 def test_pp2_vpp2_interleaved_matches_single_process(tmp_path: Path, reference: list[dict[str, Any]]) -> None:
-    _assert_matches(_train(tmp_path, "pp2vpp2", 2, "--tp", "1", "--pp", "2", "--vpp", "2", steps=4), reference)
+    records = _train(tmp_path, "pp2vpp2", 2, "--tp", "1", "--pp", "2", "--vpp", "2", *GLOBAL_BATCH_AS_DP1, steps=4)
+    _assert_matches(records, reference)
 
 
 @pytest.mark.slow
-def test_tp2_dp2_matches_single_process_on_the_same_global_batch(tmp_path: Path) -> None:
-    records = _train(tmp_path, "tp2dp2", 4, "--tp", "2", "--pp", "1", steps=4)
+def test_tp2_dp2_matches_single_process_on_the_same_global_batch(
+    tmp_path: Path, reference: list[dict[str, Any]]
+) -> None:
+    records = _train(tmp_path, "tp2dp2", 4, "--tp", "2", "--pp", "1", "--num-microbatches", "4", steps=4)
     assert sorted(r["dp_rank"] for r in records) == [0, 0, 1, 1] and records[0]["dp_size"] == 2
-    tokens = expected_num_tokens(dp_size=2, num_microbatches=4, step=0, seq_length=SEQ, vocab_size=VOCAB)
-    assert records[0]["steps"][0]["num_tokens"] == tokens
-    single = _train(tmp_path, "ref_dp2", 1, "--tp", "1", "--pp", "1", "--emulate-dp", "2", "--num-microbatches", "8",
-                    steps=4)
-    _assert_matches(records, single)
+    assert records[0]["steps"][0]["num_tokens"] == TOKENS  # summed over both DP ranks
+    _assert_matches(records, reference)

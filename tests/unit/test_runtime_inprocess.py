@@ -129,3 +129,21 @@ def test_cp_slices_reassemble_the_packed_sequence(specs):
     again = reassemble_cp(slices, 2)
     for field in ("tokens", "labels", "loss_mask", "position_ids"):
         np.testing.assert_array_equal(again[field], full[field])
+
+
+def test_overflowing_steps_defer_samples_without_losing_any(specs):
+    """A batch larger than DP x m x seq_length: the planner defers what does not fit."""
+    tree = ClientPlaceTree.from_sizes(dp=2)
+    cfg, loaders, planner, cons = wire(specs, tree, samples_per_step=40, num_microbatches=1, seq_length=1024)
+    got = consume(tree, cons, 6)
+    keys = [k for (step, rank), (ks, _) in sorted(got.items()) for k in ks]
+    assert len(keys) == len(set(keys))
+    per_step = [planner.plan(s).num_samples for s in range(6)]
+    assert max(per_step) < 40  # deferral happened
+    for s in range(len(specs)):  # each source's stream stays a gap-free prefix
+        pos = sorted(p for src, p, _ in keys if src == s)
+        assert pos == list(range(len(pos)))
+    assert all(planner.plan(s).bin_tokens().max() <= 1024 for s in range(6))
+    with pytest.raises(Exception, match="fits no bin"):
+        _, _, strict, _ = wire(specs, tree, samples_per_step=40, num_microbatches=1, seq_length=1024, overflow="error")
+        strict.plan(0)
