@@ -53,9 +53,18 @@ class Installation:
         start_step: First global step to serve (the saved step when resuming).
     """
 
-    def __init__(self, client: Any, *, num_model_chunks: int = 1, start_step: int = 0) -> None:
+    def __init__(
+        self, client: Any, *, num_model_chunks: int = 1, start_step: int = 0, pp_rank: int | None = None,
+        pp_size: int | None = None,
+    ) -> None:
         self.client = client
         self.num_model_chunks = num_model_chunks
+        if num_model_chunks > 1 and (pp_rank is None or pp_size is None):
+            from megatron.core import parallel_state
+
+            pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+            pp_size = parallel_state.get_pipeline_model_parallel_world_size()
+        self.pp_rank, self.pp_size = pp_rank, pp_size
         self.step = start_step
         self._patched: list[tuple[Any, str, Any]] = []
         self.steps_served = 0
@@ -65,9 +74,14 @@ class Installation:
         it = self.client.step_iterator(step)
         if self.num_model_chunks == 1:
             return it
-        # pp > 1 with VPP: on a rank at most one of the data-reading chunks reads, so one
-        # shared iterator serves it and the middle chunks get None.
-        return [it if i in (0, self.num_model_chunks - 1) else None for i in range(self.num_model_chunks)]
+        # With VPP only chunk 0 of the first pipeline rank and the last chunk of the last
+        # pipeline rank hold the embedding / the loss; every other chunk is a middle stage.
+        reads = set()
+        if self.pp_rank == 0:
+            reads.add(0)
+        if self.pp_rank == self.pp_size - 1:
+            reads.add(self.num_model_chunks - 1)
+        return [it if i in reads else None for i in range(self.num_model_chunks)]
 
     def wrap(self, schedule: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(schedule)
@@ -146,6 +160,14 @@ def _batch_already_broadcast(data_iterator: Any, *args: Any, **kwargs: Any) -> A
     return next(data_iterator) if data_iterator is not None else None
 
 
-def install(client: Any, *, num_model_chunks: int = 1, start_step: int = 0) -> Installation:
-    """Install the schedule hooks for this rank; returns the (reversible) installation."""
-    return Installation(client, num_model_chunks=num_model_chunks, start_step=start_step).install()
+def install(
+    client: Any, *, num_model_chunks: int = 1, start_step: int = 0, pp_rank: int | None = None,
+    pp_size: int | None = None,
+) -> Installation:
+    """Install the schedule hooks for this rank; returns the (reversible) installation.
+
+    With VPP (`num_model_chunks` > 1) the pipeline rank decides which chunk reads data; it is
+    read from Megatron's `parallel_state` unless `pp_rank`/`pp_size` are given.
+    """
+    return Installation(client, num_model_chunks=num_model_chunks, start_step=start_step, pp_rank=pp_rank,
+                        pp_size=pp_size).install()

@@ -25,7 +25,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--pp", type=int, default=1)
     p.add_argument("--cp", type=int, default=1)
-    p.add_argument("--vpp", type=int, default=None)
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--start-step", type=int, default=0)
     p.add_argument("--num-microbatches", type=int, required=True)
@@ -53,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     vocab = -(-args.vocab_size // (64 * args.tp)) * 64 * args.tp  # pad like --make-vocab-size-divisible-by
     cfg = GPTModelConfig(
         vocab_size=vocab, hidden_size=args.hidden, num_layers=args.layers, num_attention_heads=args.heads,
-        seq_length=args.seq_length, tp=args.tp, pp=args.pp, cp=1, vpp=args.vpp,
+        seq_length=args.seq_length, tp=args.tp, pp=args.pp, cp=1,
     )
     if args.cp > 1:
         # The local (non-TE) attention has no CP; the data path still slices per CP rank.
@@ -94,8 +93,7 @@ def main(argv: list[str] | None = None) -> int:
                 tokens += 0 if batch is None else int(batch.get("tokens", batch.get("labels")).numel())
             result = {"loss": float("nan"), "num_tokens": float(tokens)}
         else:
-            iters = _vpp_iterators(client, step, len(chunks)) if args.vpp else client.step_iterator(step)
-            result = train_step(chunks, optimizer, iters, num_microbatches=args.num_microbatches,
+            result = train_step(chunks, optimizer, client.step_iterator(step), num_microbatches=args.num_microbatches,
                                 seq_length=args.seq_length)
         dt = time.perf_counter() - t0
         infos = client.delivered[n_before:]
@@ -128,17 +126,6 @@ def main(argv: list[str] | None = None) -> int:
     dist.barrier()
     dist.destroy_process_group()
     return 0
-
-
-def _vpp_iterators(client, step: int, num_chunks: int):
-    """Per-chunk iterators for interleaved pipelining.
-
-    Only the first virtual chunk (on the first stage) and the last one (on the last stage)
-    read data, and on one rank at most one of them does (pp > 1 with VPP), so one shared
-    iterator per step serves the rank and the other chunks get None.
-    """
-    shared = client.step_iterator(step)
-    return [shared if i in (0, num_chunks - 1) else None for i in range(num_chunks)]
 
 
 if __name__ == "__main__":

@@ -74,14 +74,16 @@ def test_install_feeds_each_call_one_step_and_is_reversible(patched_megatron):
 
 
 def test_vpp_chunks_get_shared_iterator_on_data_chunks_only(patched_megatron):
-    inst = install(FakeClient(), num_model_chunks=3)
-    try:
-        out = pipeline_parallel.get_forward_backward_func()(model=[Chunk(), Chunk(), Chunk()], num_microbatches=3,
-                                                            data_iterator=None)
-        assert out["none"] == [False, True, False] and out["same"]
-        assert out["batches"][0] == [{"step": 0, "mb": j} for j in range(3)]
-    finally:
-        inst.uninstall()
+    for pp_rank, pp_size, want in ((0, 2, [False, True, True]), (1, 2, [True, True, False]),
+                                   (0, 1, [False, True, False])):
+        inst = install(FakeClient(), num_model_chunks=3, pp_rank=pp_rank, pp_size=pp_size)
+        try:
+            out = pipeline_parallel.get_forward_backward_func()(model=[Chunk(), Chunk(), Chunk()], num_microbatches=3,
+                                                                data_iterator=None)
+            assert out["none"] == want
+            assert out["batches"][0] == [{"step": 0, "mb": j} for j in range(3)]
+        finally:
+            inst.uninstall()
 
 
 def test_wrong_microbatch_count_and_bad_state_are_refused(patched_megatron):
