@@ -21,6 +21,27 @@ from megascale_data_ext.runtime.handles import ServiceHandles
 from megascale_data_ext.sources.tokenizer import load_tokenizer
 
 
+def check_sources(specs: list) -> None:
+    """Open every source once in the driver so a bad one fails here, named, before any actor starts.
+
+    Reads only what opening reads (Parquet footers, Megatron index headers); raises the
+    source's own SourceError (file, source and what to do) or one listing empty sources.
+    """
+    from megascale_data_ext.errors import SourceError
+    from megascale_data_ext.sources.registry import open_source
+
+    empty = []
+    for spec in specs:
+        src = open_source(spec)
+        try:
+            if len(src) == 0:
+                empty.append(f"{spec.name!r} ({', '.join(spec.paths)})")
+        finally:
+            src.close()
+    if empty:
+        raise SourceError(f"empty sources: {', '.join(empty)}; give them data or remove them from `sources`")
+
+
 class DataService:
     """Owns the actors of one data service; `start()` returns once every actor is ready."""
 
@@ -42,6 +63,7 @@ class DataService:
                      include_dashboard=False, log_to_driver=True, configure_logging=False)
             self._owns_ray = True
         ns = cfg.namespace
+        check_sources(cfg.sources)
         self.loaders = [
             SourceLoaderActor.options(name=f"loader/{i}", namespace=ns).remote(
                 i, spec, cfg.seed, cfg.shuffle

@@ -147,3 +147,42 @@ def test_overflowing_steps_defer_samples_without_losing_any(specs):
     with pytest.raises(Exception, match="fits no bin"):
         _, _, strict, _ = wire(specs, tree, samples_per_step=40, num_microbatches=1, seq_length=1024, overflow="error")
         strict.plan(0)
+
+
+def test_bad_source_files_fail_at_start_naming_the_file(tmp_path, specs):
+    from megascale_data_ext.errors import SourceError
+    from megascale_data_ext.runtime.service import check_sources
+    from megascale_data_ext.sources.base import SourceSpec
+
+    bad = tmp_path / "broken.parquet"
+    bad.write_bytes(b"PAR1 this is not a parquet file")
+    with pytest.raises(SourceError, match="broken.parquet"):
+        check_sources([*specs, SourceSpec(name="broken", format="parquet", paths=[str(bad)])])
+    with pytest.raises(SourceError, match="nowhere"):
+        check_sources([SourceSpec(name="gone", format="parquet", paths=[str(tmp_path / "nowhere.parquet")])])
+
+
+def test_undecodable_images_are_skipped_counted_and_accounted(tmp_path, specs):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from megascale_data_ext.sources.base import SourceSpec
+    from megascale_data_ext.sources.images import synthetic_jpeg
+
+    n = 30
+    images = [[b"\x00not an image"] if i % 10 == 3 else [synthetic_jpeg(48, 32, seed=i)] for i in range(n)]
+    table = pa.table({"text": [f"caption {i}" for i in range(n)], "image": images})
+    pq.write_table(table, tmp_path / "img.parquet")
+    src = SourceSpec(name="shaky", format="parquet", paths=[str(tmp_path / "img.parquet")], image_column="image",
+                     max_bad_fraction=0.5)
+    tree = ClientPlaceTree.from_sizes(dp=2)
+    cfg, loaders, planner, cons = wire([specs[0], src], tree, samples_per_step=12)
+    got = consume(tree, cons, 4)
+    delivered = {k for ks, _ in got.values() for k in ks}
+    skipped = {(s, p) for c in cons for (_, s, p, _) in c.skipped}
+    planned = {(int(s), int(p)) for step in range(4) for s, p in zip(planner.plan(step).source,
+                                                                      planner.plan(step).position, strict=True)}
+    assert skipped and all(s == 1 for s, _ in skipped)
+    assert {(s, p) for s, p, _ in delivered} | skipped == planned  # none lost: delivered or counted as skipped
+    assert not ({(s, p) for s, p, _ in delivered} & skipped)
+    assert sum(ld.skipped_total for ld in loaders) == len(skipped)
