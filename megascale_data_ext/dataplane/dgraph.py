@@ -85,6 +85,7 @@ class _GraphBase:
         self.bucket: np.ndarray | None = None
         self.microbatch: np.ndarray | None = None
         self.num_microbatches = 1
+        self.cap: int | None = None
 
     def __len__(self) -> int:
         return int(len(next(iter(self.cols.values())))) if self.cols else 0
@@ -124,6 +125,7 @@ class _GraphBase:
             raise type(exc)(f"step {self.step}: {exc} [{self._describe_rows(exc)}]") from exc
         self.bucket, self.microbatch = res.bucket.astype(np.int64), res.microbatch.astype(np.int64)
         self.num_microbatches = num_microbatches
+        self.cap = cap
         self.costs = costs
         self._record(f"balance({method!r}, level={level!r}, m={num_microbatches}, cap={cap}, keep_order={keep_order})")
         return self
@@ -300,6 +302,7 @@ class DGraph(_GraphBase):
             broadcast_dims=self.broadcast_dims,
             encoder=self.encoder.to_encoder_plan() if self.encoder is not None and self.encoder.bucket is not None else None,
             lineage=tuple(self.lineage + (self.encoder.lineage if self.encoder is not None else [])),
+            cap=self.cap,
         )
 
     # -- inspection -------------------------------------------------------------------

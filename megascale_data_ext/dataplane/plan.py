@@ -42,6 +42,7 @@ class ConstructorPlan:
     bucket: int
     microbatches: list[list[SampleRef]]
     ranks: tuple[int, ...]
+    cap: int | None = None  # token cap the planner packed under; None = no cap (vanilla)
 
 
 @dataclass(slots=True, kw_only=True)
@@ -88,6 +89,7 @@ class StepPlan:
     broadcast_dims: tuple[str, ...] = ()
     encoder: EncoderPlan | None = None
     lineage: tuple[str, ...] = field(default=())
+    cap: int | None = None
 
     @property
     def num_samples(self) -> int:
@@ -142,7 +144,8 @@ class StepPlan:
             mbs[int(self.microbatch[r])].append(
                 SampleRef(source=int(self.source[r]), position=int(self.position[r]), index=int(self.index[r]))
             )
-        return ConstructorPlan(step=self.step, bucket=bucket, microbatches=mbs, ranks=self.bucket_ranks[bucket])
+        return ConstructorPlan(step=self.step, bucket=bucket, microbatches=mbs, ranks=self.bucket_ranks[bucket],
+                               cap=self.cap)
 
     def summary(self) -> dict[str, float | int | list[int]]:
         """Numbers worth printing per step: sizes, balance and per-source counts."""

@@ -6,9 +6,16 @@ them, packs each microbatch (THD with `cu_seqlens`, labels, loss mask, reset pos
 optional attention mask), and answers each fetching client with its parallelism transform:
 CP slice of its cp rank, fields of its PP stage.
 
+Hybrid (VLM, paper Alg. 2) steps also carry an `EncoderPlan`: every image of the step goes
+to one encoder rank over WORLD. A constructor keeps the decoded patches of its buckets'
+images per encoder rank and hands them out with `get_encoder_images(step, rank)`; every rank
+asks every constructor, so the union over constructors is that rank's encoder share.
+
 Thread contract: `get` is called concurrently by clients while a prefetch thread builds the
 next steps; built steps live in `_built` until every fetching client has taken every
-microbatch, which bounds memory to `prefetch` steps.
+microbatch, which bounds memory to `prefetch` steps. Encoder images live in `_images` until
+every rank took its share, and at most `image_steps_kept` steps of them are kept (older ones
+are dropped: a loop that never asks for encoder images does not leak them).
 """
 
 from __future__ import annotations
@@ -25,11 +32,62 @@ from megascale_data_ext.dataplane.cp_slicing import slice_for_cp
 from megascale_data_ext.dataplane.microbatch import fields_for_stage
 from megascale_data_ext.dataplane.packing import pack_microbatch
 from megascale_data_ext.dataplane.placetree import ClientPlaceTree
-from megascale_data_ext.dataplane.plan import ConstructorPlan
+from megascale_data_ext.dataplane.plan import ConstructorPlan, StepPlan
+from megascale_data_ext.errors import PlanError
 from megascale_data_ext.runtime.config import ServiceConfig
 
 FetchFn = Callable[[int, int, list[int]], dict[str, list]]
 """(source_id, step, buckets) -> a loader's `fetch` result."""
+
+EncoderImages = tuple[np.ndarray, np.ndarray, np.ndarray]
+"""``(patches float32 [P, patch_dim], seqlens int32 [n], keys int64 [n, 3])``; key = (source, position, image)."""
+
+
+@dataclass(slots=True, kw_only=True)
+class EncoderRows:
+    """The EncoderPlan rows of some DP buckets' samples, in plan order (one row per image).
+
+    Shipped from the Planner to a constructor; ``rank`` is the encoder bucket, i.e. the
+    global rank that encodes the image when the encoder axis is WORLD.
+    """
+
+    source: np.ndarray  # int64
+    position: np.ndarray  # int64 stream position of the image's sample
+    image: np.ndarray  # int64 image number inside its sample
+    patches: np.ndarray  # int64 planned patch count
+    rank: np.ndarray  # int64 encoder bucket
+    num_ranks: int
+
+    def keys(self) -> np.ndarray:
+        return np.stack([self.source, self.position, self.image], axis=1).astype(np.int64).reshape(-1, 3)
+
+
+def encoder_rows(plan: StepPlan, buckets: Sequence[int]) -> EncoderRows | None:
+    """The images of `buckets`' samples and their encoder ranks; None for a plan without encoder."""
+    enc = plan.encoder
+    if enc is None:
+        return None
+    sel = np.flatnonzero(np.isin(plan.bucket[enc.sample], np.asarray(list(buckets), dtype=np.int64)))
+    rows = enc.sample[sel]
+    return EncoderRows(
+        source=plan.source[rows].astype(np.int64),
+        position=plan.position[rows].astype(np.int64),
+        image=enc.image[sel].astype(np.int64),
+        patches=enc.patches[sel].astype(np.int64),
+        rank=enc.bucket[sel].astype(np.int64),
+        num_ranks=int(enc.num_buckets),
+    )
+
+
+def _empty_images(patch_dim: int) -> EncoderImages:
+    return (np.zeros((0, patch_dim), np.float32), np.zeros(0, np.int32), np.zeros((0, 3), np.int64))
+
+
+@dataclass(slots=True)
+class _ImageStep:
+    per_rank: dict[int, EncoderImages]
+    remaining: set[int]
+    patch_dim: int
 
 
 @dataclass(slots=True)
@@ -50,6 +108,10 @@ class DataConstructor:
         fetch: ``(source_id, step, buckets) -> samples`` (a Source Loader).
         pad_id: Padding / masked-label token.
         image_token_id: Image placeholder token (VLM); None for text-only.
+        decode: Optional per-sample transform applied before packing (deferred image decoding).
+        get_encoder_plan: ``(step, buckets) -> EncoderRows | None`` (the Planner); given, the
+            constructor keeps each step's images per encoder rank for `get_encoder_images`.
+        image_steps_kept: Most steps of encoder images kept while some rank has not taken its share.
     """
 
     def __init__(
@@ -63,6 +125,8 @@ class DataConstructor:
         pad_id: int,
         image_token_id: int | None = None,
         decode: Callable[[Any], Any] | None = None,
+        get_encoder_plan: Callable[[int, list[int]], EncoderRows | None] | None = None,
+        image_steps_kept: int | None = None,
     ) -> None:
         self.buckets = list(buckets)
         self.config = config
@@ -76,6 +140,9 @@ class DataConstructor:
         self.layout = tree.buckets(axis)
         fetchers = set(tree.with_broadcast(("tp",)).fetch_ranks(axis))
         self.fetchers = {b: sorted(set(self.layout.bucket_ranks[b]) & fetchers) for b in self.buckets}
+        self.get_encoder_plan = get_encoder_plan
+        self.image_steps_kept = image_steps_kept or max(4, 2 * config.prefetch + 2)
+        self._images: dict[int, _ImageStep] = {}
         self._built: dict[int, _BuiltStep] = {}
         self._building: dict[int, threading.Event] = {}
         self._lock = threading.Lock()
@@ -95,16 +162,17 @@ class DataConstructor:
                 pool[(s, pos)] = sample
             for _b, pos, bad in got["skipped"]:
                 self.skipped.append((step, s, pos, bad.reason))
+        if self.decode is not None:
+            pool = {key: self.decode(x) for key, x in pool.items()}
+        rows = self.get_encoder_plan(step, self.buckets) if self.get_encoder_plan is not None else None
         mult = self.config.pad_to_multiple_of * 2 * self.tree.cp
         built = _BuiltStep(batches={}, info={})
         for b, plan in plans.items():
             for j, refs in enumerate(plan.microbatches):
                 samples = [pool[(r.source, r.position)] for r in refs if (r.source, r.position) in pool]
-                if self.decode is not None:
-                    samples = [self.decode(x) for x in samples]
                 batch = pack_microbatch(
                     samples,
-                    seq_length=self.config.seq_length,
+                    seq_length=_packed_length(plan.cap, self.config.seq_length, samples, mult),
                     pad_id=self.pad_id,
                     image_token_id=self.image_token_id,
                     with_attention_mask=self.config.with_attention_mask,
@@ -120,10 +188,48 @@ class DataConstructor:
                     "samples": np.asarray(delivered, dtype=np.int64).reshape(-1, 3),
                     "tokens": int(batch["num_tokens"][0]),
                 }
+                if self.image_token_id is not None:  # packing order of `images`: samples, then their images
+                    built.info[(b, j)]["image_keys"] = np.asarray(
+                        [(s, p, k) for (s, p, _i), x in zip(delivered, samples, strict=True)
+                         for k in range(len(_images_of(x)))], dtype=np.int64).reshape(-1, 3)
                 for rank in self.fetchers[b]:
                     built.remaining.add((b, j, rank))
+        if rows is not None:
+            images = self._encoder_images(step, rows, pool)
+            with self._lock:
+                self._images[step] = images
+                for old in [s for s in self._images if s <= step - self.image_steps_kept]:
+                    self._images.pop(old)
         self.build_seconds.append(time.perf_counter() - t0)
         return built
+
+    def _encoder_images(self, step: int, rows: EncoderRows, pool: dict[tuple[int, int], Any]) -> _ImageStep:
+        """Group the step's images by encoder rank; images of skipped samples are not encoded."""
+        per_rank: dict[int, list[tuple[np.ndarray, tuple[int, int, int]]]] = {}
+        patch_dim = 0
+        for s, pos, k, n, r in zip(rows.source.tolist(), rows.position.tolist(), rows.image.tolist(),
+                                   rows.patches.tolist(), rows.rank.tolist(), strict=True):
+            sample = pool.get((s, pos))
+            if sample is None:
+                continue
+            images = _images_of(sample)
+            if k >= len(images) or np.asarray(images[k]).shape[0] != n:
+                got = np.asarray(images[k]).shape[0] if k < len(images) else "no image"
+                raise PlanError(
+                    f"step {step}: image {k} of (source {s}, position {pos}) was planned with {n} patches but "
+                    f"the loader delivered {got}; the source's patch metadata disagrees with its decoder"
+                )
+            patches = np.asarray(images[k], dtype=np.float32)
+            patch_dim = patches.shape[1]
+            per_rank.setdefault(r, []).append((patches, (s, pos, k)))
+        out: dict[int, EncoderImages] = {}
+        for r, items in per_rank.items():
+            out[r] = (
+                np.concatenate([x for x, _ in items]).astype(np.float32, copy=False),
+                np.asarray([x.shape[0] for x, _ in items], dtype=np.int32),
+                np.asarray([key for _, key in items], dtype=np.int64).reshape(-1, 3),
+            )
+        return _ImageStep(per_rank=out, remaining=set(range(rows.num_ranks)), patch_dim=patch_dim)
 
     def _ensure(self, step: int) -> _BuiltStep:
         with self._lock:
@@ -174,3 +280,50 @@ class DataConstructor:
             if not built.remaining:
                 self._built.pop(step, None)
         return batch, info
+
+    def get_encoder_images(self, step: int, rank: int) -> EncoderImages:
+        """The images of this constructor's buckets that encoder rank `rank` encodes at `step`.
+
+        Returns ``(patches float32 [P, patch_dim], seqlens int32 [n], keys int64 [n, 3])`` with
+        key = (source, position, image index); empty arrays when `rank` encodes none of them.
+
+        Raises:
+            PlanError: No encoder delivery configured, the step's plan has no EncoderPlan, or
+                the step's images were already dropped (asked too late).
+        """
+        if self.get_encoder_plan is None:
+            raise PlanError(f"constructor for buckets {self.buckets} was built without `get_encoder_plan`; "
+                            "encoder images need a hybrid (vlm_balance) strategy")
+        with self._lock:
+            images = self._images.get(step)
+            built_already = step in self._built or step in self._building
+        if images is None:
+            if not built_already and step < self._next_prefetch - self.image_steps_kept:
+                raise PlanError(f"encoder images of step {step} were dropped (constructor at step "
+                                f"{self._next_prefetch}, keeps {self.image_steps_kept}); fetch them before the microbatches")
+            self._next_prefetch = max(self._next_prefetch, step)
+            self._ensure(step)
+            with self._lock:
+                images = self._images.get(step)
+            if images is None:
+                raise PlanError(f"step {step} has no EncoderPlan: use a hybrid strategy (strategy=vlm_balance) "
+                                "to balance images over the encoder axis")
+        with self._lock:
+            images.remaining.discard(rank)
+            if not images.remaining:
+                self._images.pop(step, None)
+        return images.per_rank.get(rank, _empty_images(images.patch_dim))
+
+
+def _images_of(sample: Any) -> list:
+    images = sample.get("images") if isinstance(sample, dict) else getattr(sample, "images", None)
+    return list(images) if images is not None else []
+
+
+def _packed_length(cap: int | None, seq_length: int, samples: list, mult: int) -> int:
+    """The packing capacity: the planner's cap, or for an uncapped (vanilla) plan as long as
+    the microbatch's samples need (rounded up to `mult`), like Megatron's fixed-count batches."""
+    if cap is not None:
+        return seq_length
+    need = sum(len(x.tokens) + sum(len(im) for im in x.images) for x in samples)
+    return max(seq_length, -(-need // mult) * mult)

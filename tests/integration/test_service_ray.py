@@ -113,3 +113,22 @@ def test_torchrun_ranks_with_megatron_parallel_state_train_on_the_service(specs,
     assert len(delivered) == len(set(delivered)) == steps * cfg.samples_per_step
     losses = [s["loss"] for s in logs[0]["steps"]]
     assert all(np.isfinite(losses))
+
+
+def test_balancing_changes_the_per_rank_spread_not_the_global_batch(specs, ray_local):
+    tree = ClientPlaceTree.from_sizes(dp=4)
+    streams, spreads = {}, {}
+    for strategy in ("vanilla", "llm_balance"):
+        svc = DataService(config(specs, strategy=strategy, namespace=f"bal-{strategy}", samples_per_step=24), tree)
+        svc.start()
+        try:
+            got = consume(svc, tree, 4)
+            streams[strategy] = {step: sorted(k for (s, _), keys in got.items() if s == step for k in keys)
+                                 for step in range(4)}
+            spreads[strategy] = [svc.plan_summary(step)["max_over_mean"] for step in range(4)]
+        finally:
+            svc.stop()
+    print(f"per-rank max/mean cost: vanilla {spreads['vanilla']} -> llm_balance {spreads['llm_balance']}")
+    assert streams["vanilla"] == streams["llm_balance"]  # same samples in every global batch
+    assert sum(spreads["llm_balance"]) < sum(spreads["vanilla"])
+    assert max(spreads["llm_balance"]) <= max(spreads["vanilla"])
