@@ -17,7 +17,7 @@ import ray
 
 from megascale_data_ext.dataplane.placetree import ClientPlaceTree
 from megascale_data_ext.runtime.config import ServiceConfig
-from megascale_data_ext.runtime.constructor import DataConstructor
+from megascale_data_ext.runtime.constructor import DataConstructor, EncoderRows, encoder_rows
 from megascale_data_ext.runtime.loader import SourceLoader
 from megascale_data_ext.runtime.planner import Planner
 
@@ -52,6 +52,10 @@ class PlannerActor:
 
     def constructor_plan(self, step: int, bucket: int):
         return self.planner.plan(step).constructor_do_plan(bucket)
+
+    def encoder_plan(self, step: int, buckets: list[int]) -> EncoderRows | None:
+        """The EncoderPlan rows (images, their (source, position), encoder rank) of `buckets`' samples."""
+        return encoder_rows(self.planner.plan(step), buckets)
 
     def plan_summary(self, step: int) -> dict:
         return self.planner.plan(step).summary()
@@ -105,6 +109,7 @@ class DataConstructorActor:
             fetch=lambda s, step, bs: ray.get(loaders[s].fetch.remote(step, bs)),
             pad_id=pad_id,
             image_token_id=image_token_id,
+            get_encoder_plan=lambda step, bs: ray.get(planner.encoder_plan.remote(step, bs)),
         )
         self.constructor._next_prefetch = start_step
         self.prefetch_depth = config.prefetch
@@ -132,6 +137,12 @@ class DataConstructorActor:
             self._target = step + self.prefetch_depth
             self._wake.set()
         return out
+
+    def get_encoder_images(self, step: int, rank: int):
+        """This constructor's images that global rank `rank` encodes at `step` (hybrid strategies)."""
+        if self._error is not None:
+            raise self._error
+        return self.constructor.get_encoder_images(step, rank)
 
     def stats(self) -> dict:
         c = self.constructor

@@ -4,7 +4,9 @@ A client knows its coordinates from the ClientPlaceTree. Ranks the tree marks as
 (TP rank 0 of the first and last PP stage, per CP rank) pull their microbatches from their
 Data Constructor through Ray; the other ranks of a TP group receive them with
 `torch.distributed.broadcast` from that fetcher (`broadcast_at("tp")`); middle PP stages get
-nothing (their input is the previous stage's activations). Tensors come out in Megatron's
+nothing (their input is the previous stage's activations). With a hybrid (VLM) strategy
+every rank, whatever its stage, also pulls its encoder share with `encoder_images(step)`:
+the encoder is data parallel over WORLD, so each rank asks every constructor. Tensors come out in Megatron's
 dtypes: tokens/labels/position_ids int64, loss_mask float32, attention_mask bool (True =
 masked), cu_seqlens int32.
 """
@@ -87,14 +89,49 @@ class Client:
         self.fetch_seconds: list[float] = []
         self.delivered: list[dict[str, Any]] = []
         self.digests: list[str] = []  # one hash of every delivered microbatch (TP-identity checks)
+        self.encoder_seconds: list[float] = []
+        self.namespace = namespace
+        self.address = address
+        self.num_constructors = -(-tree.buckets(axis).num_buckets // constructor_group)
         self._handle = None
+        self._all_handles: list[Any] | None = None
         if self.fetches:
             import ray
 
-            if not ray.is_initialized():
-                ray.init(address=address, namespace=namespace, log_to_driver=False, configure_logging=False)
+            self._connect()
             bucket = tree.buckets(axis).bucket_of_rank(rank)
             self._handle = ray.get_actor(f"constructor/{bucket // constructor_group}", namespace=namespace)
+
+    def _connect(self) -> None:
+        import ray
+
+        if not ray.is_initialized():
+            ray.init(address=self.address, namespace=self.namespace, log_to_driver=False, configure_logging=False)
+
+    def encoder_images(self, step: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """This rank's encoder share of `step`: images gathered from every constructor.
+
+        Returns ``(patches float32 [P, patch_dim], seqlens int32 [n], keys int64 [n, 3])``, key =
+        (source, position, image index), constructors in order. Every rank calls it (all stages).
+        """
+        import ray
+
+        t0 = time.perf_counter()
+        if self._all_handles is None:
+            self._connect()
+            self._all_handles = [ray.get_actor(f"constructor/{j}", namespace=self.namespace)
+                                 for j in range(self.num_constructors)]
+        parts = ray.get([h.get_encoder_images.remote(step, self.rank) for h in self._all_handles])
+        dims = {p.shape[1] for p, seq, _ in parts if len(seq)} or {parts[0][0].shape[1]}
+        patch_dim = max(dims)
+        out = (
+            np.concatenate([p.reshape(-1, patch_dim) if len(seq) else np.zeros((0, patch_dim), np.float32)
+                            for p, seq, _ in parts]).astype(np.float32, copy=False),
+            np.concatenate([seq for _, seq, _ in parts]).astype(np.int32, copy=False),
+            np.concatenate([k.reshape(-1, 3) for _, _, k in parts]).astype(np.int64, copy=False),
+        )
+        self.encoder_seconds.append(time.perf_counter() - t0)
+        return out
 
     def fetch(self, step: int, microbatch: int) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
         """Pull one microbatch from the constructor (fetching ranks only), no TP broadcast.
