@@ -13,9 +13,7 @@ import pytest
 from megascale_data_ext.dataplane.placetree import ClientPlaceTree
 from megascale_data_ext.errors import PlanError
 from megascale_data_ext.runtime.config import ServiceConfig
-from megascale_data_ext.runtime.constructor import DataConstructor, encoder_rows
-from megascale_data_ext.runtime.loader import SourceLoader
-from megascale_data_ext.runtime.planner import Planner
+from megascale_data_ext.runtime.inprocess import InProcessService
 from megascale_data_ext.sources.demo_data import make_demo_data
 from megascale_data_ext.sources.tokenizer import ByteTokenizer
 
@@ -32,22 +30,10 @@ def specs(tmp_path_factory):
 
 def wire(specs, tree, *, strategy="vlm_balance", args=VLM_ARGS, group=1, **overrides):
     kwargs = dict(sources=specs, seed=7, samples_per_step=16, num_microbatches=2, seq_length=4096,
-                  strategy=strategy, strategy_args=dict(args), buffer_size=64)
+                  strategy=strategy, strategy_args=dict(args), buffer_size=64, constructor_group=group)
     kwargs.update(overrides)
-    cfg = ServiceConfig(**kwargs)
-    loaders = [SourceLoader(i, s, seed=cfg.seed) for i, s in enumerate(cfg.sources)]
-    planner = Planner(cfg, tree, lambda s, start, n: loaders[s].summary_buffer(start, n))
-    for ld in loaders:
-        ld.get_plan = planner.loader_plan
-    tok = ByteTokenizer()
-    n = tree.buckets("DP").num_buckets
-    cons = [DataConstructor(list(range(i, min(i + group, n))), cfg, tree,
-                            get_plan=lambda step, b: planner.plan(step).constructor_do_plan(b),
-                            fetch=lambda s, step, bs: loaders[s].fetch(step, bs), pad_id=tok.pad_id,
-                            image_token_id=tok.image_id,
-                            get_encoder_plan=lambda step, bs: encoder_rows(planner.plan(step), bs))
-            for i in range(0, n, group)]
-    return cfg, planner, cons
+    svc = InProcessService(ServiceConfig(**kwargs), tree)
+    return svc.config, svc.planner, svc.constructors
 
 
 def encoder_share(cons, step, rank):

@@ -12,11 +12,8 @@ from megascale_data_ext.dataplane.cp_slicing import reassemble_cp
 from megascale_data_ext.dataplane.placetree import ClientPlaceTree
 from megascale_data_ext.errors import ResumeError
 from megascale_data_ext.runtime.config import ServiceConfig
-from megascale_data_ext.runtime.constructor import DataConstructor
-from megascale_data_ext.runtime.loader import SourceLoader
-from megascale_data_ext.runtime.planner import Planner
+from megascale_data_ext.runtime.inprocess import InProcessService
 from megascale_data_ext.sources.demo_data import make_demo_data
-from megascale_data_ext.sources.tokenizer import ByteTokenizer
 
 
 @pytest.fixture(scope="module")
@@ -30,17 +27,8 @@ def wire(specs, tree, **overrides):
     kwargs = dict(sources=specs, seed=11, samples_per_step=24, num_microbatches=2, seq_length=4096,
                   strategy="llm_balance", strategy_args={"model": "gpt-tiny"}, buffer_size=64)
     kwargs.update(overrides)
-    cfg = ServiceConfig(**kwargs)
-    loaders = [SourceLoader(i, s, seed=cfg.seed) for i, s in enumerate(cfg.sources)]
-    planner = Planner(cfg, tree, lambda s, start, n: loaders[s].summary_buffer(start, n))
-    for ld in loaders:
-        ld.get_plan = planner.loader_plan
-    tok = ByteTokenizer()
-    cons = [DataConstructor([b], cfg, tree, get_plan=lambda step, b: planner.plan(step).constructor_do_plan(b),
-                            fetch=lambda s, step, bs: loaders[s].fetch(step, bs), pad_id=tok.pad_id,
-                            image_token_id=tok.image_id)
-            for b in range(tree.buckets("DP").num_buckets)]
-    return cfg, loaders, planner, cons
+    svc = InProcessService(ServiceConfig(**kwargs), tree)
+    return svc.config, svc.loaders, svc.planner, svc.constructors
 
 
 def consume(tree, cons, steps, start=0):
