@@ -19,7 +19,15 @@ from typing import Literal, get_args
 
 import numpy as np
 
-from megascale_data_ext.dataplane.balancers import _Bins, _cap_array, _check_inputs, _greedy_core, _no_room, get_balancer
+from megascale_data_ext.dataplane.balancers import (
+    _Bins,
+    _cap_array,
+    _check_inputs,
+    _greedy_core,
+    _no_room,
+    get_balancer,
+    greedy,
+)
 from megascale_data_ext.errors import ConfigError, PlanError
 
 __all__ = ["BalanceResult", "Level", "balance_step"]
@@ -65,6 +73,26 @@ class BalanceResult:
         """max / mean bucket cost (1.0 = perfect)."""
         mean = float(self.bucket_cost.mean()) if self.bucket_cost.size else 0.0
         return float(self.bucket_cost.max()) / mean if mean > 0 else 1.0
+
+
+def _partition_sums(method: str, costs: np.ndarray, k: int, *, tokens: np.ndarray | None,
+                    cap: float | None) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """`get_balancer(method)`'s bins (inputs already checked) and each bin's cost and token sums.
+
+    The built-in greedy keeps these sums as it places items; for other methods they are
+    summed afterwards. Saves two passes over all samples.
+    """
+    fn = get_balancer(method)
+    if fn is greedy:
+        bins = _Bins(load=np.zeros(k), cap=_cap_array(cap, k), tok=None if cap is None else np.zeros(k))
+        out = _greedy_core(costs, k, tokens=tokens, cap=cap, sizes=None, bins=bins)
+        load, tok = bins.load, bins.tok
+    else:
+        out = np.asarray(fn(costs, k, tokens=tokens, cap=cap, sizes=None), dtype=np.int64)
+        load, tok = np.bincount(out, weights=costs, minlength=k), None
+    if tok is None and tokens is not None:
+        tok = np.bincount(out, weights=tokens, minlength=k)
+    return out, load, tok
 
 
 def _split_positions(pos: np.ndarray, size: np.ndarray | int, parts: int) -> np.ndarray:
@@ -126,9 +154,7 @@ def _interleaved(costs: np.ndarray, tokens: np.ndarray | None, k: int, m: int, c
     """
     fn = get_balancer(method)
     n, nbins = costs.shape[0], k * m
-    bins = fn(costs, nbins, tokens=tokens, cap=cap, sizes=None)
-    bin_cost = np.bincount(bins, weights=costs, minlength=nbins)
-    bin_tok = None if tokens is None else np.bincount(bins, weights=tokens, minlength=nbins)
+    bins, bin_cost, bin_tok = _partition_sums(method, costs, nbins, tokens=tokens, cap=cap)
     bin_bucket = fn(bin_cost, k, tokens=None, cap=None, sizes=np.full(k, m, dtype=np.int64))
     if k > 1 and n:
         _refine(bins, bin_bucket, bin_cost, bin_tok, costs, tokens, cap, k)
@@ -138,7 +164,7 @@ def _interleaved(costs: np.ndarray, tokens: np.ndarray | None, k: int, m: int, c
     else:  # heaviest micro-batch first
         key = -bin_cost
     # bins by (bucket, key): a stable 16-bit radix sort by bucket after a sort by key (≈ lexsort, cheaper)
-    by_key = np.argsort(key, kind="stable")
+    by_key = np.argsort(key.astype(np.uint16) if keep_order and n < 65535 else key, kind="stable")
     rank = by_key[np.argsort(bin_bucket[by_key].astype(np.uint16 if k < 65536 else np.int64), kind="stable")]
     mb_of_bin = np.empty(nbins, dtype=np.int64)
     mb_of_bin[rank] = np.arange(nbins, dtype=np.int64) % m

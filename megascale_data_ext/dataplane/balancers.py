@@ -1,23 +1,18 @@
-"""Balancers: split a step's samples into buckets and microbatch bins of near-equal cost.
+"""Balancers: number partitioning of items into k bins of near-equal cost.
 
-Two layers:
+`partition(costs, k, method=...)` with an optional per-bin token cap and optional exact bin
+sizes. Methods are registered by name (`register_balancer`); built in are ``greedy`` (LPT)
+and ``kk`` (Karmarkar–Karp largest differencing). The paper's levels over buckets and
+micro-batches (`balance_step`) live in `balance_levels` and are re-exported here.
 
-* `partition(costs, k, method=...)` — number partitioning of items into k bins, with an
-  optional per-bin token cap and optional exact bin sizes. Methods are registered by name
-  (`register_balancer`); built in are ``greedy`` (LPT) and ``kk`` (Karmarkar–Karp largest
-  differencing).
-* `balance_step(costs, tokens=..., num_buckets=k, num_microbatches=m, level=...)` — the
-  paper's levels (none / inter / intra / interleaved = OVERLORD Alg. 1), optionally first over
-  groups of buckets (`distribute(axis, group_size)`).
-
-Why not a textbook heap: the planner runs every step on ~20k samples and ~20k images, and a
+Why not a textbook heap: the planner runs every step on ~20k samples and ~25k images, and a
 Python heap pays a microsecond per item. Here LPT works in *rounds*: the next r largest items
-go, largest first, to the r least-loaded bins (one sort of the bin loads per round), which
-keeps the LPT guarantee that the spread of bin loads never exceeds the largest spread inside
-a round. Items below 1% of the mean bin load form a tail that is *water-filled* in bulk
-(cumsum + searchsorted against each bin's deficit to a common level), overshooting a bin by at
-most one tail item. A token cap is enforced after each vectorized pass; the few items that
-broke it are re-placed one by one into the least-loaded bin that still has room.
+go, largest first, to the r least-loaded bins (one 16-bit radix sort of the loads per round),
+which keeps LPT's guarantee that the spread never exceeds the largest spread inside a round.
+Small items are *water-filled* in bulk (prefix sums searched against each bin's deficit to a
+common level), overshooting a bin by at most one item; uncapped, the tail goes in up to three
+passes of decreasing item size. A token cap is enforced after each vectorized pass; the few
+items that broke it are re-placed one by one into the least-loaded bin that still has room.
 """
 
 from __future__ import annotations
@@ -49,13 +44,13 @@ __all__ = [
 TAIL_FRACTION = 0.01
 #: At most this many LPT rounds (× bins) of head items before the tail is water-filled.
 HEAD_ROUNDS = 16
-#: Exact KK runs on at most this many of the largest items (× bins); the rest is greedy.
 #: Uncapped greedy: at most this many LPT rounds before the sorted tail is water-filled in passes.
 SORTED_HEAD_ROUNDS = 4
 #: A water-fill pass stops where the items after it sum to this many times the spread it may leave.
 RESERVE_FACTOR = 1.0
 #: At most this many water-fill passes over the sorted tail (the last takes what is left).
 MAX_FILL_PASSES = 3
+#: Exact KK runs on at most this many of the largest items (× bins); the rest is greedy.
 KK_HEAD_PER_BIN = 2
 KK_HEAD_MAX = 4096
 
@@ -63,18 +58,8 @@ KK_HEAD_MAX = 4096
 class Balancer(Protocol):
     """A partitioning method: returns the bin index (0..k-1) of every item."""
 
-    def __call__(
-        self,
-        costs: np.ndarray,
-        k: int,
-        *,
-        tokens: np.ndarray | None,
-        cap: float | None,
-        sizes: np.ndarray | None,
-    ) -> np.ndarray: ...
-
-
-# --------------------------------------------------------------------------- bin state
+    def __call__(self, costs: np.ndarray, k: int, *, tokens: np.ndarray | None, cap: float | None,
+                 sizes: np.ndarray | None) -> np.ndarray: ...
 
 
 @dataclass(slots=True, kw_only=True)
@@ -134,10 +119,9 @@ _EXACT_SORT_BELOW = 512
 def _order_desc(values: np.ndarray) -> np.ndarray:
     """Indices by descending value, ties by index.
 
-    Large arrays are ranked on a 16-bit linear key, which numpy sorts by radix in O(n)
-    (≈10× faster than a float sort at 20k items); items closer than 1/65535 of the largest
-    keep index order. LPT is off by at most that much per misordered pair, and the tiny
-    items that may share the last key are the ones the water-fill places anyway.
+    Large arrays are ranked on a 16-bit linear key, which numpy sorts by radix in O(n) (≈10×
+    faster than a float sort at 20k items); items closer than 1/65535 of the largest keep index
+    order, which moves LPT by at most that much per misordered pair.
     """
     n = values.shape[0]
     if n < _EXACT_SORT_BELOW:
@@ -149,15 +133,17 @@ def _order_desc(values: np.ndarray) -> np.ndarray:
     return np.argsort(key.astype(np.uint16), kind="stable")
 
 
-def _order_asc(values: np.ndarray) -> np.ndarray:
-    """Indices by ascending value (16-bit linear key for large arrays, see `_order_desc`)."""
+def _order_asc(values: np.ndarray, lo: float, hi: float) -> np.ndarray:
+    """Indices by ascending value, given its min and max (16-bit linear key for large arrays,
+    see `_order_desc`; equal values need no sort)."""
     n = values.shape[0]
+    if hi <= lo:
+        return np.arange(n)
     if n < _EXACT_SORT_BELOW:
         return np.argsort(values, kind="stable")
-    lo, hi = float(values.min()), float(values.max())
-    scale = 65535.0 / (hi - lo) if hi > lo else 0.0
-    return np.argsort(((values - lo) * scale).astype(np.uint16), kind="stable")
-
+    key = values - lo
+    key *= 65535.0 / (hi - lo)
+    return np.argsort(key.astype(np.uint16), kind="stable")
 
 
 def _rounds(order: np.ndarray, costs: np.ndarray, tokens: np.ndarray | None, bins: _Bins, out: np.ndarray,
@@ -179,8 +165,11 @@ def _rounds(order: np.ndarray, costs: np.ndarray, tokens: np.ndarray | None, bin
         cap = float(cap[0])  # one cap for all bins: compare with a scalar, skip a gather per round
     while pos < n:
         level = bins.level()
-        if bins.left is None:
-            cand = np.flatnonzero(level <= level.min() + cs[pos] / wmin) if lpt else None
+        if bins.left is None:  # the common case: one sort of all bins, eligible ones are a prefix
+            lo, hi = float(level.min()), float(level.max())
+            cand = _order_asc(level, lo, hi)
+            if lpt and hi > lo + cs[pos] / wmin:
+                cand = cand[: int(np.count_nonzero(level <= lo + cs[pos] / wmin))]
         else:
             open_ = bins.left > 0
             if not open_.any():
@@ -188,7 +177,8 @@ def _rounds(order: np.ndarray, costs: np.ndarray, tokens: np.ndarray | None, bin
             if lpt:
                 open_ &= level <= level[open_].min() + cs[pos] / wmin
             cand = np.flatnonzero(open_)
-        cand = _order_asc(level) if cand is None else cand[_order_asc(level[cand])]
+            sub = level[cand]
+            cand = cand[_order_asc(sub, float(sub.min()), float(sub.max()))]
         r = min(cand.shape[0], n - pos)
         items, dest, c = order[pos : pos + r], cand[:r], cs[pos : pos + r]
         t = ts[pos : pos + r] if capped else None
@@ -222,8 +212,8 @@ def _deficits(bins: _Bins, total: float, room_cost: np.ndarray | None) -> np.nda
         lam = np.cumsum(ls)
         lam += total
         lam /= np.arange(1, k + 1)
-        j = int(np.argmax(lam[:-1] <= ls[1:])) if k > 1 and bool((lam[:-1] <= ls[1:]).any()) else k - 1
-        return np.maximum(lam[j] - bins.load, 0.0)
+        fits = np.append(lam[:-1] <= ls[1:], True)  # the j+1 lowest bins take it all below bin j+1
+        return np.maximum(lam[int(np.argmax(fits))] - bins.load, 0.0)
     w = np.ones(k) if bins.weight is None else bins.weight
     lvl = bins.level()
     if room_cost is None:
@@ -263,11 +253,17 @@ def _water_fill(items: np.ndarray, costs: np.ndarray, tokens: np.ndarray | None,
         if total <= 0.0:
             dest = np.argsort(bins.level(), kind="stable")[np.arange(items.shape[0]) % k]
         else:
-            room = None
+            deficit = _deficits(bins, total, None)
             if capped:
                 rho = total / max(float(tokens[items].sum()), 1.0)
                 room = np.maximum(0.0, bins.cap - bins.tok) * rho
-            dest = _fill_slots(c, np.cumsum(_deficits(bins, total, room)), k)
+                if np.any(deficit > room):  # else the unbounded level already respects every room
+                    deficit = _deficits(bins, total, room)
+            # item -> bin whose deficit interval holds its midpoint (k searches in the midpoints, not n)
+            mid = np.cumsum(c)
+            mid -= 0.5 * c
+            pos = np.searchsorted(mid, np.cumsum(deficit)[: k - 1], side="left")
+            dest = np.repeat(np.arange(k, dtype=np.int64), np.diff(pos, prepend=0, append=c.shape[0]))
         out[items] = dest
         bins.load += np.bincount(dest, weights=c, minlength=k)
         if not capped:
@@ -276,20 +272,6 @@ def _water_fill(items: np.ndarray, costs: np.ndarray, tokens: np.ndarray | None,
         items = _evict_over_cap(items, costs, tokens, bins, out)
     for i in items[np.argsort(-tokens[items], kind="stable")].tolist():
         out[i] = bins.place_one(i, float(costs[i]), tokens)
-
-
-def _fill_slots(c: np.ndarray, bounds: np.ndarray, k: int) -> np.ndarray:
-    """Bin of each item laid end to end: the one whose cumulative-deficit interval holds its midpoint.
-
-    Equivalent to searchsorted(bounds, midpoints, "right") but searches the k boundaries in the
-    (sorted) midpoints and expands the counts with `repeat`: k binary searches instead of n,
-    which is ~20× cheaper at 20k items.
-    """
-    n = c.shape[0]
-    mid = np.cumsum(c)
-    mid -= 0.5 * c
-    pos = np.searchsorted(mid, bounds[: k - 1], side="left")  # first item at or past each boundary
-    return np.repeat(np.arange(k, dtype=np.int64), np.diff(pos, prepend=0, append=n))
 
 
 def _evict_over_cap(items: np.ndarray, costs: np.ndarray, tokens: np.ndarray, bins: _Bins,
@@ -320,39 +302,39 @@ def _merge_rows(rows: np.ndarray) -> np.ndarray:
 
     Merging pairs the heaviest slot of one tuple with the lightest of the other, which never
     widens the spread beyond the larger of the two: log2(rows) vectorized passes give what
-    LPT rounds give one round at a time.
+    LPT rounds give one round at a time. An odd tuple out passes through to the next level
+    (no padding to a power of two); slots are resolved top-down, one scatter per level.
     """
     r, k = rows.shape
-    padded = 1 << max(0, (r - 1).bit_length())  # zero rows up to a power of two: no odd tuple
-    loads = np.zeros((padded, k))
-    loads[:r] = rows
-    # Flat index of every original cell in the current level's (tuples, k) array.
-    flat = np.arange(r * k, dtype=np.int64).reshape(r, k)
-    rev = np.arange(k - 1, -1, -1)
+    loads = rows
+    sorts = []  # per level: (tuples before padding, flat source cell of every merged slot)
     while loads.shape[0] > 1:
-        t = loads.shape[0] // 2
+        t = loads.shape[0]
+        if t % 2:  # an odd tuple merges with an empty one (a zero row), i.e. passes through
+            loads = np.concatenate((loads, np.zeros((1, k))))
         merged = loads[0::2] + loads[1::2, ::-1]
-        base = (np.arange(t, dtype=np.int64) * k)[:, None]
-        srt = np.argsort(-merged, axis=1) + base  # flat source of each merged slot
-        inv = np.empty(t * k, dtype=np.int64)  # merged cell -> its slot (scatter, not a second sort)
-        inv[srt.ravel()] = np.tile(np.arange(k, dtype=np.int64), t)
-        inv = inv.reshape(t, k)
-        # old tuple 2i cell c -> merged i cell c; old tuple 2i+1 cell c -> merged i cell k-1-c
-        remap = np.empty((2 * t, k), dtype=np.int64)
-        remap[0::2] = inv + base
-        remap[1::2] = inv[:, rev] + base
-        flat = remap.ravel()[flat]
+        srt = np.argsort(-merged, axis=1)
+        srt += (np.arange(srt.shape[0], dtype=np.int64) * k)[:, None]
+        sorts.append((t, srt))
         loads = merged.ravel()[srt]
-    pos = flat
-    return pos
+    # Walk back down: final slot of every cell, level by level (one scatter per level).
+    final = np.broadcast_to(np.arange(k, dtype=np.int64), (loads.shape[0], k))
+    for t, srt in reversed(sorts):
+        h = srt.shape[0]
+        at_merged = np.empty((h, k), dtype=np.int64)
+        at_merged.ravel()[srt.ravel()] = final.ravel()  # merged cell -> final slot
+        final = np.empty((2 * h, k), dtype=np.int64)
+        final[0::2] = at_merged  # left tuple's cell c is merged cell c
+        final[1::2] = at_merged[:, ::-1]  # right tuple's cell c is merged cell k-1-c
+        final = final[:t]
+    return np.ascontiguousarray(final)
 
 
 def _tree_merge(costs: np.ndarray, k: int) -> np.ndarray:
     """Equal sizes, no cap: sorted chunks of k items, merged by `_merge_rows`."""
-    n = costs.shape[0]
     order = _order_desc(costs)
-    out = np.empty(n, dtype=np.int64)
-    out[order] = _merge_rows(costs[order].reshape(n // k, k)).reshape(-1)
+    out = np.empty(costs.shape[0], dtype=np.int64)
+    out[order] = _merge_rows(costs[order].reshape(-1, k)).reshape(-1)
     return out
 
 
@@ -380,21 +362,20 @@ def _greedy_core(costs: np.ndarray, k: int, *, tokens: np.ndarray | None, cap: f
         order = _order_desc(costs) if items is None else items[_order_desc(costs[items])]
         _rounds(order, costs, tokens, bins, out, lpt=False)
         return out
-    todo = np.arange(n) if items is None else items
-    c = costs if items is None else costs[todo]
+    c = costs if items is None else costs[items]
     wsum = float(k if weights is None else weights.sum())
     target = float(bins.load.sum() + c.sum()) / wsum
     threshold = TAIL_FRACTION * target * (1.0 if weights is None else float(weights.min()))
     if c.shape[0] > HEAD_ROUNDS * k:  # bound the sequential rounds; the tail error stays one item
         threshold = max(threshold, _quantile_estimate(c, 1.0 - HEAD_ROUNDS * k / c.shape[0]))
-    small = c < threshold
-    head = todo[~small]
-    _rounds(head[_order_desc(costs[head])], costs, tokens, bins, out, lpt=True)
-    tail = todo[small]
-    if tail.shape[0] <= k:  # one round places them all (smallest to the least loaded): no water-fill
-        if tail.shape[0]:
-            _rounds(tail[_order_desc(costs[tail])], costs, tokens, bins, out, lpt=False)
-        return out
+    # One sort: the head (items >= threshold) is its prefix, the tail its suffix, both descending.
+    order = _order_desc(c)
+    if items is not None:
+        order = items[order]
+    n_head = int(np.count_nonzero(c >= threshold))
+    _rounds(order[:n_head], costs, tokens, bins, out, lpt=True)
+    tail = order[n_head:]
+    tail = np.sort(tail)  # the water-fill takes items in sample order
     if tail.shape[0] >= 4 * k:  # fill with the larger half, then even out with the smaller half
         fine = costs[tail] < _quantile_estimate(costs[tail], 0.5)
         _water_fill(tail[~fine], costs, tokens, bins, out)
@@ -406,11 +387,9 @@ def _greedy_core(costs: np.ndarray, k: int, *, tokens: np.ndarray | None, cap: f
 def _greedy_sorted(todo: np.ndarray | None, costs: np.ndarray, k: int, bins: _Bins, out: np.ndarray) -> None:
     """Uncapped LPT on one sorted copy: head by LPT, the tail water-filled in passes over slices.
 
-    Sorting once and gathering the costs once lets every later step work on contiguous slices:
-    one prefix sum serves all water-fill passes (a pass's per-bin load is a difference of two
-    prefix sums, O(k)), and a bin's items are a run expanded by `repeat`. Fresh, unweighted
-    bins take the head by pairwise row merging (`_merge_rows`, log2(rounds) vectorized
-    passes) instead of one LPT round at a time.
+    Sorting and gathering once lets every later step work on slices: one prefix sum serves all
+    passes (a pass's per-bin load is a difference of two prefix sums, O(k)), a bin's items are
+    a run expanded by `repeat`. The final spread is about the largest item of the last pass.
     """
     order = _order_desc(costs) if todo is None else todo[_order_desc(costs[todo])]
     cs = costs[order]
@@ -450,8 +429,7 @@ def _fill_run(cs: np.ndarray, prefix: np.ndarray, a: int, b: int, bins: _Bins, d
         dest[a:b] = np.argsort(bins.level(), kind="stable")[np.arange(b - a) % k]
         return
     bounds = np.cumsum(_deficits(bins, total, None))[: k - 1] + prefix[a]
-    # An item goes to the bin whose interval holds its midpoint: find the first item ending past
-    # each boundary, then step over it if its midpoint is still short (O(k), no midpoint array).
+    # first item ending past each boundary, stepped over if its midpoint is still short (O(k))
     pos = np.searchsorted(prefix[a + 1 : b + 1], bounds, side="left")
     at = np.minimum(a + pos, b - 1)
     pos += (pos < b - a) & (prefix[at + 1] - 0.5 * cs[at] < bounds)
@@ -522,10 +500,8 @@ def kk(costs: np.ndarray, k: int, *, tokens: np.ndarray | None = None, cap: floa
     h = min(n, KK_HEAD_MAX, max(KK_HEAD_PER_BIN * k, 256))
     order = np.argsort(-costs, kind="stable")
     head, rest = order[:h], order[h:]
-    tuples = []
-    zeros = np.zeros(k - 1)
-    for i in head.tolist():
-        tuples.append((np.concatenate(([costs[i]], zeros)), np.array([i]), np.zeros(1, dtype=np.int64)))
+    zeros, slot0 = np.zeros(k - 1), np.zeros(1, dtype=np.int64)
+    tuples = [(np.concatenate(([costs[i]], zeros)), np.array([i]), slot0) for i in head.tolist()]
     item, slot = _kk_merge_all(tuples, k)
     out = np.full(n, -1, dtype=np.int64)
     out[item] = slot
@@ -566,7 +542,7 @@ def _check_inputs(costs: np.ndarray, k: int, tokens: np.ndarray | None, cap: flo
     problems = []
     if costs.ndim != 1:
         problems.append(f"`costs` must be 1-D, got shape {costs.shape}")
-    elif costs.size and (not np.all(np.isfinite(costs)) or costs.min() < 0):
+    elif costs.size and not (costs.min() >= 0.0 and np.isfinite(costs.max())):  # NaN fails the min test
         problems.append("`costs` must be finite and >= 0 (check the cost model)")
     if int(k) != k or k <= 0:
         problems.append(f"`k` (number of bins) must be a positive integer, got {k!r}")
@@ -614,14 +590,9 @@ def partition(costs: np.ndarray, k: int, *, method: str = "greedy", tokens: np.n
     return out
 
 
-# --------------------------------------------------------------------------- levels (re-exported)
-
-_LEVELS_EXPORTS = frozenset({"BalanceResult", "Level", "balance_step"})
-
-
 def __getattr__(name: str) -> Any:
     """Re-export the levels API from `balance_levels`, which imports this module (lazy: no cycle)."""
-    if name in _LEVELS_EXPORTS:
+    if name in ("BalanceResult", "Level", "balance_step"):
         from megascale_data_ext.dataplane import balance_levels
 
         return getattr(balance_levels, name)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -92,84 +93,137 @@ def load_checkpoint(root: str | Path, step: int, chunks: list, optimizer: Any, h
     hooks.load_state_dict(blob["data"])
 
 
-def pretrain_gpt(cfg: Any) -> list[dict]:
-    """Run `cfg.train.train_iters` steps of GPT pretraining on the service; returns this rank's step log."""
-    from megatron.core import parallel_state
+def gpt_model_config(cfg: Any, service_cfg: Any, vocab: int) -> Any:
+    """The backbone's `GPTModelConfig` from the run config (`model`, `parallel`, `train` nodes)."""
+    from megascale_data_ext.megatron.model import GPTModelConfig
 
-    from megascale_data_ext.config import load_config
-    from megascale_data_ext.dataplane.placetree import ClientPlaceTree
-    from megascale_data_ext.megatron.hooks import install
-    from megascale_data_ext.megatron.model import GPTModelConfig, build_model_chunks, initialize_parallel, train_step
-    from megascale_data_ext.runtime.client import Client
-    from megascale_data_ext.sources.tokenizer import load_tokenizer
-
-    data = load_config(cfg.data)
-    service_cfg = data.to_service_config()
-    par, mcfg, tcfg = cfg.parallel, cfg.model, cfg.train
+    par, mcfg = cfg.parallel, cfg.model
     tp = int(par.tensor_model_parallel_size)
-    vocab = load_tokenizer(service_cfg.sources[0].tokenizer).vocab_size
-    model_cfg = GPTModelConfig(
+    return GPTModelConfig(
         vocab_size=-(-vocab // (64 * tp)) * 64 * tp, hidden_size=int(mcfg.hidden_size), num_layers=int(mcfg.num_layers),
         num_attention_heads=int(mcfg.num_attention_heads), seq_length=service_cfg.seq_length, tp=tp,
         pp=int(par.pipeline_model_parallel_size), cp=int(par.get("context_parallel_size", 1)),
-        vpp=par.get("virtual_pipeline_model_parallel_size"), seed=int(tcfg.get("seed", 1234)),
+        vpp=par.get("virtual_pipeline_model_parallel_size"), seed=int(cfg.train.get("seed", 1234)),
     )
-    initialize_parallel(model_cfg)
-    rank = dist.get_rank()
-    tree = ClientPlaceTree.from_megatron()
-    start = 0
-    load_dir = tcfg.get("load")
-    state = None
-    if load_dir:
-        start = latest_step(load_dir)
-        state = load_data_state(load_dir, start) if rank == 0 else None
-    service, handles = serve(service_cfg, tree, state=state, ray_kwargs=None)
-    client = Client(tree, rank, namespace=handles.namespace, address=handles.address,
-                    num_microbatches=service_cfg.num_microbatches, constructor_group=handles.constructor_group,
-                    tp_group=parallel_state.get_tensor_model_parallel_group())
-    chunks = build_model_chunks(model_cfg)
-    params = [p for c in chunks for p in c.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=float(tcfg.lr), weight_decay=0.0)
-    hooks = install(client, num_model_chunks=len(chunks), start_step=start)
-    if load_dir:
-        load_checkpoint(load_dir, start, chunks, optimizer, hooks)
-    planner = None
-    if rank == 0:
+
+
+class TrainingSession:
+    """What every pretrain loop shares: parallel state, the service, the client, hooks, checkpoints.
+
+    `__init__` initialises gloo/NCCL + Megatron's parallel state, builds the `ClientPlaceTree`,
+    starts (rank 0) or joins the service — from the checkpoint's data state when
+    ``train.load`` is set — and creates the rank's `Client`. `run()` installs the schedule
+    hooks and drives the steps; loop-specific work goes in its callbacks.
+    """
+
+    def __init__(self, cfg: Any, service_cfg: Any, model_cfg: Any) -> None:
+        from megatron.core import parallel_state
+
+        from megascale_data_ext.dataplane.placetree import ClientPlaceTree
+        from megascale_data_ext.megatron.model import initialize_parallel
+        from megascale_data_ext.runtime.client import Client
+
+        self.cfg, self.service_cfg = cfg, service_cfg
+        initialize_parallel(model_cfg)
+        self.rank = dist.get_rank()
+        self.tree = ClientPlaceTree.from_megatron()
+        self.load_dir = cfg.train.get("load")
+        self.start, state = 0, None
+        if self.load_dir:
+            self.start = latest_step(self.load_dir)
+            state = load_data_state(self.load_dir, self.start) if self.rank == 0 else None
+        self.service, self.handles = serve(service_cfg, self.tree, state=state)
+        self.client = Client(self.tree, self.rank, namespace=self.handles.namespace, address=self.handles.address,
+                             num_microbatches=service_cfg.num_microbatches,
+                             constructor_group=self.handles.constructor_group,
+                             tp_group=parallel_state.get_tensor_model_parallel_group())
+        self.planner = None
+        if self.rank == 0:
+            import ray
+
+            self.planner = ray.get_actor("planner", namespace=self.handles.namespace)
+
+    def plan(self, step: int) -> Any:
+        """The step's StepPlan (rank 0 only: it holds the planner handle)."""
         import ray
 
-        planner = ray.get_actor("planner", namespace=handles.namespace)
-    log: list[dict] = []
-    save_dir, interval = tcfg.get("save"), int(tcfg.get("save_interval") or 0)
-    try:
-        for step in range(start, int(tcfg.train_iters)):
-            t0 = time.perf_counter()
-            n0, f0 = len(client.delivered), len(client.fetch_seconds)
-            result = train_step(chunks, optimizer, None, num_microbatches=service_cfg.num_microbatches,
-                                seq_length=service_cfg.seq_length)
-            dt = time.perf_counter() - t0
-            fetch = client.fetch_seconds[f0:]
-            entry = {"step": step, "loss": result["loss"], "num_tokens": result["num_tokens"], "seconds": dt,
-                     "digests": client.digests[n0:],
-                     "samples": [np.asarray(i["samples"]).tolist() for i in client.delivered[n0:] if i is not None]}
-            log.append(entry)
-            if rank == 0:
-                import ray
+        return ray.get(self.planner.plan.remote(step))
 
-                s = ray.get(planner.plan_summary.remote(step))
-                p50 = float(np.median(fetch)) * 1e3 if fetch else 0.0
-                print(f"step {step:4d} | loss {result['loss']:.4f} | max/mean cost vanilla "
-                      f"{s['vanilla_max_over_mean']:.3f} -> {s['max_over_mean']:.3f} | "
-                      f"{result['num_tokens'] / dt:,.0f} loss-tokens/s | fetch p50 {p50:.1f} ms | {dt:.2f} s", flush=True)
-            if save_dir and interval and (step + 1) % interval == 0:
-                save_checkpoint(save_dir, step + 1, chunks, optimizer, hooks, service)
-    except BaseException:
-        # No barrier here: peers may be blocked in a collective; torchrun tears the job down.
+    def run(
+        self,
+        chunks: list,
+        optimizer: Any,
+        *,
+        feed: Any = None,
+        before_step: Callable[[int], dict] | None = None,
+        report: Callable[[int, dict], None] | None = None,
+    ) -> list[dict]:
+        """Train until ``train.train_iters``; returns this rank's step log.
+
+        Args:
+            feed: What the hooks pull microbatches from (default: the client).
+            before_step: Per-step work before the schedule runs; its dict joins the log entry.
+            report: Rank 0's per-step printout (default: loss, balance, tokens/s, fetch latency).
+        """
+        from megascale_data_ext.megatron.hooks import install
+        from megascale_data_ext.megatron.model import train_step
+
+        client, tcfg, m = self.client, self.cfg.train, self.service_cfg.num_microbatches
+        hooks = install(feed or client, num_model_chunks=len(chunks), start_step=self.start)
+        if self.load_dir:
+            load_checkpoint(self.load_dir, self.start, chunks, optimizer, hooks)
+        log: list[dict] = []
+        save_dir, interval = tcfg.get("save"), int(tcfg.get("save_interval") or 0)
+        try:
+            for step in range(self.start, int(tcfg.train_iters)):
+                t0 = time.perf_counter()
+                n0, f0 = len(client.delivered), len(client.fetch_seconds)
+                extra = before_step(step) if before_step is not None else {}
+                result = train_step(chunks, optimizer, None, num_microbatches=m, seq_length=self.service_cfg.seq_length)
+                dt = time.perf_counter() - t0
+                fetch = client.fetch_seconds[f0:]
+                entry = {"step": step, "loss": result["loss"], "num_tokens": result["num_tokens"], "seconds": dt,
+                         "fetch_p50_ms": float(np.median(fetch)) * 1e3 if fetch else 0.0,
+                         "digests": client.digests[n0:],
+                         "samples": [np.asarray(i["samples"]).tolist() for i in client.delivered[n0:] if i is not None],
+                         **extra}
+                if self.rank == 0:
+                    (report or self._report)(step, entry)
+                log.append(entry)
+                if save_dir and interval and (step + 1) % interval == 0:
+                    save_checkpoint(save_dir, step + 1, chunks, optimizer, hooks, self.service)
+        except BaseException:
+            hooks.uninstall()  # no barrier: peers may be blocked in a collective; torchrun tears the job down
+            self._stop()
+            raise
         hooks.uninstall()
-        if service is not None:
-            service.stop()
-        raise
-    hooks.uninstall()
-    dist.barrier()
-    if service is not None:
-        service.stop()
-    return log
+        dist.barrier()
+        self._stop()
+        return log
+
+    def _report(self, step: int, entry: dict) -> None:
+        s = self.plan(step).summary()
+        print(f"step {step:4d} | loss {entry['loss']:.4f} | max/mean cost vanilla {s['vanilla_max_over_mean']:.3f} -> "
+              f"{s['max_over_mean']:.3f} | {entry['num_tokens'] / entry['seconds']:,.0f} loss-tokens/s | "
+              f"fetch p50 {entry['fetch_p50_ms']:.1f} ms | {entry['seconds']:.2f} s", flush=True)
+
+    def _stop(self) -> None:
+        if self.service is not None:
+            self.service.stop()
+            self.service = None
+
+
+def pretrain_gpt(cfg: Any) -> list[dict]:
+    """Run `cfg.train.train_iters` steps of GPT pretraining on the service; returns this rank's step log."""
+    from megascale_data_ext.config import load_config
+    from megascale_data_ext.megatron.model import build_model_chunks
+    from megascale_data_ext.sources.tokenizer import load_tokenizer
+
+    service_cfg = load_config(cfg.data).to_service_config()
+    vocab = load_tokenizer(service_cfg.sources[0].tokenizer).vocab_size
+    model_cfg = gpt_model_config(cfg, service_cfg, vocab)
+    session = TrainingSession(cfg, service_cfg, model_cfg)
+    chunks = build_model_chunks(model_cfg)
+    params = [p for c in chunks for p in c.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=float(cfg.train.lr), weight_decay=0.0)
+    return session.run(chunks, optimizer)

@@ -10,6 +10,8 @@ waits on a constructor, so the call graph has no cycle that can exhaust the thre
 
 from __future__ import annotations
 
+import logging
+import queue
 import threading
 from typing import Any
 
@@ -22,6 +24,7 @@ from megascale_data_ext.runtime.loader import SourceLoader
 from megascale_data_ext.runtime.planner import Planner
 
 ACTOR_CONCURRENCY = 16
+_log = logging.getLogger(__name__)
 
 
 def loader_name(namespace_prefix: str, source: int) -> str:
@@ -74,9 +77,22 @@ class PlannerActor:
 class SourceLoaderActor:
     """A Source Loader; its plans come from the Planner actor (set after creation)."""
 
-    def __init__(self, source_id: int, spec: Any, seed: int, shuffle: bool):
+    def __init__(self, source_id: int, spec: Any, seed: int, shuffle: bool, read_ahead: int = 1):
         self.loader = SourceLoader(source_id, spec, seed=seed, shuffle=shuffle)
         self._planner = None
+        self.read_ahead = read_ahead
+        self._ahead: queue.SimpleQueue[int] = queue.SimpleQueue()
+        self._ahead_until = -1
+        threading.Thread(target=self._read_ahead_loop, daemon=True, name="read-ahead").start()
+
+    def _read_ahead_loop(self) -> None:
+        """Refill from storage in the background: read the next planned steps before they are asked for."""
+        while True:
+            step = self._ahead.get()
+            try:
+                self.loader.read_ahead(step)
+            except Exception as exc:  # the constructor's own fetch raises it again, with its context
+                _log.warning("read-ahead of step %d for source %r failed: %s", step, self.loader.spec.name, exc)
 
     def set_planner(self, planner: Any) -> None:
         self._planner = planner
@@ -89,7 +105,11 @@ class SourceLoaderActor:
         return self.loader.summary_buffer(start, count)
 
     def fetch(self, step: int, buckets: list[int]):
-        return self.loader.fetch(step, buckets)
+        out = self.loader.fetch(step, buckets)
+        for ahead in range(max(step + 1, self._ahead_until + 1), step + 1 + self.read_ahead):
+            self._ahead.put(ahead)
+            self._ahead_until = ahead
+        return out
 
     def stats(self) -> dict:
         return self.loader.stats()

@@ -70,6 +70,7 @@ class SourceLoader:
         self._perms: dict[int, np.ndarray] = {}
         self._steps: dict[int, _StagedStep] = {}
         self._step_locks: dict[int, threading.Lock] = {}
+        self._finished: set[int] = set()  # steps fully handed out (kept short: see _finish)
         self._lock = threading.Lock()
         self.samples_read = 0
         self.skipped_total = 0
@@ -134,7 +135,30 @@ class SourceLoader:
             staged.pending.add(b)
         self.samples_read += len(result.samples)
         self.skipped_total += len(result.skipped)
-        self._steps[plan.step] = staged
+        if staged.pending:
+            self._steps[plan.step] = staged
+        else:  # this source has nothing in the step
+            self._finish(plan.step)
+
+    def _finish(self, step: int) -> None:
+        self._finished.add(step)
+        if len(self._finished) > 256:
+            self._finished.discard(min(self._finished))
+
+    def read_ahead(self, step: int) -> bool:
+        """Refill from storage: execute `step`'s plan now so constructors find it staged.
+
+        Returns False when the step was already read (or handed out) — nothing is read twice.
+        """
+        if self.get_plan is None:
+            return False
+        with self._lock:
+            lock = self._step_locks.setdefault(step, threading.Lock())
+        with lock:
+            if step in self._steps or step in self._finished:
+                return False
+            self.execute(self.get_plan(step, self.source_id))
+            return True
 
     def fetch(self, step: int, buckets: list[int]) -> dict[str, list]:
         """Pop the samples of `step` destined to `buckets` (executing the plan on first call).
@@ -144,18 +168,21 @@ class SourceLoader:
         with self._lock:
             lock = self._step_locks.setdefault(step, threading.Lock())
         with lock:
-            if step not in self._steps:
+            if step not in self._steps and step not in self._finished:
                 if self.get_plan is None:
                     raise SourceError(f"source {self.spec.name!r}: no planner to ask for step {step}'s plan")
                 self.execute(self.get_plan(step, self.source_id))
-            staged = self._steps[step]
+            staged = self._steps.get(step)
             out: dict[str, list] = {"samples": [], "skipped": []}
+            if staged is None:  # nothing of this source in the step
+                return out
             for b in buckets:
                 out["samples"] += [(b, p, s) for p, s in staged.by_bucket.pop(b, [])]
                 out["skipped"] += [(b, p, s) for p, s in staged.skipped.pop(b, [])]
                 staged.pending.discard(b)
             if not staged.pending:
                 del self._steps[step]
+                self._finish(step)
                 with self._lock:
                     self._step_locks.pop(step, None)
             return out

@@ -174,3 +174,18 @@ def test_undecodable_images_are_skipped_counted_and_accounted(tmp_path, specs):
     assert {(s, p) for s, p, _ in delivered} | skipped == planned  # none lost: delivered or counted as skipped
     assert not ({(s, p) for s, p, _ in delivered} & skipped)
     assert sum(ld.skipped_total for ld in loaders) == len(skipped)
+
+
+def test_read_ahead_refills_without_reading_twice(specs):
+    tree = ClientPlaceTree.from_sizes(dp=2)
+    cfg, loaders, planner, cons = wire(specs, tree)
+    baseline = consume(tree, wire(specs, tree)[3], 3)
+    for ld in loaders:
+        assert ld.read_ahead(0) is True and ld.read_ahead(0) is False  # staged once
+        ld.read_ahead(1)
+    got = consume(tree, cons, 3)
+    assert {k: v[0] for k, v in got.items()} == {k: v[0] for k, v in baseline.items()}
+    planned = sum(planner.plan(s).num_samples for s in range(3))
+    assert sum(ld.samples_read + ld.skipped_total for ld in loaders) == planned  # nothing read twice
+    assert all(ld.read_ahead(0) is False for ld in loaders)  # a handed-out step is not read again
+    assert all(not ld._steps for ld in loaders)
