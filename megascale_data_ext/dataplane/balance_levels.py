@@ -299,7 +299,6 @@ def balance_step(
         raise ConfigError(f"`num_buckets` and `num_microbatches` must be >= 1, got {k} and {m}")
     get_balancer(method)
     costs, tok, _ = _check_inputs(costs, 1, tokens, cap, None)
-    n = costs.shape[0]
     if tok is not None and cap is not None and level != "none" and tok.size and tok.max() > cap:
         raise _no_room(int(np.argmax(tok > cap)), tok, _Bins(load=np.zeros(1), cap=_cap_array(cap, 1)))
     capf = None if cap is None else float(cap)

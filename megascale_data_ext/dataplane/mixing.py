@@ -17,6 +17,7 @@ Pure numpy: no Ray, no torch.
 
 from __future__ import annotations
 
+import abc
 import enum
 import math
 from collections.abc import Mapping, Sequence
@@ -146,8 +147,9 @@ class _Schedule:
 
     __slots__ = ("source_names",)
 
+    @abc.abstractmethod
     def to_config(self) -> dict[str, Any]:
-        raise NotImplementedError
+        """The mapping `build_schedule` turns back into this schedule."""
 
     def __repr__(self) -> str:
         args = ", ".join(f"{k}={v!r}" for k, v in self.to_config().items() if k != "type")

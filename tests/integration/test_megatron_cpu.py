@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from megascale_data_ext.errors import ConfigError, ParallelLayoutError, SampleError
-from megascale_data_ext.megatron.model import GPTModelConfig, forward_step, loss_func, stage_batch_keys
+from megascale_data_ext.megatron.model import GPTModelConfig, forward_step, stage_batch_keys
 from megascale_data_ext.patches import CPU_SHIMS, active_cpu_shims, apply_cpu_shims, remove_cpu_shims
 from tests.dist.launch import run_torchrun
 from tests.dist.train_gpt_cpu import expected_num_tokens, make_microbatch
