@@ -54,7 +54,8 @@ _GLOB_CHARS = frozenset("*?[")
 _MISSING = "???"
 #: Fields MegascaleDataConfig passes to ServiceConfig unchanged.
 _SHARED_FIELDS = ("seed", "samples_per_step", "num_microbatches", "seq_length", "shuffle", "buffer_size", "prefetch",
-                  "constructor_group", "with_attention_mask", "pad_to_multiple_of", "overflow")
+                  "constructor_group", "with_attention_mask", "pad_to_multiple_of", "overflow",
+                  "middle_stage_masks")
 
 
 @dataclass(slots=True, kw_only=True)
@@ -152,6 +153,7 @@ class MegascaleDataConfig:
     buffer_size: int = 4096
     constructor_group: int = 1
     overflow: str = "defer"
+    middle_stage_masks: bool = True
     ray: RayConfig = field(default_factory=RayConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 

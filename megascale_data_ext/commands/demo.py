@@ -80,6 +80,7 @@ def run(args: argparse.Namespace) -> int:
         "--tp", str(args.tp), "--pp", str(args.pp), "--steps", str(args.steps),
         "--num-microbatches", str(args.num_microbatches), "--seq-length", str(args.seq_length),
         "--vocab-size", str(vocab), "--namespace", handles.namespace, "--address", handles.address,
+        "--fetch-stages", handles.fetch_stages,
         "--out", str(out),
     ]
     env = dict(os.environ, OMP_NUM_THREADS="1", RAY_ADDRESS=handles.address)

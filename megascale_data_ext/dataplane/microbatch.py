@@ -32,6 +32,7 @@ __all__ = [
     "SEQUENCE_DIMS",
     "check_megatron_batch",
     "fields_for_stage",
+    "MIDDLE_STAGE_FIELDS",
     "pack_microbatch",
     "reassemble_cp",
     "slice_for_cp",
@@ -61,9 +62,13 @@ FIRST_STAGE_FIELDS: frozenset[str] = frozenset(
 LAST_STAGE_FIELDS: frozenset[str] = frozenset({"labels", "loss_mask", "attention_mask", "cu_seqlens", "max_seqlen"})
 """Fields the last pipeline stage reads: loss inputs plus what its attention needs."""
 
+MIDDLE_STAGE_FIELDS: frozenset[str] = frozenset({"attention_mask", "cu_seqlens", "max_seqlen"})
+"""What a middle stage needs so packed documents do not attend across their boundaries."""
+
 
 def fields_for_stage(
-    batch: Mapping[str, Any], *, pp_rank: int, pp_size: int, mtp_on_last_stage: bool = False
+    batch: Mapping[str, Any], *, pp_rank: int, pp_size: int, mtp_on_last_stage: bool = False,
+    middle_stage_masks: bool = False,
 ) -> dict[str, Any]:
     """Keep only the fields pipeline stage ``pp_rank`` consumes.
 
@@ -75,7 +80,9 @@ def fields_for_stage(
     * last stage (``pp_rank == pp_size - 1``): labels, loss_mask, attention_mask,
       cu_seqlens, max_seqlen;
     * middle stages: nothing (upstream's ``get_batch`` returns all ``None`` there; their
-      input is the previous stage's activations).
+      input is the previous stage's activations) — or, with ``middle_stage_masks``, the
+      attention mask and ``cu_seqlens``/``max_seqlen``: without them a middle stage of a
+      packed batch falls back to a plain causal mask and documents attend to each other.
 
     One deliberate difference: upstream broadcasts ``cu_seqlens``/``max_seqlen`` to the first
     stage only, but the last stage's attention layers need them just as much for THD packing,
@@ -88,6 +95,7 @@ def fields_for_stage(
         pp_rank: This rank's pipeline stage.
         pp_size: Pipeline-parallel world size.
         mtp_on_last_stage: Multi-token-prediction layers live on the last stage.
+        middle_stage_masks: Give middle stages `MIDDLE_STAGE_FIELDS`.
 
     Returns:
         A new dict holding the selected fields (same array objects, no copies).
@@ -104,6 +112,8 @@ def fields_for_stage(
         keep = FIRST_STAGE_FIELDS
     elif is_last:
         keep = LAST_STAGE_FIELDS
+    elif middle_stage_masks:
+        keep = MIDDLE_STAGE_FIELDS
     else:
         return {}
     return {key: value for key, value in batch.items() if key in keep}

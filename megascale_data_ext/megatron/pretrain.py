@@ -136,7 +136,8 @@ class TrainingSession:
         self.client = Client(self.tree, self.rank, namespace=self.handles.namespace, address=self.handles.address,
                              num_microbatches=service_cfg.num_microbatches,
                              constructor_group=self.handles.constructor_group,
-                             tp_group=parallel_state.get_tensor_model_parallel_group())
+                             tp_group=parallel_state.get_tensor_model_parallel_group(),
+                             fetch_stages=self.handles.fetch_stages)
         self.planner = None
         if self.rank == 0:
             import ray

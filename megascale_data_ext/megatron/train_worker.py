@@ -35,6 +35,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--namespace", required=True)
     p.add_argument("--address", required=True)
     p.add_argument("--constructor-group", type=int, default=1)
+    p.add_argument("--fetch-stages", default="ends", help="ServiceHandles.fetch_stages of the service")
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--no-train", action="store_true", help="only consume batches (accounting tests)")
     return p.parse_args(argv)
@@ -70,6 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     client = Client(
         tree, rank, namespace=args.namespace, address=args.address, num_microbatches=args.num_microbatches,
         constructor_group=args.constructor_group, tp_group=parallel_state.get_tensor_model_parallel_group(),
+        fetch_stages=args.fetch_stages,
     )
     chunks = optimizer = None
     if not args.no_train:
@@ -89,7 +91,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.no_train:
             tokens = 0
             for batch in client.step_iterator(step):
-                tokens += 0 if batch is None else int(batch.get("tokens", batch.get("labels")).numel())
+                t = batch.get("tokens", batch.get("labels"))
+                tokens += 0 if t is None else int(t.numel())
             result = {"loss": float("nan"), "num_tokens": float(tokens)}
         else:
             result = train_step(chunks, optimizer, client.step_iterator(step), num_microbatches=args.num_microbatches,

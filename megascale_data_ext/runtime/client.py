@@ -14,6 +14,7 @@ masked), cu_seqlens int32.
 from __future__ import annotations
 
 import hashlib
+from dataclasses import replace
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -22,7 +23,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megascale_data_ext.dataplane.placetree import ClientPlaceTree
+from megascale_data_ext.dataplane.placetree import ClientPlaceTree, FetchStages
 
 _DTYPES = {
     "tokens": torch.int64,
@@ -64,6 +65,8 @@ class Client:
         constructor_group: DP buckets per constructor (must match the service).
         axis: Distribution axis of the strategy ("DP" or "CP").
         tp_group: Process group of this rank's TP group, for `broadcast_at("tp")`.
+        fetch_stages: The service's `ServiceHandles.fetch_stages` ("ends", or "all" when
+            middle pipeline stages fetch their masks); None keeps the tree's own.
     """
 
     def __init__(
@@ -77,7 +80,10 @@ class Client:
         constructor_group: int = 1,
         axis: str = "DP",
         tp_group: Any = None,
+        fetch_stages: str | None = None,
     ) -> None:
+        if fetch_stages is not None:
+            tree = replace(tree, fetch_stages=FetchStages(fetch_stages))
         self.tree = tree
         self.rank = rank
         self.num_microbatches = num_microbatches
@@ -158,10 +164,10 @@ class Client:
             dist.broadcast(batch[k], src=self.src, group=self.tp_group)
         return batch, info
 
-    def get(self, step: int, microbatch: int) -> dict[str, torch.Tensor] | None:
-        """Microbatch `microbatch` of `step` for this rank (None on middle pipeline stages)."""
+    def get(self, step: int, microbatch: int) -> dict[str, torch.Tensor]:
+        """Microbatch `microbatch` of `step` for this rank ({} where the stage reads nothing)."""
         if not self.needs_data:
-            return None
+            return {}
         batch = info = None
         if self.fetches:
             raw, info = self.fetch(step, microbatch)
@@ -172,7 +178,7 @@ class Client:
         self.digests.append(_digest(batch))
         return batch
 
-    def step_iterator(self, step: int) -> Iterator[dict[str, torch.Tensor] | None]:
+    def step_iterator(self, step: int) -> Iterator[dict[str, torch.Tensor]]:
         """One iterator over the step's microbatches, as Megatron's schedule consumes it."""
         for j in range(self.num_microbatches):
             yield self.get(step, j)

@@ -38,6 +38,8 @@ class ServiceConfig:
         constructor_group: DP buckets served by one Data Constructor (1 = one per DP rank).
         with_attention_mask: Build the block-diagonal causal mask (needed without THD kernels).
         pad_to_multiple_of: Packed length granularity (multiplied by 2*cp for CP slicing).
+        middle_stage_masks: Middle pipeline stages (pp > 2) also fetch the attention mask and
+            cu_seqlens, so packed documents never attend across boundaries on any stage.
         namespace: Ray namespace of the named actors.
         ray_address: None = embedded local Ray; "auto" or "ray://..." for a cluster.
     """
@@ -58,6 +60,7 @@ class ServiceConfig:
     with_attention_mask: bool = True
     pad_to_multiple_of: int = 8
     overflow: str = "defer"
+    middle_stage_masks: bool = True
     namespace: str = "megascale"
     ray_address: str | None = None
 
@@ -81,6 +84,15 @@ class ServiceConfig:
             problems.append(f"`overflow` must be 'defer' or 'error', got {self.overflow!r}")
         if problems:
             raise ConfigError("invalid data service config:\n  - " + "\n  - ".join(problems))
+
+    def service_tree(self, tree: Any) -> Any:
+        """The tree the service plans and delivers for: with `middle_stage_masks`, every
+        pipeline stage fetches (middle stages get only the masks)."""
+        from megascale_data_ext.dataplane.placetree import FetchStages
+
+        if self.middle_stage_masks and tree.pp > 2 and tree.fetch_stages is FetchStages.ENDS:
+            return replace(tree, fetch_stages=FetchStages.ALL)
+        return tree
 
     @property
     def source_names(self) -> list[str]:

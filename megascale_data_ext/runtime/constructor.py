@@ -274,7 +274,8 @@ class DataConstructor:
         coords = self.tree.coords(rank)
         if self.tree.cp > 1:
             batch = slice_for_cp(batch, cp_size=self.tree.cp, cp_rank=coords["cp"])
-        batch = fields_for_stage(batch, pp_rank=coords["pp"], pp_size=self.tree.pp)
+        batch = fields_for_stage(batch, pp_rank=coords["pp"], pp_size=self.tree.pp,
+                                 middle_stage_masks=self.config.middle_stage_masks)
         with self._lock:
             built.remaining.discard((bucket, microbatch, rank))
             if not built.remaining:

@@ -18,6 +18,8 @@ class ServiceHandles:
     namespace: str
     num_constructors: int
     constructor_group: int
+    fetch_stages: str = "ends"
+    """Which pipeline stages fetch (`FetchStages`); clients must use the service's choice."""
     ray_env: dict[str, str] = field(default_factory=dict)
     """RAY_AUTH_* settings a joining process needs (Ray's token auth on the started cluster)."""
 

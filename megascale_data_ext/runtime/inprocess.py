@@ -25,7 +25,8 @@ class InProcessService:
     """
 
     def __init__(self, config: ServiceConfig, tree: ClientPlaceTree) -> None:
-        self.config, self.tree = config, tree
+        self.config, self.tree = config, config.service_tree(tree)
+        tree = self.tree
         self.loaders = [SourceLoader(i, s, seed=config.seed, shuffle=config.shuffle) for i, s in enumerate(config.sources)]
         self.planner = Planner(config, tree, lambda s, start, n: self.loaders[s].summary_buffer(start, n))
         for ld in self.loaders:

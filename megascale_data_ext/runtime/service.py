@@ -47,7 +47,7 @@ class DataService:
 
     def __init__(self, config: ServiceConfig, tree: ClientPlaceTree):
         self.config = config
-        self.tree = tree
+        self.tree = config.service_tree(tree)  # middle PP stages fetch masks when pp > 2
         self.loaders: list[Any] = []
         self.planner: Any = None
         self.constructors: list[Any] = []
@@ -97,6 +97,7 @@ class DataService:
             num_constructors=len(self.constructors),
             constructor_group=g,
             ray_env={k: v for k, v in os.environ.items() if k.startswith("RAY_AUTH_")},
+            fetch_stages=self.tree.fetch_stages.value,
         )
 
     def plan_summary(self, step: int) -> dict:

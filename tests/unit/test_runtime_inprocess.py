@@ -189,3 +189,17 @@ def test_read_ahead_refills_without_reading_twice(specs):
     assert sum(ld.samples_read + ld.skipped_total for ld in loaders) == planned  # nothing read twice
     assert all(ld.read_ahead(0) is False for ld in loaders)  # a handed-out step is not read again
     assert all(not ld._steps for ld in loaders)
+
+
+def test_middle_pipeline_stages_get_the_document_masks(specs):
+    tree = ClientPlaceTree.from_sizes(pp=4, dp=2)
+    cfg, _, _, cons = wire(specs, tree)
+    svc_tree = cfg.service_tree(tree)
+    assert svc_tree.fetch_ranks("DP") == sorted(tree.rank_of(dp=d, pp=p) for d in range(2) for p in range(4))
+    first, middle, last = (cons[0].get(0, 0, tree.rank_of(dp=0, pp=p))[0] for p in (0, 1, 3))
+    assert set(middle) == {"attention_mask", "cu_seqlens", "max_seqlen"}
+    for key in middle:
+        np.testing.assert_array_equal(middle[key], first[key])
+        np.testing.assert_array_equal(middle[key], last[key])
+    _, _, _, ends_only = wire(specs, tree, middle_stage_masks=False)
+    assert ends_only[0].tree.fetch_ranks("DP") == sorted(tree.rank_of(dp=d, pp=p) for d in range(2) for p in (0, 3))
