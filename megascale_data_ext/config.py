@@ -54,8 +54,7 @@ _GLOB_CHARS = frozenset("*?[")
 _MISSING = "???"
 #: Fields MegascaleDataConfig passes to ServiceConfig unchanged.
 _SHARED_FIELDS = ("seed", "samples_per_step", "num_microbatches", "seq_length", "shuffle", "buffer_size", "prefetch",
-                  "constructor_group", "with_attention_mask", "pad_to_multiple_of", "overflow",
-                  "middle_stage_masks")
+                  "constructor_group", "with_attention_mask", "pad_to_multiple_of", "overflow", "middle_stage_masks")
 
 
 @dataclass(slots=True, kw_only=True)

@@ -27,6 +27,7 @@ path (planner, loaders, constructors) is the external data provider in ``runtime
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
@@ -146,15 +147,11 @@ def _pad_token_id(tokenizer: Any, allow_ambiguous: bool) -> int:
     except Exception:  # noqa: BLE001 - tokenizers raise anything from AttributeError to NotImplementedError
         return _PAD_TOKEN_ID
     special: list[int] = []
-    try:
+    with contextlib.suppress(AttributeError, IndexError, ValueError):  # tokenizers differ in what they expose
         special = [v for k, v in tokenizer.special_tokens_dict.items() if k != "pad_token"]
-    except (AttributeError, IndexError, ValueError):
-        pass
     for attr in () if special else ("eos", "eod"):
-        try:
+        with contextlib.suppress(AttributeError, NotImplementedError):
             special.append(getattr(tokenizer, attr))
-        except (AttributeError, NotImplementedError):
-            pass
     return pad if allow_ambiguous or pad not in special else _PAD_TOKEN_ID
 
 
