@@ -11,6 +11,7 @@ stdout/stderr of every rank, so a pytest failure shows what each rank said.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -98,3 +99,13 @@ def run_torchrun(
     if proc.returncode != 0:
         raise TorchrunError(f"exit code {proc.returncode}: {' '.join(cmd)}", output=out, returncode=proc.returncode)
     return subprocess.CompletedProcess(cmd, proc.returncode, out, None)
+
+
+def run_example(
+    script: str, data_root: Path, log_dir: Path, *overrides: str, nproc: int = 4, timeout: float = 540.0
+) -> tuple[str, dict[int, list[dict]]]:
+    """Run ``examples/<script>`` under torchrun on the demo data; returns (output, {rank: step log})."""
+    proc = run_torchrun(REPO_ROOT / "examples" / script, nproc,
+                        [f"data.data_root={data_root}", f"train.log_dir={log_dir}", *overrides], timeout=timeout)
+    logs = {int(p.stem[4:]): json.loads(p.read_text()) for p in Path(log_dir).glob("rank*.json")}
+    return proc.stdout, logs

@@ -3,35 +3,18 @@ the real schedule (TP2·PP2, PP2 with VPP), and resumes bit-exactly from its own
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from tests.dist import launch
+
 pytestmark = pytest.mark.slow
-ROOT = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture(scope="module")
-def data_root(tmp_path_factory):
-    root = tmp_path_factory.mktemp("demo_data")
-    subprocess.run([sys.executable, "-m", "megascale_data_ext", "demo-data", "--out", str(root), "--rows", "200"],
-                   check=True, capture_output=True)
-    return root
 
 
 def run_example(data_root: Path, log_dir: Path, *overrides: str, nproc: int = 4) -> dict[int, list[dict]]:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           str(ROOT / "examples" / "pretrain_gpt.py"), f"data.data_root={data_root}", f"train.log_dir={log_dir}",
-           *overrides]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=540, cwd=ROOT)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    return {int(p.stem[4:]): json.loads(p.read_text()) for p in log_dir.glob("rank*.json")}
+    return launch.run_example("pretrain_gpt.py", data_root, log_dir, *overrides, nproc=nproc)[1]
 
 
 def test_resume_from_checkpoint_continues_the_exact_stream(data_root, tmp_path):

@@ -4,40 +4,23 @@ backbone's first stage, and the loss is finite and falls."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from collections import Counter
-from pathlib import Path
 
 import numpy as np
 import pytest
 
+from tests.dist import launch
+
 pytestmark = pytest.mark.slow
-ROOT = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture(scope="module")
-def data_root(tmp_path_factory):
-    root = tmp_path_factory.mktemp("demo_data")
-    subprocess.run([sys.executable, "-m", "megascale_data_ext", "demo-data", "--out", str(root), "--rows", "200"],
-                   check=True, capture_output=True)
-    return root
 
 
 def test_vlm_example_encodes_over_world_and_trains_at_pp2_dp2(data_root, tmp_path):
-    log_dir = tmp_path / "logs"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4",
-           str(ROOT / "examples" / "pretrain_vlm.py"), f"data.data_root={data_root}", f"train.log_dir={log_dir}",
-           "parallel.tensor_model_parallel_size=1", "parallel.pipeline_model_parallel_size=2", "train.train_iters=3"]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240, cwd=ROOT)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("step ")]
-    assert len(lines) == 3 and all("encoder max/mean vanilla" in ln for ln in lines), proc.stdout[-2000:]
+    out, logs = launch.run_example("pretrain_vlm.py", data_root, tmp_path / "logs",
+                                   "parallel.tensor_model_parallel_size=1", "parallel.pipeline_model_parallel_size=2",
+                                   "train.train_iters=3", timeout=240)
+    lines = [ln for ln in out.splitlines() if ln.startswith("step ")]
+    assert len(lines) == 3 and all("encoder max/mean vanilla" in ln for ln in lines), out[-2000:]
     print("\n".join(lines))
-    logs = {int(p.stem[4:]): json.loads(p.read_text()) for p in log_dir.glob("rank*.json")}
     assert sorted(logs) == [0, 1, 2, 3]
 
     losses = [s["loss"] for s in logs[0]]

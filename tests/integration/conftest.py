@@ -1,0 +1,17 @@
+"""Fixtures shared by the multi-process integration tests."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+
+@pytest.fixture(scope="module")
+def data_root(tmp_path_factory):
+    """The demo sources (`megascale-data demo-data`) that conf/sources/demo_*.yaml point at."""
+    root = tmp_path_factory.mktemp("demo_data")
+    subprocess.run([sys.executable, "-m", "megascale_data_ext", "demo-data", "--out", str(root), "--rows", "200"],
+                   check=True, capture_output=True)
+    return root
