@@ -13,8 +13,9 @@ Models:
     * `ViTCost` — encoder FLOPs of each image (each image is its own attention sequence).
     * `TokenCost` — cost = tokens (the "balance tokens" baseline).
 
-`get_cost_model(name_or_callable)` resolves a name ("tokens", a preset such as "llama-12b",
-or "vit:<preset>") or passes a callable through; `register_cost_model` adds names.
+`get_cost_model(name_or_callable, kind=...)` resolves a name ("tokens", a preset such as "llama-12b",
+or "vit:<preset>") or a `TransformerConfig`, or passes a callable through; the strategies
+resolve their models through it. `register_cost_model` adds names, `cost_model_names` lists them.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ __all__ = [
     "TransformerConfig",
     "TransformerCost",
     "ViTCost",
+    "cost_model_names",
     "get_cost_model",
     "register_cost_model",
     "segment_sum",
@@ -258,15 +260,24 @@ def register_cost_model(name: str, factory: CostFactory) -> None:
     _REGISTRY[name.strip().lower()] = factory
 
 
-def get_cost_model(name_or_callable: str | TransformerConfig | Callable[[np.ndarray], np.ndarray]) -> Callable:
-    """Resolve a cost model.
+def get_cost_model(
+    name_or_callable: str | TransformerConfig | Callable[[np.ndarray], np.ndarray],
+    *,
+    kind: type[TransformerCost] | type[ViTCost] | None = None,
+) -> Callable:
+    """Resolve a cost model: the one path from a name or config to a cost callable.
 
-    Accepts a callable (returned as is), a `TransformerConfig` (→ `TransformerCost`), a
-    registered name ("tokens"), a preset name ("llama-12b" → `TransformerCost`; presets
-    starting with "vit" → `ViTCost`), or "vit:<preset>" to force the encoder model.
+    Accepts a callable (returned as is), a `TransformerConfig`, a registered name ("tokens"),
+    a preset name ("llama-12b"), or "vit:<preset>" to force the encoder model. A config or
+    preset is costed by `kind` (`TransformerCost` for a backbone, `ViTCost` for an encoder);
+    without one, presets starting with "vit" get `ViTCost` and all others `TransformerCost`.
+
+    Raises:
+        ConfigError: an unknown name (the message lists the known ones) or a value that is
+            neither a name, a config nor a callable.
     """
     if isinstance(name_or_callable, TransformerConfig):
-        return TransformerCost(name_or_callable)
+        return (kind or TransformerCost)(name_or_callable)
     if callable(name_or_callable):
         return name_or_callable
     if not isinstance(name_or_callable, str):
@@ -277,9 +288,13 @@ def get_cost_model(name_or_callable: str | TransformerConfig | Callable[[np.ndar
     if key.startswith("vit:"):
         return ViTCost(TransformerConfig.preset(key[4:]))
     if key in _PRESETS:
-        return ViTCost(_PRESETS[key]) if key.startswith("vit") else TransformerCost(_PRESETS[key])
-    known = sorted(_REGISTRY) + sorted(_PRESETS) + ["vit:<preset>"]
-    raise ConfigError(f"unknown cost model {name_or_callable!r}; known: {known}, or pass a callable")
+        return (kind or (ViTCost if key.startswith("vit") else TransformerCost))(_PRESETS[key])
+    raise ConfigError(f"unknown cost model {name_or_callable!r}; known: {cost_model_names()}, or pass a callable")
+
+
+def cost_model_names() -> list[str]:
+    """The names `get_cost_model` accepts: registered names, presets and "vit:<preset>"."""
+    return sorted(_REGISTRY) + sorted(_PRESETS) + ["vit:<preset>"]
 
 
 def replace_config(config: TransformerConfig, **changes: object) -> TransformerConfig:

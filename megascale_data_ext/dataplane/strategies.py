@@ -2,45 +2,58 @@
 
 A strategy is a callable ``strategy(graph) -> graph`` applied to a DGraph that has already
 been mixed (the Planner owns the mixing schedule). Strategies are registered by name so a
-config can say ``strategy: llm_balance`` or point ``_target_`` at a user class.
+config can say ``strategy: llm_balance`` or point ``_target_`` at a user class. Cost models
+are resolved through `costs.get_cost_model` when a strategy is built, so an unknown model
+name fails there (ConfigError naming the known ones), not at the first plan.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
-from megascale_data_ext.dataplane.costs import TransformerConfig, TransformerCost, ViTCost
+from megascale_data_ext.dataplane.costs import TransformerConfig, TransformerCost, ViTCost, get_cost_model
 from megascale_data_ext.dataplane.dgraph import DGraph
 from megascale_data_ext.errors import ConfigError
 
-Strategy = Callable[[DGraph], DGraph]
 
+class Strategy(Protocol):
+    """``strategy(graph) -> graph`` over a mixed DGraph.
 
-def _cost_model(model: str | TransformerConfig | Callable, kind: type) -> Callable:
-    if isinstance(model, str):
-        return kind(TransformerConfig.preset(model))
-    if isinstance(model, TransformerConfig):
-        return kind(model)
-    return model
+    Strategies declare `axis`, the distribution axis their buckets follow ("DP" when a
+    strategy has none), and `broadcast`, the dims the trainer receives by broadcast (e.g.
+    ``("tp",)``); the runtime reads both from the built strategy.
+    """
+
+    def __call__(self, g: DGraph) -> DGraph: ...
 
 
 @dataclass(slots=True, kw_only=True)
 class Vanilla:
-    """No balancing: Megatron's order, contiguous equal-count slices per DP rank and microbatch."""
+    """No balancing: Megatron's order, contiguous equal-count slices per DP rank and microbatch.
+
+    `axis`: the distribution axis; `broadcast`: the dims the trainer broadcasts over.
+    """
 
     num_microbatches: int
     axis: str = "DP"
     model: str | TransformerConfig | Callable = "llama-12b"
+    broadcast: tuple[str, ...] = ("tp",)
+    _cost: Callable = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        self._cost = get_cost_model(self.model, kind=TransformerCost)
 
     def __call__(self, g: DGraph) -> DGraph:
-        return (
+        g = (
             g.distribute(self.axis)
-            .cost(_cost_model(self.model, TransformerCost))
+            .cost(self._cost)
             .balance("greedy", level="none", num_microbatches=self.num_microbatches)
-            .broadcast_at("tp")
         )
+        for dim in self.broadcast:
+            g = g.broadcast_at(dim)
+        return g
 
 
 @dataclass(slots=True, kw_only=True)
@@ -49,6 +62,7 @@ class LLMBalance:
 
     `level="interleaved"` packs all samples into k·m balanced bins under the token `cap`,
     then gives each bucket m bins; `group_size` balances within subgroups of buckets.
+    `axis`: the distribution axis; `broadcast`: the dims the trainer broadcasts over.
     """
 
     num_microbatches: int
@@ -60,9 +74,13 @@ class LLMBalance:
     group_size: int | None = None
     keep_order: bool = True
     broadcast: tuple[str, ...] = ("tp",)
+    _cost: Callable = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        self._cost = get_cost_model(self.model, kind=TransformerCost)
 
     def __call__(self, g: DGraph) -> DGraph:
-        g = g.distribute(self.axis, group_size=self.group_size).cost(_cost_model(self.model, TransformerCost))
+        g = g.distribute(self.axis, group_size=self.group_size).cost(self._cost)
         g = g.balance(
             self.method, level=self.level, num_microbatches=self.num_microbatches, cap=self.cap, keep_order=self.keep_order
         )
@@ -73,18 +91,36 @@ class LLMBalance:
 
 @dataclass(slots=True, kw_only=True)
 class VLMBalance:
-    """Algorithm 2 (hybrid): images balanced over the encoder's axis, the backbone by LLMBalance."""
+    """Algorithm 2 (hybrid): images balanced over the encoder's axis, the backbone by LLMBalance.
+
+    `axis` and `broadcast` are the backbone's: samples reach the trainer as the backbone
+    distributes them.
+    """
 
     backbone: LLMBalance
     encoder_model: str | TransformerConfig | Callable = "vit-2b"
     encoder_axis: str = "WORLD"
     encoder_method: str = "greedy"
+    _encoder_cost: Callable = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        self._encoder_cost = get_cost_model(self.encoder_model, kind=ViTCost)
+
+    @property
+    def axis(self) -> str:
+        """The backbone's distribution axis."""
+        return self.backbone.axis
+
+    @property
+    def broadcast(self) -> tuple[str, ...]:
+        """The backbone's broadcast dims."""
+        return self.backbone.broadcast
 
     def __call__(self, g: DGraph) -> DGraph:
         (
             g.images()
             .distribute(self.encoder_axis)
-            .cost(_cost_model(self.encoder_model, ViTCost))
+            .cost(self._encoder_cost)
             .balance(self.encoder_method, level="inter", num_microbatches=1)
         )
         return self.backbone(g)

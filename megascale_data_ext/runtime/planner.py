@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from megascale_data_ext.dataplane.dgraph import DGraph
-from megascale_data_ext.dataplane.mixer import Mixer
+from megascale_data_ext.dataplane.mixing import Mixer
 from megascale_data_ext.dataplane.mixing import build_schedule
 from megascale_data_ext.dataplane.placetree import ClientPlaceTree
 from megascale_data_ext.dataplane.plan import LoaderPlan, StepPlan

@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megascale_data_ext.dataplane import balancers
-from megascale_data_ext.dataplane.balancers import balance_step, get_balancer, partition, register_balancer
+from megascale_data_ext.dataplane.balancers import balance_step, get_balancer, partition, register_balancer, registry
+from megascale_data_ext.dataplane.balancers.merge import merge_rows
 from megascale_data_ext.dataplane.costs import TransformerCost
 from megascale_data_ext.errors import ConfigError, PlanError
 
@@ -133,7 +133,7 @@ def test_register_custom_balancer() -> None:
         res = balance_step(np.ones(8), tokens=None, num_buckets=2, num_microbatches=2, method="round-robin")
         assert np.all(res.bin_cost == 2.0)
     finally:
-        balancers._BALANCERS.pop("round-robin")
+        registry._BALANCERS.pop("round-robin")
 
 
 # ----------------------------------------------------------------------------- levels
@@ -218,21 +218,11 @@ def test_empty_batch_and_more_bins_than_items() -> None:
         assert res.bin_cost.max() == 1.0
 
 
-def test_levels_module_is_re_exported_by_balancers() -> None:
-    from megascale_data_ext.dataplane import balance_levels
-
-    assert balancers.balance_step is balance_levels.balance_step
-    assert balancers.BalanceResult is balance_levels.BalanceResult
-    assert balancers.Level is balance_levels.Level
-    with pytest.raises(AttributeError, match="no attribute 'nope'"):
-        balancers.nope  # noqa: B018
-
-
 @settings(max_examples=60, deadline=None)
 @given(r=st.integers(1, 40), k=st.integers(1, 12), seed=st.integers(0, 2**16))
 def test_merge_rows_keeps_one_cell_per_slot_and_the_spread_of_the_widest_row(r: int, k: int, seed: int) -> None:
     rows = -np.sort(-np.random.default_rng(seed).random((r, k)), axis=1)  # odd r exercises the pass-through
-    slots = balancers._merge_rows(rows)
+    slots = merge_rows(rows)
     assert slots.shape == (r, k)
     assert all(np.array_equal(np.sort(s), np.arange(k)) for s in slots)
     loads = np.zeros(k)

@@ -76,6 +76,11 @@ def test_registry_and_errors() -> None:
     assert isinstance(get_cost_model("vit-1b"), ViTCost)
     assert isinstance(get_cost_model("LLAMA-12B"), TransformerCost)
     assert isinstance(get_cost_model("tokens"), TokenCost)
+    # `kind` costs a preset or config as a backbone or an encoder (the strategies' one path)
+    assert isinstance(get_cost_model("llama-12b", kind=ViTCost), ViTCost)
+    assert isinstance(get_cost_model("vit-1b", kind=TransformerCost), TransformerCost)
+    assert isinstance(get_cost_model(TransformerConfig.preset("gpt-tiny"), kind=ViTCost), ViTCost)
+    assert isinstance(get_cost_model("tokens", kind=ViTCost), TokenCost)
     fn = lambda x: x  # noqa: E731
     assert get_cost_model(fn) is fn
     with pytest.raises(ConfigError, match="unknown cost model 'gpt-5'.*tokens"):

@@ -118,3 +118,15 @@ def test_inspection_dot_and_str():
     assert dot.startswith("digraph") and "src0 -> b" in dot and "clients 0,1,8,9" in dot
     small = g.to_dot(per_sample=True)
     assert small.count("shape=ellipse") == len(g)
+
+
+def test_strategies_resolve_cost_models_when_built_and_declare_axis_and_broadcast():
+    with pytest.raises(ConfigError, match=r"unknown cost model 'no-such-model'; known: \['tokens', .*'llama-12b'"):
+        LLMBalance(num_microbatches=2, model="no-such-model")
+    with pytest.raises(ConfigError, match="unknown cost model 'nope'"):
+        build_strategy("vlm_balance", num_microbatches=2, encoder_model="nope")
+    assert LLMBalance(num_microbatches=2, model="tokens")(mixed(TREE)).plan().num_samples == 96
+    vanilla = Vanilla(num_microbatches=2)
+    assert (vanilla.axis, vanilla.broadcast) == ("DP", ("tp",))
+    vlm = build_strategy("vlm_balance", num_microbatches=2, model="gpt-tiny", axis="WORLD", broadcast=())
+    assert (vlm.axis, vlm.broadcast) == ("WORLD", ())

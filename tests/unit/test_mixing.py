@@ -337,10 +337,10 @@ def test_resume_refuses_a_changed_config() -> None:
     mixer = _make("piecewise", "deterministic")
     _step(mixer, 0)
     state = mixer.state_dict()
-    with pytest.raises(ResumeError, match=r"`seed`: saved 5 != now 6"):
+    with pytest.raises(ResumeError, match=r"`seed` changed: saved 5, now 6"):
         Mixer(mixer.schedule, NAMES, seed=6).load_state_dict(state)
     other = Mixer(PiecewiseSchedule([0, 10], [[1, 1, 0], [0, 2, 1]]), NAMES, seed=5)
-    with pytest.raises(ResumeError, match=r"`boundaries`: saved \[0, 9, 21\] != now \[0, 10\]"):
+    with pytest.raises(ResumeError, match=r"`boundaries` changed: saved \[0, 9, 21\], now \[0, 10\]"):
         other.load_state_dict(state)
 
 

@@ -1,28 +1,32 @@
 """The per-step source-count allocator (`Mixer`) behind the ``mix(schedule)`` primitive.
 
 Turns a schedule's fractions into integer per-step counts that sum to the global batch and an
-interleaved source order; see `dataplane.mixing` for the schedules. Pure numpy.
+interleaved source order; the schedules live in `schedules`, which never imports this module.
+Pure numpy.
 """
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
-from megascale_data_ext.dataplane.mixing import (
-    _SCHEDULE_KEY,
-    STATE_VERSION,
-    MixingSchedule,
-    MixMode,
-    _is_count,
-    _names_tuple,
-    _raise,
-)
-from megascale_data_ext.errors import ConfigError, PlanError, ResumeError
+from megascale_data_ext.dataplane.mixing.checks import is_count, names_tuple, raise_problems
+from megascale_data_ext.dataplane.mixing.schedules import MixingSchedule
+from megascale_data_ext.errors import ConfigError, PlanError
+from megascale_data_ext.state import StateSchema
 
-__all__ = ["Mixer", "apportion"]
+__all__ = ["MixMode", "Mixer", "apportion"]
+
+
+
+class MixMode(enum.StrEnum):
+    """How the Mixer turns weights into counts."""
+
+    DETERMINISTIC = "deterministic"  # error minimisation on cumulative counts (Megatron-like)
+    RANDOM = "random"  # seeded multinomial per step
 
 
 def apportion(deficit: np.ndarray, batch_size: int, *, eligible: np.ndarray | None = None) -> np.ndarray:
@@ -82,10 +86,13 @@ class Mixer:
     plan), so ``counts`` is a pure function of (state, step) and a restored mixer continues
     exactly like an uninterrupted one.
 
-    Checkpoint schema: ``{"version", "source_names", "mode", "seed", "next_step": int|None,
-    "target": [float], "consumed": [int], "last": {"step", "batch_size", "counts"}|None,
-    "schedule": <schedule state>}``.
+    Checkpoint (`StateSchema` "mixer", version 2): fingerprint ``source_names``, ``mode``,
+    ``seed``; fields ``next_step`` (int|None), ``target`` [float], ``consumed`` [int], ``last``
+    ({"step", "batch_size", "counts"}|None) and ``schedule`` (the schedule's own state).
     """
+
+    STATE = StateSchema("mixer", 2, ("next_step", "target", "consumed", "last", "schedule"),
+                        hint="resume with the sources, mixing mode and seed of the saved run")
 
     __slots__ = ("_consumed", "_last", "_next_step", "_target", "mode", "schedule", "seed", "source_names")
 
@@ -97,7 +104,7 @@ class Mixer:
         seed: int,
         mode: MixMode | str = MixMode.DETERMINISTIC,
     ) -> None:
-        names = _names_tuple(source_names) or ()
+        names = names_tuple(source_names) or ()
         problems: list[str] = []
         if not names:
             problems.append("`source_names` must name at least one source")
@@ -107,11 +114,11 @@ class Mixer:
         sched_names = getattr(schedule, "source_names", None)
         if sched_names is not None and tuple(sched_names) != names:
             problems.append(f"the schedule was built for sources {list(sched_names)}, not {list(names)}")
-        if not _is_count(seed):
+        if not is_count(seed):
             problems.append(f"`seed` must be a non-negative integer, got {seed!r}")
         if mode not in [m.value for m in MixMode]:
             problems.append(f"`mode` must be one of {[m.value for m in MixMode]}, got {mode!r}")
-        _raise(problems, "mixer")
+        raise_problems(problems, "mixer")
         self.schedule, self.source_names, self.seed, self.mode = schedule, names, int(seed), MixMode(mode)
         self._target = np.zeros(len(names), dtype=np.float64)
         self._consumed = np.zeros(len(names), dtype=np.int64)
@@ -135,9 +142,9 @@ class Mixer:
 
     def counts(self, step: int, batch_size: int) -> np.ndarray:
         """How many samples each source contributes to ``step``'s global batch (sums to ``batch_size``)."""
-        if not _is_count(batch_size):
+        if not is_count(batch_size):
             raise ConfigError(f"`batch_size` must be a non-negative integer, got {batch_size!r}")
-        if not _is_count(step):
+        if not is_count(step):
             raise PlanError(f"mixer step must be a non-negative integer, got {step!r}")
         if self._last is not None and step == self._last[0]:
             if batch_size != self._last[1]:
@@ -199,22 +206,19 @@ class Mixer:
         pos = (2 * j + 1) / (2 * c[src])  # exact for equal fractions, so ties are decided by the source index
         return src[np.lexsort((src, pos))]
 
+    def fingerprint(self) -> dict[str, Any]:
+        return {"source_names": list(self.source_names), "mode": self.mode.value, "seed": self.seed}
+
     def state_dict(self) -> dict[str, Any]:
         last = None if self._last is None else {
             "step": self._last[0], "batch_size": self._last[1], "counts": self._last[2].tolist()}
-        return {"version": STATE_VERSION, "source_names": list(self.source_names), "mode": self.mode.value,
-                "seed": self.seed, "next_step": self._next_step, "target": self._target.tolist(),
-                "consumed": self._consumed.tolist(), "last": last, _SCHEDULE_KEY: self.schedule.state_dict()}
+        return self.STATE.stamp(self.fingerprint(), next_step=self._next_step, target=self._target.tolist(),
+                                consumed=self._consumed.tolist(), last=last, schedule=self.schedule.state_dict())
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore a saved state; refuses (ResumeError) one saved for other sources, mode or seed."""
-        if state.get("version") != STATE_VERSION:
-            raise ResumeError(f"mixer state has version {state.get('version')!r}, expected {STATE_VERSION}")
-        now = {"source_names": list(self.source_names), "mode": self.mode.value, "seed": self.seed}
-        changed = [f"`{k}`: saved {state.get(k)!r} != now {v!r}" for k, v in now.items() if state.get(k) != v]
-        if changed:
-            raise ResumeError("mixer config changed since the checkpoint (" + ", ".join(changed) + "); restore it")
-        self.schedule.load_state_dict(state[_SCHEDULE_KEY])
+        state = self.STATE.check(state, self.fingerprint())
+        self.schedule.load_state_dict(state["schedule"])
         self._target = np.asarray(state["target"], dtype=np.float64).copy()
         self._consumed = np.asarray(state["consumed"], dtype=np.int64).copy()
         self._next_step = None if state["next_step"] is None else int(state["next_step"])

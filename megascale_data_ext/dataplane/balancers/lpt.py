@@ -1,9 +1,4 @@
-"""Balancers: number partitioning of items into k bins of near-equal cost.
-
-`partition(costs, k, method=...)` with an optional per-bin token cap and optional exact bin
-sizes. Methods are registered by name (`register_balancer`); built in are ``greedy`` (LPT)
-and ``kk`` (Karmarkar–Karp largest differencing). The paper's levels over buckets and
-micro-batches (`balance_step`) live in `balance_levels` and are re-exported here.
+"""Greedy (LPT): the largest item to the least-loaded bin, in vectorized rounds.
 
 Why not a textbook heap: the planner runs every step on ~20k samples and ~25k images, and a
 Python heap pays a microsecond per item. Here LPT works in *rounds*: the next r largest items
@@ -13,32 +8,17 @@ Small items are *water-filled* in bulk (prefix sums searched against each bin's 
 common level), overshooting a bin by at most one item; uncapped, the tail goes in up to three
 passes of decreasing item size. A token cap is enforced after each vectorized pass; the few
 items that broke it are re-placed one by one into the least-loaded bin that still has room.
+Equal bin sizes without a cap are merged as sorted k-tuples (`merge.merge_rows`).
 """
 
 from __future__ import annotations
 
-import heapq
-from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
-
 import numpy as np
 
-from megascale_data_ext.errors import CapacityError, ConfigError, PlanError
+from megascale_data_ext.dataplane.balancers.bins import Bins, cap_array, no_room
+from megascale_data_ext.dataplane.balancers.merge import merge_rows
 
-if TYPE_CHECKING:
-    from megascale_data_ext.dataplane.balance_levels import BalanceResult, Level, balance_step
-
-__all__ = [
-    "BalanceResult",
-    "Balancer",
-    "Level",
-    "balance_step",
-    "balancer_names",
-    "get_balancer",
-    "partition",
-    "register_balancer",
-]
+__all__ = ["evict_over_cap", "greedy", "greedy_core"]
 
 #: Items cheaper than this fraction of the mean bin load are water-filled instead of sorted.
 TAIL_FRACTION = 0.01
@@ -50,68 +30,6 @@ SORTED_HEAD_ROUNDS = 4
 RESERVE_FACTOR = 1.0
 #: At most this many water-fill passes over the sorted tail (the last takes what is left).
 MAX_FILL_PASSES = 3
-#: Exact KK runs on at most this many of the largest items (× bins); the rest is greedy.
-KK_HEAD_PER_BIN = 2
-KK_HEAD_MAX = 4096
-
-
-class Balancer(Protocol):
-    """A partitioning method: returns the bin index (0..k-1) of every item."""
-
-    def __call__(self, costs: np.ndarray, k: int, *, tokens: np.ndarray | None, cap: float | None,
-                 sizes: np.ndarray | None) -> np.ndarray: ...
-
-
-@dataclass(slots=True, kw_only=True)
-class _Bins:
-    """Running loads of k bins; `tok`/`left` exist only when a cap / sizes constrain them."""
-
-    load: np.ndarray
-    weight: np.ndarray | None = None
-    tok: np.ndarray | None = None
-    cap: np.ndarray | None = None  # per-bin token cap (bins of a group stage differ)
-    left: np.ndarray | None = None
-
-    def level(self) -> np.ndarray:
-        return self.load if self.weight is None else self.load / self.weight
-
-    def place_one(self, i: int, cost: float, tokens: np.ndarray | None) -> int:
-        """Least-loaded bin that still has room for item i (sequential fallback)."""
-        ok = np.ones(self.load.shape[0], dtype=bool)
-        if self.tok is not None and tokens is not None:
-            ok &= self.tok + tokens[i] <= self.cap
-        if self.left is not None:
-            ok &= self.left > 0
-        if not ok.any():
-            raise _no_room(i, tokens, self)
-        j = int(np.argmin(np.where(ok, self.level(), np.inf)))
-        self.load[j] += cost
-        if self.tok is not None and tokens is not None:
-            self.tok[j] += tokens[i]
-        if self.left is not None:
-            self.left[j] -= 1
-        return j
-
-
-def _cap_array(cap: float | np.ndarray | None, k: int) -> np.ndarray | None:
-    return None if cap is None else np.broadcast_to(np.asarray(cap, dtype=np.float64), (k,)).copy()
-
-
-def _no_room(i: int, tokens: np.ndarray | None, bins: _Bins) -> PlanError:
-    cap = None if bins.cap is None else float(bins.cap.max())
-    if tokens is not None and cap is not None and tokens[i] > cap:
-        return PlanError(
-            f"item {i} has {int(tokens[i])} tokens but the per-bin token cap is {cap:g}: raise the cap "
-            f"(context length / micro-batch token budget), or truncate or split that sample before balancing"
-        )
-    used = "" if bins.tok is None else f" (bins hold {int(bins.tok.sum())} tokens, cap {cap:g} each)"
-    return CapacityError(
-        f"item {i}" + ("" if tokens is None else f" ({int(tokens[i])} tokens)") + f" fits no bin{used}: "
-        "the step has more tokens than its bins can hold; add micro-batches, raise the cap or sample fewer tokens"
-    )
-
-
-# --------------------------------------------------------------------------- greedy (LPT)
 
 _EXACT_SORT_BELOW = 512
 
@@ -146,7 +64,7 @@ def _order_asc(values: np.ndarray, lo: float, hi: float) -> np.ndarray:
     return np.argsort(key.astype(np.uint16), kind="stable")
 
 
-def _rounds(order: np.ndarray, costs: np.ndarray, tokens: np.ndarray | None, bins: _Bins, out: np.ndarray,
+def _rounds(order: np.ndarray, costs: np.ndarray, tokens: np.ndarray | None, bins: Bins, out: np.ndarray,
             *, lpt: bool) -> None:
     """LPT in rounds over `order` (descending cost): r items to the r least-loaded eligible bins.
 
@@ -173,7 +91,7 @@ def _rounds(order: np.ndarray, costs: np.ndarray, tokens: np.ndarray | None, bin
         else:
             open_ = bins.left > 0
             if not open_.any():
-                raise _no_room(int(order[pos]), tokens, bins)
+                raise no_room(int(order[pos]), tokens, bins)
             if lpt:
                 open_ &= level <= level[open_].min() + cs[pos] / wmin
             cand = np.flatnonzero(open_)
@@ -200,7 +118,7 @@ def _rounds(order: np.ndarray, costs: np.ndarray, tokens: np.ndarray | None, bin
                 out[i] = bins.place_one(i, float(costs[i]), tokens)
 
 
-def _deficits(bins: _Bins, total: float, room_cost: np.ndarray | None) -> np.ndarray:
+def _deficits(bins: Bins, total: float, room_cost: np.ndarray | None) -> np.ndarray:
     """Cost each bin should receive so all reach one level λ: Σ_j clip(λ·w_j − L_j, 0, room_j) = total.
 
     Without a cap the level is exact (bins scanned by ascending level); with one, each bin's
@@ -235,7 +153,7 @@ def _deficits(bins: _Bins, total: float, room_cost: np.ndarray | None) -> np.nda
     return np.minimum(np.maximum(0.0, lam * w - bins.load), room_cost)
 
 
-def _water_fill(items: np.ndarray, costs: np.ndarray, tokens: np.ndarray | None, bins: _Bins,
+def _water_fill(items: np.ndarray, costs: np.ndarray, tokens: np.ndarray | None, bins: Bins,
                 out: np.ndarray, *, passes: int = 3) -> None:
     """Give small items (in their given order) to bins so all reach one level, in bulk.
 
@@ -269,13 +187,13 @@ def _water_fill(items: np.ndarray, costs: np.ndarray, tokens: np.ndarray | None,
         if not capped:
             return
         bins.tok += np.bincount(dest, weights=tokens[items], minlength=k)
-        items = _evict_over_cap(items, costs, tokens, bins, out)
+        items = evict_over_cap(items, costs, tokens, bins, out)
     for i in items[np.argsort(-tokens[items], kind="stable")].tolist():
         out[i] = bins.place_one(i, float(costs[i]), tokens)
 
 
-def _evict_over_cap(items: np.ndarray, costs: np.ndarray, tokens: np.ndarray, bins: _Bins,
-                    out: np.ndarray) -> np.ndarray:
+def evict_over_cap(items: np.ndarray, costs: np.ndarray, tokens: np.ndarray, bins: Bins,
+                   out: np.ndarray) -> np.ndarray:
     """Take `items` out of over-cap bins (each bin keeps its earliest ones); return them."""
     over = bins.tok > bins.cap
     if not over.any():
@@ -297,44 +215,11 @@ def _evict_over_cap(items: np.ndarray, costs: np.ndarray, tokens: np.ndarray, bi
     return np.sort(evict)
 
 
-def _merge_rows(rows: np.ndarray) -> np.ndarray:
-    """Final slot of every cell when k-tuples (rows, each sorted descending) are merged pairwise.
-
-    Merging pairs the heaviest slot of one tuple with the lightest of the other, which never
-    widens the spread beyond the larger of the two: log2(rows) vectorized passes give what
-    LPT rounds give one round at a time. An odd tuple out passes through to the next level
-    (no padding to a power of two); slots are resolved top-down, one scatter per level.
-    """
-    r, k = rows.shape
-    loads = rows
-    sorts = []  # per level: (tuples before padding, flat source cell of every merged slot)
-    while loads.shape[0] > 1:
-        t = loads.shape[0]
-        if t % 2:  # an odd tuple merges with an empty one (a zero row), i.e. passes through
-            loads = np.concatenate((loads, np.zeros((1, k))))
-        merged = loads[0::2] + loads[1::2, ::-1]
-        srt = np.argsort(-merged, axis=1)
-        srt += (np.arange(srt.shape[0], dtype=np.int64) * k)[:, None]
-        sorts.append((t, srt))
-        loads = merged.ravel()[srt]
-    # Walk back down: final slot of every cell, level by level (one scatter per level).
-    final = np.broadcast_to(np.arange(k, dtype=np.int64), (loads.shape[0], k))
-    for t, srt in reversed(sorts):
-        h = srt.shape[0]
-        at_merged = np.empty((h, k), dtype=np.int64)
-        at_merged.ravel()[srt.ravel()] = final.ravel()  # merged cell -> final slot
-        final = np.empty((2 * h, k), dtype=np.int64)
-        final[0::2] = at_merged  # left tuple's cell c is merged cell c
-        final[1::2] = at_merged[:, ::-1]  # right tuple's cell c is merged cell k-1-c
-        final = final[:t]
-    return np.ascontiguousarray(final)
-
-
 def _tree_merge(costs: np.ndarray, k: int) -> np.ndarray:
-    """Equal sizes, no cap: sorted chunks of k items, merged by `_merge_rows`."""
+    """Equal sizes, no cap: sorted chunks of k items, merged by `merge_rows`."""
     order = _order_desc(costs)
     out = np.empty(costs.shape[0], dtype=np.int64)
-    out[order] = _merge_rows(costs[order].reshape(-1, k)).reshape(-1)
+    out[order] = merge_rows(costs[order].reshape(-1, k)).reshape(-1)
     return out
 
 
@@ -345,16 +230,21 @@ def _quantile_estimate(values: np.ndarray, q: float) -> float:
     return float(np.partition(sample, j)[j])
 
 
-def _greedy_core(costs: np.ndarray, k: int, *, tokens: np.ndarray | None, cap: float | np.ndarray | None,
-                 sizes: np.ndarray | None, weights: np.ndarray | None = None,
-                 bins: _Bins | None = None, out: np.ndarray | None = None,
-                 items: np.ndarray | None = None) -> np.ndarray:
+def greedy_core(costs: np.ndarray, k: int, *, tokens: np.ndarray | None, cap: float | np.ndarray | None,
+                sizes: np.ndarray | None, weights: np.ndarray | None = None,
+                bins: Bins | None = None, out: np.ndarray | None = None,
+                items: np.ndarray | None = None) -> np.ndarray:
+    """Greedy for `items` (default all) into `bins` (default k empty ones); bin per item in `out`.
+
+    `out` holds -1 for items not placed; `weights` scale the bins' levels (groups of unequal
+    size). The caller may pass `bins` to read the bins' cost and token sums afterwards.
+    """
     n = costs.shape[0]
     if out is None:
         out = np.full(n, -1, dtype=np.int64)
     if bins is None:
-        bins = _Bins(load=np.zeros(k), weight=weights, cap=_cap_array(cap, k),
-                     tok=None if cap is None else np.zeros(k), left=None if sizes is None else sizes.copy())
+        bins = Bins(load=np.zeros(k), weight=weights, cap=cap_array(cap, k),
+                    tok=None if cap is None else np.zeros(k), left=None if sizes is None else sizes.copy())
     if sizes is None and (cap is None or tokens is None):
         _greedy_sorted(items, costs, k, bins, out)
         return out
@@ -384,7 +274,7 @@ def _greedy_core(costs: np.ndarray, k: int, *, tokens: np.ndarray | None, cap: f
     return out
 
 
-def _greedy_sorted(todo: np.ndarray | None, costs: np.ndarray, k: int, bins: _Bins, out: np.ndarray) -> None:
+def _greedy_sorted(todo: np.ndarray | None, costs: np.ndarray, k: int, bins: Bins, out: np.ndarray) -> None:
     """Uncapped LPT on one sorted copy: head by LPT, the tail water-filled in passes over slices.
 
     Sorting and gathering once lets every later step work on slices: one prefix sum serves all
@@ -421,7 +311,7 @@ def _greedy_sorted(todo: np.ndarray | None, costs: np.ndarray, k: int, bins: _Bi
     out[order] = dest
 
 
-def _fill_run(cs: np.ndarray, prefix: np.ndarray, a: int, b: int, bins: _Bins, dest: np.ndarray) -> None:
+def _fill_run(cs: np.ndarray, prefix: np.ndarray, a: int, b: int, bins: Bins, dest: np.ndarray) -> None:
     """Water-fill sorted items a..b-1 (uncapped): runs of consecutive items per bin, via prefix sums."""
     k = bins.load.shape[0]
     total = float(prefix[b] - prefix[a])
@@ -443,157 +333,4 @@ def greedy(costs: np.ndarray, k: int, *, tokens: np.ndarray | None = None, cap: 
     """LPT (largest item to the least-loaded bin), in vectorized rounds plus a water-filled tail."""
     if sizes is not None and cap is None and np.all(sizes == sizes[0]) and costs.shape[0] == k * int(sizes[0]):
         return _tree_merge(costs, k) if costs.shape[0] else np.zeros(0, dtype=np.int64)
-    return _greedy_core(costs, k, tokens=tokens, cap=cap, sizes=sizes)
-
-
-# --------------------------------------------------------------------------- Karmarkar–Karp
-
-
-def _kk_merge_all(tuples: list[tuple[np.ndarray, np.ndarray, np.ndarray]], k: int) -> tuple[np.ndarray, np.ndarray]:
-    """Largest differencing: repeatedly merge the two k-tuples of largest spread.
-
-    Each tuple is (loads sorted descending and shifted so min = 0, item ids, slot ids); merging
-    pairs the heaviest slot of one with the lightest of the other.
-    """
-    heap = [(-float(t[0][0]), i, t) for i, t in enumerate(tuples)]
-    heapq.heapify(heap)
-    seq = len(heap)
-    while len(heap) > 1:
-        _, _, (la, ia, sa) = heapq.heappop(heap)
-        _, _, (lb, ib, sb) = heapq.heappop(heap)
-        merged = la + lb[::-1]
-        srt = np.argsort(-merged, kind="stable")
-        inv = np.empty(k, dtype=np.int64)
-        inv[srt] = np.arange(k)
-        loads = merged[srt]
-        loads -= loads[-1]
-        item = np.concatenate([ia, ib])
-        slot = np.concatenate([inv[sa], inv[k - 1 - sb]])
-        heapq.heappush(heap, (-float(loads[0]), seq, (loads, item, slot)))
-        seq += 1
-    _, _, (_, item, slot) = heap[0]
-    return item, slot
-
-
-def kk(costs: np.ndarray, k: int, *, tokens: np.ndarray | None = None, cap: float | None = None,
-       sizes: np.ndarray | None = None) -> np.ndarray:
-    """Karmarkar–Karp multi-way largest differencing.
-
-    Without sizes: exact KK on the largest max(2k, …) ≤ 4096 items, then the greedy rounds /
-    water-fill for the rest, and cap repair. With equal sizes: the balanced variant (BLDM):
-    tuples are sorted chunks of k items, so every bin keeps exactly one item per chunk.
-    Unequal sizes with a cap fall back to greedy (KK cannot keep counts while moving items).
-    """
-    n = costs.shape[0]
-    if n == 0:
-        return np.zeros(0, dtype=np.int64)
-    if sizes is not None:
-        if cap is not None or not np.all(sizes == sizes[0]) or n != k * int(sizes[0]):
-            return greedy(costs, k, tokens=tokens, cap=cap, sizes=sizes)
-        order = np.argsort(-costs, kind="stable")
-        chunks = order.reshape(-1, k)
-        tuples = [(costs[c] - costs[c[-1]], c, np.arange(k)) for c in chunks]
-        item, slot = _kk_merge_all(tuples, k)
-        out = np.empty(n, dtype=np.int64)
-        out[item] = slot
-        return out
-    h = min(n, KK_HEAD_MAX, max(KK_HEAD_PER_BIN * k, 256))
-    order = np.argsort(-costs, kind="stable")
-    head, rest = order[:h], order[h:]
-    zeros, slot0 = np.zeros(k - 1), np.zeros(1, dtype=np.int64)
-    tuples = [(np.concatenate(([costs[i]], zeros)), np.array([i]), slot0) for i in head.tolist()]
-    item, slot = _kk_merge_all(tuples, k)
-    out = np.full(n, -1, dtype=np.int64)
-    out[item] = slot
-    bins = _Bins(load=np.bincount(slot, weights=costs[item], minlength=k), cap=_cap_array(cap, k),
-                 tok=None if cap is None else np.bincount(slot, weights=tokens[item], minlength=k))
-    if cap is not None:
-        rest = np.concatenate([rest, _evict_over_cap(item, costs, tokens, bins, out)])
-    if rest.shape[0]:
-        _greedy_core(costs, k, tokens=tokens, cap=cap, sizes=None, bins=bins, out=out, items=np.sort(rest))
-    return out
-
-
-# --------------------------------------------------------------------------- registry + partition
-
-_BALANCERS: dict[str, Balancer] = {"greedy": greedy, "kk": kk}
-
-
-def register_balancer(name: str, fn: Balancer) -> None:
-    """Make `fn(costs, k, *, tokens, cap, sizes) -> bins` available as `method=name`."""
-    if not callable(fn):
-        raise ConfigError(f"balancer {name!r} must be callable, got {type(fn).__name__}")
-    _BALANCERS[name] = fn
-
-
-def get_balancer(name: str) -> Balancer:
-    if name not in _BALANCERS:
-        raise ConfigError(f"unknown balancing method {name!r}; known methods: {balancer_names()}")
-    return _BALANCERS[name]
-
-
-def balancer_names() -> list[str]:
-    return sorted(_BALANCERS)
-
-
-def _check_inputs(costs: np.ndarray, k: int, tokens: np.ndarray | None, cap: float | None,
-                  sizes: Sequence[int] | np.ndarray | None) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
-    costs = np.ascontiguousarray(costs, dtype=np.float64)
-    problems = []
-    if costs.ndim != 1:
-        problems.append(f"`costs` must be 1-D, got shape {costs.shape}")
-    elif costs.size and not (costs.min() >= 0.0 and np.isfinite(costs.max())):  # NaN fails the min test
-        problems.append("`costs` must be finite and >= 0 (check the cost model)")
-    if int(k) != k or k <= 0:
-        problems.append(f"`k` (number of bins) must be a positive integer, got {k!r}")
-    tok = None
-    if tokens is not None:
-        tok = np.asarray(tokens, dtype=np.int64)
-        if tok.shape != costs.shape:
-            problems.append(f"`tokens` has shape {tok.shape}, `costs` has {costs.shape}")
-        elif tok.size and tok.min() < 0:
-            problems.append("`tokens` must be >= 0")
-    if cap is not None and tokens is None:
-        problems.append("`cap` needs `tokens` (per-item token counts)")
-    if cap is not None and not cap > 0:
-        problems.append(f"`cap` must be > 0, got {cap!r}")
-    sz = None
-    if sizes is not None:
-        sz = np.asarray(sizes, dtype=np.int64)
-        if sz.shape != (k,) or (sz.size and sz.min() < 0) or int(sz.sum()) != costs.shape[0]:
-            problems.append(f"`sizes` must be {k} non-negative counts summing to {costs.shape[0]} items, got {sizes!r}")
-    if problems:
-        raise ConfigError("partition(): " + "; ".join(problems))
-    return costs, tok, sz
-
-
-def partition(costs: np.ndarray, k: int, *, method: str = "greedy", tokens: np.ndarray | None = None,
-              cap: float | None = None, sizes: Sequence[int] | np.ndarray | None = None) -> np.ndarray:
-    """Bin index (int64, 0..k-1) of every item, balancing the bins' summed costs.
-
-    Args:
-        costs: Per-item cost (>= 0).
-        k: Number of bins.
-        method: A registered balancer name ("greedy", "kk", or one added by `register_balancer`).
-        tokens: Per-item token counts, needed with `cap`.
-        cap: Maximum tokens per bin; an item that fits no bin raises `PlanError`.
-        sizes: Exact number of items per bin (e.g. m micro-batches for every bucket).
-    """
-    fn = get_balancer(method)
-    costs, tok, sz = _check_inputs(costs, k, tokens, cap, sizes)
-    if tok is not None and cap is not None and tok.size and tok.max() > cap:
-        i = int(np.argmax(tok > cap))
-        raise _no_room(i, tok, _Bins(load=np.zeros(1), cap=_cap_array(cap, 1)))
-    out = np.asarray(fn(costs, int(k), tokens=tok, cap=None if cap is None else float(cap), sizes=sz), dtype=np.int64)
-    if out.shape != costs.shape or (out.size and (out.min() < 0 or out.max() >= k)):
-        raise PlanError(f"balancer {method!r} returned an invalid assignment (shape {out.shape}, k={k})")
-    return out
-
-
-def __getattr__(name: str) -> Any:
-    """Re-export the levels API from `balance_levels`, which imports this module (lazy: no cycle)."""
-    if name in ("BalanceResult", "Level", "balance_step"):
-        from megascale_data_ext.dataplane import balance_levels
-
-        return getattr(balance_levels, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return greedy_core(costs, k, tokens=tokens, cap=cap, sizes=sizes)

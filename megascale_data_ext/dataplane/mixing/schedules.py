@@ -1,18 +1,9 @@
-"""Mixing schedules and the per-step source-count allocator behind the ``mix(schedule)`` primitive.
+"""Mixing schedules: which fraction of the data each source contributes at a training step.
 
-A *schedule* says which fraction of the data each source should contribute at a training
-step (constant, curriculum phases, a warm-up ramp, or loss feedback from the trainer). The
-:class:`Mixer` turns those fractions into integer per-step counts that sum to the global
-batch size and an interleaved source order for the step's samples.
-
-Why not Megatron's ``BlendedDataset``: it precomputes one index per rank for a fixed blend,
-so a weight that changes during training (curriculum, feedback) means rebuilding it. The
-Mixer instead keeps the *cumulative* target ``sum_t w_s(t) * B_t`` and the cumulative count
-per source and allocates each step by the same error-minimisation rule Megatron's
-``build_blending_indices`` applies per sample, so any schedule is tracked to within about
-one sample over the whole run, and its state is two short vectors.
-
-Pure numpy: no Ray, no torch.
+Constant, curriculum phases (`PiecewiseSchedule`), a warm-up ramp, or loss feedback from the
+trainer. Every schedule is rebuilt from its `to_config()` by `build.build_schedule`; its
+checkpoint (`StateSchema` "mixing_schedule") is fingerprinted by that config, so a resume under
+another schedule is refused, and holds the fields of the few schedules that learn (feedback).
 """
 
 from __future__ import annotations
@@ -25,23 +16,27 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from megascale_data_ext.errors import ConfigError, PlanError, ResumeError
+from megascale_data_ext.dataplane.mixing.checks import (
+    check_weights,
+    is_count,
+    names_hint,
+    names_tuple,
+    raise_problems,
+    weights_length,
+)
+from megascale_data_ext.errors import ConfigError, PlanError
+from megascale_data_ext.state import StateSchema
 
 __all__ = [
     "ConstantSchedule",
     "FeedbackSchedule",
     "LinearRampSchedule",
-    "MixMode",
     "MixingSchedule",
     "PiecewiseSchedule",
     "ScheduleType",
-    "build_schedule",
 ]
 
-_ALLOCATOR_NAMES = ("Mixer", "apportion")
-
-STATE_VERSION = 1
-_SCHEDULE_KEY = "schedule"
+_HINT = "resume with the mixing schedule of the saved run (data.mixing)"
 
 
 class ScheduleType(enum.StrEnum):
@@ -51,13 +46,6 @@ class ScheduleType(enum.StrEnum):
     PIECEWISE = "piecewise"
     RAMP = "ramp"
     FEEDBACK = "feedback"
-
-
-class MixMode(enum.StrEnum):
-    """How the Mixer turns weights into counts."""
-
-    DETERMINISTIC = "deterministic"  # error minimisation on cumulative counts (Megatron-like)
-    RANDOM = "random"  # seeded multinomial per step
 
 
 @runtime_checkable
@@ -78,66 +66,6 @@ class MixingSchedule(Protocol):
     def load_state_dict(self, state: Mapping[str, Any]) -> None: ...
 
 
-# --------------------------------------------------------------------------- validation
-
-
-def _names_hint(names: Sequence[str] | None, n: int) -> str:
-    return f"sources: {list(names)}" if names is not None else f"{n} sources"
-
-
-def _check_weights(
-    field_name: str, weights: Any, names: Sequence[str] | None, problems: list[str], *, num_sources: int | None = None
-) -> np.ndarray | None:
-    """Return ``weights`` normalised to sum 1, or append what is wrong to ``problems``."""
-    try:
-        arr = np.asarray(weights, dtype=np.float64)
-    except (TypeError, ValueError):
-        problems.append(f"`{field_name}` must be a list of numbers, got {weights!r}")
-        return None
-    n = num_sources if num_sources is not None else (len(names) if names is not None else None)
-    if arr.ndim != 1 or arr.size == 0:
-        problems.append(f"`{field_name}` must be a non-empty list of numbers, got {weights!r}")
-        return None
-    if n is not None and arr.size != n:
-        problems.append(
-            f"`{field_name}` has {arr.size} entries but there are {n} sources, got {arr.tolist()!r} "
-            f"({_names_hint(names, n)})"
-        )
-        return None
-    if not np.all(np.isfinite(arr)) or np.any(arr < 0) or arr.sum() <= 0:
-        problems.append(
-            f"`{field_name}` must be non-negative and sum to > 0, got {arr.tolist()!r} ({_names_hint(names, arr.size)})"
-        )
-        return None
-    return arr / arr.sum()
-
-
-def _raise(problems: list[str], what: str) -> None:
-    if problems:
-        raise ConfigError(f"invalid {what}: " + "; ".join(problems))
-
-
-def _names_tuple(source_names: Sequence[str] | None) -> tuple[str, ...] | None:
-    if source_names is None:
-        return None
-    names = tuple(str(n) for n in source_names)
-    if len(set(names)) != len(names):
-        raise ConfigError(f"`source_names` must be unique, got {list(names)}")
-    return names
-
-
-def _length(values: Any) -> int | None:
-    """Length of a would-be weight list (None if it is not one; ``_check_weights`` says why)."""
-    return len(values) if isinstance(values, Sequence | np.ndarray) and not isinstance(values, str) else None
-
-
-def _is_count(value: Any) -> bool:
-    return not isinstance(value, bool) and isinstance(value, (int, np.integer)) and value >= 0
-
-
-# --------------------------------------------------------------------------- schedules
-
-
 class _Schedule:
     """Shared plumbing: equality/repr from ``to_config`` and the stateless state protocol.
 
@@ -146,6 +74,7 @@ class _Schedule:
     """
 
     __slots__ = ("source_names",)
+    STATE = StateSchema("mixing_schedule", 2, (), hint=_HINT)
 
     @abc.abstractmethod
     def to_config(self) -> dict[str, Any]:
@@ -161,18 +90,12 @@ class _Schedule:
     __hash__ = None  # type: ignore[assignment]
 
     def state_dict(self) -> dict[str, Any]:
-        """Stateless schedules save only their config, so a changed config is caught on resume."""
-        return {"version": STATE_VERSION, "config": self.to_config()}
+        """Stateless schedules save only their config (the fingerprint), so a changed config is caught."""
+        return self.STATE.stamp(self.to_config())
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Refuse (ResumeError) a state saved under another version or config."""
-        if state.get("version") != STATE_VERSION:
-            raise ResumeError(f"mixing schedule state has version {state.get('version')!r}, expected {STATE_VERSION}")
-        saved, now = dict(state.get("config", {})), self.to_config()
-        changed = sorted(k for k in set(saved) | set(now) if saved.get(k) != now.get(k))
-        if changed:
-            details = ", ".join(f"`{k}`: saved {saved.get(k)!r} != now {now.get(k)!r}" for k in changed)
-            raise ResumeError(f"mixing schedule config changed since the checkpoint ({details}); restore it")
+        self.STATE.check(state, self.to_config())
 
 
 class ConstantSchedule(_Schedule):
@@ -181,10 +104,10 @@ class ConstantSchedule(_Schedule):
     __slots__ = ("_raw", "_w")
 
     def __init__(self, weights: Sequence[float], *, source_names: Sequence[str] | None = None) -> None:
-        self.source_names = _names_tuple(source_names)
+        self.source_names = names_tuple(source_names)
         problems: list[str] = []
-        w = _check_weights("weights", weights, self.source_names, problems)
-        _raise(problems, "constant mixing schedule")
+        w = check_weights("weights", weights, self.source_names, problems)
+        raise_problems(problems, "constant mixing schedule")
         self._raw, self._w = [float(x) for x in weights], w
 
     @property
@@ -216,7 +139,7 @@ class PiecewiseSchedule(_Schedule):
         steps_per_epoch: int | None = None,
         source_names: Sequence[str] | None = None,
     ) -> None:
-        self.unit, self.steps_per_epoch, self.source_names = unit, steps_per_epoch, _names_tuple(source_names)
+        self.unit, self.steps_per_epoch, self.source_names = unit, steps_per_epoch, names_tuple(source_names)
         problems: list[str] = []
         if unit not in ("step", "epoch"):
             problems.append(f"`unit` must be one of ['step', 'epoch'], got {unit!r}")
@@ -232,10 +155,10 @@ class PiecewiseSchedule(_Schedule):
             problems.append(f"`boundaries` must start at 0 and strictly increase, got {list(boundaries)!r}")
         elif unit == "step" and np.any(b != np.round(b)):
             problems.append(f"`boundaries` must be whole steps when unit='step', got {list(boundaries)!r}")
-        n = len(self.source_names) if self.source_names is not None else _length(rows_in[0] if rows_in else None)
-        rows = [_check_weights(f"weights[{i}]", w, self.source_names, problems, num_sources=n)
+        n = len(self.source_names) if self.source_names is not None else weights_length(rows_in[0] if rows_in else None)
+        rows = [check_weights(f"weights[{i}]", w, self.source_names, problems, num_sources=n)
                 for i, w in enumerate(rows_in)]
-        _raise(problems, "piecewise mixing schedule")
+        raise_problems(problems, "piecewise mixing schedule")
         self._starts = np.round(b * (steps_per_epoch if unit == "epoch" else 1)).astype(np.int64)
         if np.any(np.diff(self._starts) <= 0):
             raise ConfigError(f"invalid piecewise mixing schedule: `boundaries` {list(boundaries)!r} (epochs) map to "
@@ -283,14 +206,14 @@ class LinearRampSchedule(_Schedule):
         *,
         source_names: Sequence[str] | None = None,
     ) -> None:
-        self.source_names = _names_tuple(source_names)
+        self.source_names = names_tuple(source_names)
         problems: list[str] = []
-        n = len(self.source_names) if self.source_names is not None else _length(start)
-        a = _check_weights("start", start, self.source_names, problems, num_sources=n)
-        b = _check_weights("end", end, self.source_names, problems, num_sources=n)
+        n = len(self.source_names) if self.source_names is not None else weights_length(start)
+        a = check_weights("start", start, self.source_names, problems, num_sources=n)
+        b = check_weights("end", end, self.source_names, problems, num_sources=n)
         problems += [f"`{k}` must be a non-negative integer, got {v!r}"
-                     for k, v in (("warmup_steps", warmup_steps), ("start_step", start_step)) if not _is_count(v)]
-        _raise(problems, "ramp mixing schedule")
+                     for k, v in (("warmup_steps", warmup_steps), ("start_step", start_step)) if not is_count(v)]
+        raise_problems(problems, "ramp mixing schedule")
         self._a, self._b = a, b
         self._raw = ([float(x) for x in start], [float(x) for x in end])
         self.warmup_steps, self.start_step = int(warmup_steps), int(start_step)
@@ -331,6 +254,8 @@ class FeedbackSchedule(_Schedule):
 
     __slots__ = ("_base", "_ema", "_raw", "_w", "last_step", "lr", "min_weight", "num_ignored", "num_reports",
                  "smoothing")
+    STATE = StateSchema("mixing_schedule", 2, ("ema", "weights", "last_step", "num_reports", "num_ignored"),
+                        hint=_HINT)
 
     def __init__(
         self,
@@ -341,9 +266,9 @@ class FeedbackSchedule(_Schedule):
         min_weight: float = 0.0,
         source_names: Sequence[str] | None = None,
     ) -> None:
-        self.source_names = _names_tuple(source_names)
+        self.source_names = names_tuple(source_names)
         problems: list[str] = []
-        base = _check_weights("base_weights", base_weights, self.source_names, problems)
+        base = check_weights("base_weights", base_weights, self.source_names, problems)
         if not (isinstance(lr, (int, float)) and math.isfinite(lr) and lr >= 0):
             problems.append(f"`lr` must be a finite number >= 0, got {lr!r}")
         if not (isinstance(smoothing, (int, float)) and 0 <= smoothing < 1):
@@ -352,10 +277,10 @@ class FeedbackSchedule(_Schedule):
             k = int(np.count_nonzero(base))
             if min_weight * k >= 1:
                 problems.append(f"`min_weight` * (sources with base weight > 0) must be < 1, got "
-                                f"{min_weight!r} * {k} ({_names_hint(self.source_names, base.size)})")
+                                f"{min_weight!r} * {k} ({names_hint(self.source_names, base.size)})")
         else:
             problems.append(f"`min_weight` must be a number >= 0, got {min_weight!r}")
-        _raise(problems, "feedback mixing schedule")
+        raise_problems(problems, "feedback mixing schedule")
         self._raw, self._base = [float(x) for x in base_weights], base
         self.lr, self.smoothing, self.min_weight = float(lr), float(smoothing), float(min_weight)
         self._ema = np.full(base.size, np.nan)
@@ -387,7 +312,7 @@ class FeedbackSchedule(_Schedule):
         if isinstance(key, (int, np.integer)) and not isinstance(key, bool) and 0 <= key < self.num_sources:
             return int(key)
         raise PlanError(f"report_loss got unknown source {key!r}; use an index in [0, {self.num_sources}) "
-                        f"or a name ({_names_hint(self.source_names, self.num_sources)})")
+                        f"or a name ({names_hint(self.source_names, self.num_sources)})")
 
     def report_loss(self, step: int, losses: Mapping[int | str, float]) -> None:
         """Fold the trainer's per-source losses for ``step`` into the mixture.
@@ -419,78 +344,13 @@ class FeedbackSchedule(_Schedule):
                 "smoothing": self.smoothing, "min_weight": self.min_weight}
 
     def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), "ema": [None if np.isnan(x) else float(x) for x in self._ema],
-                "weights": [float(x) for x in self._w], "last_step": self.last_step,
-                "num_reports": self.num_reports, "num_ignored": self.num_ignored}
+        return self.STATE.stamp(self.to_config(), ema=[None if np.isnan(x) else float(x) for x in self._ema],
+                                weights=[float(x) for x in self._w], last_step=self.last_step,
+                                num_reports=self.num_reports, num_ignored=self.num_ignored)
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        super().load_state_dict(state)
+        state = self.STATE.check(state, self.to_config())
         self._ema = np.array([np.nan if x is None else float(x) for x in state["ema"]], dtype=np.float64)
         self._w = np.asarray(state["weights"], dtype=np.float64).copy()
         self.last_step = None if state["last_step"] is None else int(state["last_step"])
         self.num_reports, self.num_ignored = int(state["num_reports"]), int(state["num_ignored"])
-
-
-# type -> (class, required keys, optional keys)
-_SPECS: dict[ScheduleType, tuple[type[_Schedule], tuple[str, ...], tuple[str, ...]]] = {
-    ScheduleType.CONSTANT: (ConstantSchedule, ("weights",), ()),
-    ScheduleType.PIECEWISE: (PiecewiseSchedule, ("boundaries", "weights"), ("unit", "steps_per_epoch")),
-    ScheduleType.RAMP: (LinearRampSchedule, ("start", "end", "warmup_steps"), ("start_step",)),
-    ScheduleType.FEEDBACK: (FeedbackSchedule, ("base_weights",), ("lr", "smoothing", "min_weight")),
-}
-_WEIGHT_KEYS = ("weights", "start", "end", "base_weights")
-
-
-def _weights_from_mapping(key: str, value: Any, names: Sequence[str] | None, problems: list[str]) -> Any:
-    """Accept ``{source_name: weight}`` (YAML-friendly) as well as a list; missing names weigh 0."""
-    if not isinstance(value, Mapping):
-        return value
-    if names is None:
-        problems.append(f"`{key}` is a mapping {dict(value)!r} but no source names were given; pass source_names")
-        return value
-    unknown = sorted(set(map(str, value)) - set(names))
-    if unknown:
-        problems.append(f"`{key}` names unknown sources {unknown} (sources: {list(names)})")
-    return [float(value.get(n, 0.0)) for n in names]
-
-
-def build_schedule(config: Mapping[str, Any], *, source_names: Sequence[str] | None = None) -> MixingSchedule:
-    """Build a schedule from a plain dict (a Hydra/YAML node), the inverse of ``to_config``.
-
-    Args:
-        config: ``{"type": "constant"|"piecewise"|"ramp"|"feedback", ...}`` with that type's
-            arguments; weight lists may be ``{source_name: weight}`` mappings.
-        source_names: Names of the sources, in order; enables mappings and names in errors.
-
-    Raises:
-        ConfigError: listing every problem (unknown type or keys, bad weights, ...).
-    """
-    raw_type = config.get("type", ScheduleType.CONSTANT.value)
-    allowed = [t.value for t in ScheduleType]
-    if raw_type not in allowed:
-        raise ConfigError(f"mixing schedule `type` must be one of {allowed}, got {raw_type!r}")
-    kind = ScheduleType(raw_type)
-    cls, required, optional = _SPECS[kind]
-    unknown = sorted(set(config) - set(required) - set(optional) - {"type"})
-    allowed_keys = [*required, *optional]
-    problems = [f"unknown keys {unknown} for type {kind.value!r} (allowed: {allowed_keys})"] if unknown else []
-    problems += [f"missing key `{k}` for type {kind.value!r}" for k in required if k not in config]
-    args = {k: config[k] for k in (*required, *optional) if k in config}
-    for key in _WEIGHT_KEYS:
-        if key in args:
-            if kind is ScheduleType.PIECEWISE:
-                args[key] = [_weights_from_mapping(f"{key}[{i}]", w, source_names, problems)
-                             for i, w in enumerate(args[key])]
-            else:
-                args[key] = _weights_from_mapping(key, args[key], source_names, problems)
-    _raise(problems, "mixing schedule config")
-    return cls(**args, source_names=source_names)  # type: ignore[return-value]
-
-
-def __getattr__(name: str) -> Any:
-    """`Mixer` and `apportion` live in `dataplane.mixer`; resolved lazily (no import cycle)."""
-    if name in _ALLOCATOR_NAMES:
-        from megascale_data_ext.dataplane import mixer
-
-        return getattr(mixer, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,14 +1,11 @@
 """Balance levels: one step's samples to buckets (DP ranks) and their micro-batches.
 
-`balance_step` implements the paper's levels on top of `balancers.partition`'s methods:
-``none`` (Megatron's contiguous order), ``inter`` (balanced bucket membership, in-order
-micro-batches), ``intra`` (vanilla buckets, balanced micro-batches inside) and
-``interleaved`` (OVERLORD Alg. 1: pack into k·m capped bins, deal the bins m per bucket,
-then move single samples out of the heaviest bucket), optionally first over groups of
+`balance_step` implements the paper's levels on top of the registered balancers
+(`registry.get_balancer`): ``none`` (Megatron's contiguous order), ``inter`` (balanced bucket
+membership, in-order micro-batches), ``intra`` (vanilla buckets, balanced micro-batches
+inside) and ``interleaved`` (OVERLORD Alg. 1: pack into k·m capped bins, deal the bins m per
+bucket, then move single samples out of the heaviest bucket), optionally first over groups of
 buckets (`distribute(axis, group_size)`).
-
-Split from `balancers` (number partitioning) so each module holds one concept;
-`balancers` re-exports `balance_step`, `BalanceResult` and `Level` for existing imports.
 """
 
 from __future__ import annotations
@@ -19,15 +16,9 @@ from typing import Literal, get_args
 
 import numpy as np
 
-from megascale_data_ext.dataplane.balancers import (
-    _Bins,
-    _cap_array,
-    _check_inputs,
-    _greedy_core,
-    _no_room,
-    get_balancer,
-    greedy,
-)
+from megascale_data_ext.dataplane.balancers.bins import Bins, cap_array, check_inputs, no_room
+from megascale_data_ext.dataplane.balancers.lpt import greedy, greedy_core
+from megascale_data_ext.dataplane.balancers.registry import get_balancer
 from megascale_data_ext.errors import ConfigError, PlanError
 
 __all__ = ["BalanceResult", "Level", "balance_step"]
@@ -84,8 +75,8 @@ def _partition_sums(method: str, costs: np.ndarray, k: int, *, tokens: np.ndarra
     """
     fn = get_balancer(method)
     if fn is greedy:
-        bins = _Bins(load=np.zeros(k), cap=_cap_array(cap, k), tok=None if cap is None else np.zeros(k))
-        out = _greedy_core(costs, k, tokens=tokens, cap=cap, sizes=None, bins=bins)
+        bins = Bins(load=np.zeros(k), cap=cap_array(cap, k), tok=None if cap is None else np.zeros(k))
+        out = greedy_core(costs, k, tokens=tokens, cap=cap, sizes=None, bins=bins)
         load, tok = bins.load, bins.tok
     else:
         out = np.asarray(fn(costs, k, tokens=tokens, cap=cap, sizes=None), dtype=np.int64)
@@ -261,7 +252,7 @@ def _grouped(costs: np.ndarray, tok: np.ndarray | None, members: list[np.ndarray
         group_of = get_balancer(method)(costs, len(members), tokens=tok, cap=None if gcap is None else gcap[0],
                                         sizes=None)
     else:
-        group_of = _greedy_core(costs, len(members), tokens=tok, cap=gcap, sizes=None, weights=gsize)
+        group_of = greedy_core(costs, len(members), tokens=tok, cap=gcap, sizes=None, weights=gsize)
     bucket, microbatch = np.empty(n, dtype=np.int64), np.empty(n, dtype=np.int64)
     order = np.argsort(group_of, kind="stable")
     bounds = np.searchsorted(group_of[order], np.arange(len(members) + 1))
@@ -298,9 +289,9 @@ def balance_step(
     if k <= 0 or m <= 0:
         raise ConfigError(f"`num_buckets` and `num_microbatches` must be >= 1, got {k} and {m}")
     get_balancer(method)
-    costs, tok, _ = _check_inputs(costs, 1, tokens, cap, None)
+    costs, tok, _ = check_inputs(costs, 1, tokens, cap, None)
     if tok is not None and cap is not None and level != "none" and tok.size and tok.max() > cap:
-        raise _no_room(int(np.argmax(tok > cap)), tok, _Bins(load=np.zeros(1), cap=_cap_array(cap, 1)))
+        raise no_room(int(np.argmax(tok > cap)), tok, Bins(load=np.zeros(1), cap=cap_array(cap, 1)))
     capf = None if cap is None else float(cap)
     cells: _Cells = None
     if groups is not None and len(groups) > 1 and level != "none":

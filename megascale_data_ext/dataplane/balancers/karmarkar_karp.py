@@ -1,0 +1,81 @@
+"""Karmarkar–Karp multi-way largest differencing (``kk``), greedy for the tail and cap repair."""
+
+from __future__ import annotations
+
+import heapq
+
+import numpy as np
+
+from megascale_data_ext.dataplane.balancers.bins import Bins, cap_array
+from megascale_data_ext.dataplane.balancers.lpt import evict_over_cap, greedy, greedy_core
+
+__all__ = ["kk"]
+
+#: Exact KK runs on at most this many of the largest items (× bins); the rest is greedy.
+KK_HEAD_PER_BIN = 2
+KK_HEAD_MAX = 4096
+
+
+def _kk_merge_all(tuples: list[tuple[np.ndarray, np.ndarray, np.ndarray]], k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Largest differencing: repeatedly merge the two k-tuples of largest spread.
+
+    Each tuple is (loads sorted descending and shifted so min = 0, item ids, slot ids); merging
+    pairs the heaviest slot of one with the lightest of the other.
+    """
+    heap = [(-float(t[0][0]), i, t) for i, t in enumerate(tuples)]
+    heapq.heapify(heap)
+    seq = len(heap)
+    while len(heap) > 1:
+        _, _, (la, ia, sa) = heapq.heappop(heap)
+        _, _, (lb, ib, sb) = heapq.heappop(heap)
+        merged = la + lb[::-1]
+        srt = np.argsort(-merged, kind="stable")
+        inv = np.empty(k, dtype=np.int64)
+        inv[srt] = np.arange(k)
+        loads = merged[srt]
+        loads -= loads[-1]
+        item = np.concatenate([ia, ib])
+        slot = np.concatenate([inv[sa], inv[k - 1 - sb]])
+        heapq.heappush(heap, (-float(loads[0]), seq, (loads, item, slot)))
+        seq += 1
+    _, _, (_, item, slot) = heap[0]
+    return item, slot
+
+
+def kk(costs: np.ndarray, k: int, *, tokens: np.ndarray | None = None, cap: float | None = None,
+       sizes: np.ndarray | None = None) -> np.ndarray:
+    """Karmarkar–Karp multi-way largest differencing.
+
+    Without sizes: exact KK on the largest max(2k, …) ≤ 4096 items, then the greedy rounds /
+    water-fill for the rest, and cap repair. With equal sizes: the balanced variant (BLDM):
+    tuples are sorted chunks of k items, so every bin keeps exactly one item per chunk.
+    Unequal sizes with a cap fall back to greedy (KK cannot keep counts while moving items).
+    """
+    n = costs.shape[0]
+    if n == 0:
+        return np.zeros(0, dtype=np.int64)
+    if sizes is not None:
+        if cap is not None or not np.all(sizes == sizes[0]) or n != k * int(sizes[0]):
+            return greedy(costs, k, tokens=tokens, cap=cap, sizes=sizes)
+        order = np.argsort(-costs, kind="stable")
+        chunks = order.reshape(-1, k)
+        tuples = [(costs[c] - costs[c[-1]], c, np.arange(k)) for c in chunks]
+        item, slot = _kk_merge_all(tuples, k)
+        out = np.empty(n, dtype=np.int64)
+        out[item] = slot
+        return out
+    h = min(n, KK_HEAD_MAX, max(KK_HEAD_PER_BIN * k, 256))
+    order = np.argsort(-costs, kind="stable")
+    head, rest = order[:h], order[h:]
+    zeros, slot0 = np.zeros(k - 1), np.zeros(1, dtype=np.int64)
+    tuples = [(np.concatenate(([costs[i]], zeros)), np.array([i]), slot0) for i in head.tolist()]
+    item, slot = _kk_merge_all(tuples, k)
+    out = np.full(n, -1, dtype=np.int64)
+    out[item] = slot
+    bins = Bins(load=np.bincount(slot, weights=costs[item], minlength=k), cap=cap_array(cap, k),
+                tok=None if cap is None else np.bincount(slot, weights=tokens[item], minlength=k))
+    if cap is not None:
+        rest = np.concatenate([rest, evict_over_cap(item, costs, tokens, bins, out)])
+    if rest.shape[0]:
+        greedy_core(costs, k, tokens=tokens, cap=cap, sizes=None, bins=bins, out=out, items=np.sort(rest))
+    return out

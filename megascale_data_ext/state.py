@@ -1,0 +1,113 @@
+"""The `Stateful` protocol every resumable part speaks, and the schema that stamps its state.
+
+Megatron's checkpointing, torch and torchdata call ``state_dict()`` / ``load_state_dict()``;
+every stateful part here (Planner, Mixer and its schedules, Source Loaders' stream positions,
+the trainer-side Client's data position, and what later parts add) implements exactly that
+pair, and describes its checkpoint with one `StateSchema`:
+
+* ``kind`` names the part, so a state handed to the wrong part is refused;
+* ``version`` is bumped when the layout of the state changes;
+* ``fields`` are the persisted fields, declared (Energon's ``_savable_fields``): a state with
+  a field missing or an unknown one is refused instead of half-loaded;
+* the ``fingerprint`` holds the settings that decide the stream (seed, sources, batch shape,
+  layout...): a resume under other settings would silently deliver another stream, so it is
+  refused with a `ResumeError` naming each changed setting and what to do.
+
+Plain Python (no numpy, Ray or torch): the data plane, the actors and the trainer all use it.
+States are JSON-normal (lists, dicts, str, int, float, bool, None) so they round-trip through
+a checkpoint file unchanged.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+from megascale_data_ext.errors import ResumeError
+
+__all__ = ["Stateful", "StateSchema", "plain"]
+
+_META = ("kind", "version", "fingerprint")
+
+
+@runtime_checkable
+class Stateful(Protocol):
+    """Something whose position can be saved and restored (torch / torchdata style)."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """The state to save: JSON-normal, stamped by the part's `StateSchema`."""
+        ...
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue exactly where `state` was taken; raises `ResumeError` if it cannot."""
+        ...
+
+
+def plain(value: Any) -> Any:
+    """JSON-normal form (tuples -> lists, numpy scalars -> numbers) of a state or fingerprint."""
+
+    def default(obj: Any) -> Any:
+        if hasattr(obj, "tolist"):  # numpy arrays and scalars, without importing numpy here
+            return obj.tolist()
+        return str(obj)
+
+    return json.loads(json.dumps(value, default=default))
+
+
+@dataclass(frozen=True, slots=True)
+class StateSchema:
+    """How one kind of part stamps and checks its state.
+
+    Attributes:
+        kind: Name of the part ("planner", "mixer", "data_position", ...).
+        version: Layout version of the state; a different saved version is refused.
+        fields: The persisted fields besides ``kind``, ``version`` and ``fingerprint``.
+        hint: What to do when a resume is refused (appended to the error).
+    """
+
+    kind: str
+    version: int
+    fields: tuple[str, ...]
+    hint: str = "resume with the settings the state was saved with, or start the data stream afresh"
+
+    def stamp(self, fingerprint: Mapping[str, Any] | None = None, **values: Any) -> dict[str, Any]:
+        """The state: ``kind``, ``version``, ``fingerprint`` and exactly the declared fields."""
+        got = set(values)
+        if got != set(self.fields):
+            raise ValueError(f"{self.kind} state: fields {sorted(got)} != declared {sorted(self.fields)}")
+        return plain({"kind": self.kind, "version": self.version, "fingerprint": dict(fingerprint or {}), **values})
+
+    def check(self, state: Mapping[str, Any], fingerprint: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        """Validate a saved state against this schema and the current fingerprint.
+
+        Returns:
+            The declared fields of `state` (JSON-normal).
+
+        Raises:
+            ResumeError: listing every problem at once: not a mapping, another kind or version,
+                missing or unknown fields, and each fingerprint key whose value changed
+                (saved vs now).
+        """
+        if not isinstance(state, Mapping):
+            raise ResumeError(f"{self.kind} state must be a mapping, got {type(state).__name__}")
+        problems: list[str] = []
+        if state.get("kind") != self.kind:
+            problems.append(f"it is a {state.get('kind')!r} state, not a {self.kind!r} state")
+        elif state.get("version") != self.version:
+            problems.append(f"state version {state.get('version')!r} != {self.version} (saved by another release)")
+        else:
+            missing = sorted(set(self.fields) - set(state))
+            unknown = sorted(set(state) - set(self.fields) - set(_META))
+            if missing:
+                problems.append(f"fields missing: {missing}")
+            if unknown:
+                problems.append(f"unknown fields: {unknown}")
+            saved, now = plain(state.get("fingerprint") or {}), plain(dict(fingerprint or {}))
+            for key in sorted(set(saved) | set(now)):
+                if saved.get(key) != now.get(key):
+                    problems.append(f"`{key}` changed: saved {saved.get(key)!r}, now {now.get(key)!r}")
+        if problems:
+            raise ResumeError(f"cannot resume the {self.kind} state: " + "; ".join(problems) + f" ({self.hint})")
+        return plain({k: state[k] for k in self.fields})
