@@ -279,7 +279,7 @@ def run_service(prefixes: list[str], *, strategy: str, seq_length: int, steps: i
     import ray
 
     from megascale_data_ext.dataplane.placetree import ClientPlaceTree
-    from megascale_data_ext.runtime.config import ServiceConfig
+    from megascale_data_ext.runtime.config import RayConfig, ServiceConfig
     from megascale_data_ext.runtime.service import DataService
     from megascale_data_ext.sources.base import SourceSpec
 
@@ -289,16 +289,15 @@ def run_service(prefixes: list[str], *, strategy: str, seq_length: int, steps: i
     config = ServiceConfig(
         sources=specs, seed=seed, samples_per_step=per_step, num_microbatches=NUM_MICROBATCHES,
         seq_length=seq_length, strategy=strategy, strategy_args={"model": "gpt-tiny"}, prefetch=2,
-        with_attention_mask=attention_mask, buffer_size=1024, namespace=f"bench-throughput-{os.getpid()}-{strategy}",
+        with_attention_mask=attention_mask, buffer_size=1024,
+        ray=RayConfig(namespace=f"bench-throughput-{os.getpid()}-{strategy}", num_cpus=2),
     )
-    tree = ClientPlaceTree.from_sizes(dp=DP)
-    layout = tree.buckets("DP")
-    ranks = tree.fetch_ranks("DP")
-    service = DataService(config, tree)
+    service = DataService(config, ClientPlaceTree.from_sizes(dp=DP))
+    ranks = service.topology.fetch_ranks()
     all_meter = _CpuMeter(lambda: [os.getpid(), *_descendants()])
     t0 = time.perf_counter()
     try:
-        service.start(num_cpus=2)
+        service.start()
         handles = [*service.loaders, service.planner, *service.constructors]
         actor_pids = ray.get([h.__ray_call__.remote(lambda _self: os.getpid()) for h in handles])
         fetch_ms: list[float] = []
@@ -308,7 +307,7 @@ def run_service(prefixes: list[str], *, strategy: str, seq_length: int, steps: i
         with tqdm(total=total, desc=f"service {strategy}", file=sys.stderr, leave=False) as bar:
             for step in range(steps):
                 for rank in ranks:
-                    con = service.constructors[layout.bucket_of_rank(rank) // config.constructor_group]
+                    con = service.constructors[service.topology.constructor_of_rank(rank)]
                     for j in range(NUM_MICROBATCHES):
                         f0 = time.perf_counter()
                         batch, _info = ray.get(con.get.remote(step, j, rank))

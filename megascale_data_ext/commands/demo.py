@@ -39,7 +39,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from megascale_data_ext.dataplane.placetree import ClientPlaceTree
-    from megascale_data_ext.runtime.config import ServiceConfig
+    from megascale_data_ext.runtime.config import RayConfig, ServiceConfig
     from megascale_data_ext.runtime.service import DataService
     from megascale_data_ext.sources.demo_data import make_demo_data
     from megascale_data_ext.sources.tokenizer import load_tokenizer
@@ -65,12 +65,13 @@ def run(args: argparse.Namespace) -> int:
     cfg = ServiceConfig(
         sources=specs, seed=args.seed, samples_per_step=args.samples_per_step,
         num_microbatches=args.num_microbatches, seq_length=args.seq_length, strategy=args.strategy,
-        strategy_args=strategy_args, namespace=f"megascale-demo-{os.getpid()}", buffer_size=512,
+        strategy_args=strategy_args, buffer_size=512,
+        ray=RayConfig(namespace=f"megascale-demo-{os.getpid()}", num_cpus=2),
     )
     service = DataService(cfg, tree)
-    handles = service.start(num_cpus=2)
+    handles = service.start()
     print(f"[demo] service up in {service.startup_seconds:.1f} s: {len(specs)} source loaders, 1 planner, "
-          f"{handles.num_constructors} data constructors on Ray {handles.address}", flush=True)
+          f"{handles.topology.num_constructors} data constructors on Ray {handles.address}", flush=True)
     print(tree.describe(), flush=True)
     vocab = load_tokenizer(specs[0].tokenizer).vocab_size
     out = work / "ranks"
@@ -80,7 +81,6 @@ def run(args: argparse.Namespace) -> int:
         "--tp", str(args.tp), "--pp", str(args.pp), "--steps", str(args.steps),
         "--num-microbatches", str(args.num_microbatches), "--seq-length", str(args.seq_length),
         "--vocab-size", str(vocab), "--namespace", handles.namespace, "--address", handles.address,
-        "--fetch-stages", handles.fetch_stages,
         "--out", str(out),
     ]
     env = dict(os.environ, OMP_NUM_THREADS="1", RAY_ADDRESS=handles.address)
@@ -99,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
     if fetch:
         p50, p99 = fetch[len(fetch) // 2], fetch[min(len(fetch) - 1, int(len(fetch) * 0.99))]
         print(f"[demo] client fetch latency over {len(fetch)} fetches: p50 {p50:.1f} ms, p99 {p99:.1f} ms")
-    skipped = sum(len(c["skipped"]) for c in stats["constructors"])
+    skipped = sum(c["skipped_total"] for c in stats["constructors"])
     print(f"[demo] {args.steps} steps in {time.perf_counter() - t1:.1f} s; loaders read "
           f"{sum(s['samples_read'] for s in stats['loaders'])} samples, skipped {skipped} bad ones; logs in {out}")
     return 0

@@ -22,30 +22,24 @@ from __future__ import annotations
 import enum
 import importlib
 import itertools
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 
+from megascale_data_ext.dataplane.rank_order import (
+    BROADCAST_DIMS,
+    DEFAULT_ORDER,
+    GROUPS,
+    GroupName,
+    Mesh,
+    check_layout,
+    is_pos_int,
+)
 from megascale_data_ext.errors import ParallelLayoutError
 
 __all__ = ["DEFAULT_ORDER", "BucketAxis", "BucketLayout", "ClientPlaceTree", "FetchStages", "GroupName"]
-
-DEFAULT_ORDER = "tp-cp-ep-dp-pp"
-# Megatron appends tokens missing from the order in this sequence (RankGenerator.name_to_size).
-_MEGATRON_TOKENS = ("tp", "pp", "dp", "ep", "cp")
-_BROADCAST_DIMS = ("tp", "cp")
-
-GroupName = Literal["tp", "cp", "dp", "pp", "ep", "dp-cp", "tp-cp", "mp", "tp-pp", "tp-dp", "tp-dp-cp", "edp", "etp"]
-# group name -> (mesh, tokens); the tokens Megatron passes to RankGenerator.get_ranks.
-_GROUPS: dict[str, tuple[Literal["decoder", "expert"], tuple[str, ...]]] = {
-    **{name: ("decoder", tuple(name.split("-"))) for name in ("tp", "cp", "dp", "pp", "dp-cp", "tp-cp", "tp-pp",
-                                                              "tp-dp", "tp-dp-cp")},
-    "mp": ("decoder", ("tp", "pp")),
-    **{name: ("expert", (token,)) for name, token in (("ep", "ep"), ("edp", "dp"), ("etp", "tp"))},
-}
 
 
 class BucketAxis(str, enum.Enum):
@@ -71,37 +65,6 @@ class FetchStages(str, enum.Enum):
     ENDS = "ends"
     FIRST = "first"
     ALL = "all"
-
-
-@dataclass(frozen=True, slots=True)
-class _Mesh:
-    """One Megatron RankGenerator: tokens in order (fastest first), their sizes and strides."""
-
-    tokens: tuple[str, ...]
-    sizes: tuple[int, ...]
-    strides: tuple[int, ...] = field(init=False)
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "strides", tuple(math.prod(self.sizes[:i]) for i in range(len(self.sizes))))
-
-    def stride(self, token: str) -> int:
-        return self.strides[self.tokens.index(token)]
-
-    def size(self, token: str) -> int:
-        return self.sizes[self.tokens.index(token)]
-
-    def coord(self, rank: int | np.ndarray, token: str) -> Any:
-        return (rank // self.stride(token)) % self.size(token)
-
-    def group(self, rank: int, tokens: Sequence[str]) -> list[int]:
-        """Members of ``rank``'s group over ``tokens``, ascending, as ``get_ranks`` lists them."""
-        base, offsets = rank, np.zeros(1, dtype=np.int64)
-        for token, size, stride in zip(self.tokens, self.sizes, self.strides):
-            if token in tokens:
-                base -= int(self.coord(rank, token)) * stride
-                # Later tokens have larger strides, so putting them outermost keeps it sorted.
-                offsets = (np.arange(size, dtype=np.int64)[:, None] * stride + offsets[None, :]).ravel()
-        return (base + offsets).tolist()
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -130,73 +93,6 @@ class BucketLayout:
         if not 0 <= rank < len(self.rank_to_bucket):
             raise ParallelLayoutError(f"rank {rank} is outside the world [0, {len(self.rank_to_bucket)})")
         return self.rank_to_bucket[rank]
-
-
-def _is_pos_int(value: object) -> bool:
-    return isinstance(value, (int, np.integer)) and not isinstance(value, bool) and value >= 1
-
-
-def _full_order(order: object, sizes: dict[str, int], mesh: str, problems: list[str]) -> tuple[str, ...]:
-    """Megatron's order normalisation: lower-case, size-1 tokens it lacks appended."""
-    if not isinstance(order, str) or not order:
-        problems.append(f"`order` must be a string like {DEFAULT_ORDER!r}, got {order!r}")
-        return tuple(_MEGATRON_TOKENS)
-    tokens = order.lower().split("-")
-    unknown = [t for t in tokens if t not in _MEGATRON_TOKENS]
-    if unknown:
-        problems.append(f"`order` {order!r} has unknown tokens {unknown}; allowed: {list(_MEGATRON_TOKENS)}")
-    if len(set(tokens)) != len(tokens):
-        problems.append(f"`order` {order!r} repeats a token")
-    for name in _MEGATRON_TOKENS:
-        if name not in tokens:
-            if sizes[name] != 1:
-                problems.append(f"`order` {order!r} lacks {name!r} but the {mesh} {name} size is {sizes[name]}")
-            tokens.append(name)
-    return tuple(tokens)
-
-
-def _layout(
-    *, tp: Any, cp: Any, pp: Any, dp: Any, ep: Any, etp: Any, vpp: Any, order: Any
-) -> tuple[list[str], tuple[_Mesh, _Mesh] | None]:
-    """Every problem Megatron would raise for these sizes, and the (decoder, expert) meshes."""
-    problems = [
-        f"`{name}` must be a positive int, got {value!r}"
-        for name, value in (("tp", tp), ("cp", cp), ("pp", pp), ("dp", dp), ("ep", ep), ("etp", etp))
-        if not _is_pos_int(value)
-    ]
-    if vpp is not None and not _is_pos_int(vpp):
-        problems.append(f"`vpp` must be None or a positive int, got {vpp!r}")
-    if problems:
-        return problems, None
-    if vpp is not None and pp == 1:
-        problems.append(f"`vpp`={vpp} needs pp > 1 (Megatron's interleaved schedule), got pp=1")
-    world = tp * cp * pp * dp
-    if world % (etp * ep * pp):
-        problems.append(
-            f"world size {world} (tp*cp*pp*dp) is not divisible by etp*ep*pp = {etp}*{ep}*{pp}; "
-            "choose ep (and etp) so that they divide tp*cp*dp"
-        )
-        return problems, None
-    edp = world // (etp * ep * pp)
-    dsizes = {"tp": tp, "cp": cp, "ep": 1, "dp": dp, "pp": pp}
-    esizes = {"tp": etp, "cp": 1, "ep": ep, "dp": edp, "pp": pp}
-    dec_order = _full_order(order, dsizes, "decoder", problems)
-    exp_order = _full_order(order, esizes, "expert", problems)
-    if problems:
-        return problems, None
-    dec = _Mesh(tokens=dec_order, sizes=tuple(int(dsizes[t]) for t in dec_order))
-    exp = _Mesh(tokens=exp_order, sizes=tuple(int(esizes[t]) for t in exp_order))
-    # Megatron tests the raw string (initialize_model_parallel: ``order.endswith("pp")``).
-    if not order.endswith("pp") and pp != 1 and edp != dp:
-        problems.append(
-            f"order {order!r} does not end in 'pp', so the expert data-parallel size ({edp}) must equal dp ({dp})"
-        )
-    if pp != 1 and dec.stride("pp") != exp.stride("pp"):
-        problems.append(
-            f"with order {order!r} the pipeline groups of the dense (stride {dec.stride('pp')}) and expert "
-            f"(stride {exp.stride('pp')}) layers differ; Megatron requires them equal"
-        )
-    return problems, (dec, exp)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -230,19 +126,19 @@ class ClientPlaceTree:
     consumer_axis: BucketAxis = BucketAxis.DP
     fetch_stages: FetchStages = FetchStages.ENDS
     encoder: ClientPlaceTree | None = None
-    _decoder: _Mesh = field(init=False, repr=False, compare=False)
-    _expert: _Mesh = field(init=False, repr=False, compare=False)
+    _decoder: Mesh = field(init=False, repr=False, compare=False)
+    _expert: Mesh = field(init=False, repr=False, compare=False)
     _cache: dict[Any, Any] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         etp = self.tp if self.etp is None else self.etp
-        problems, meshes = _layout(
+        problems, meshes = check_layout(
             tp=self.tp, cp=self.cp, pp=self.pp, dp=self.dp, ep=self.ep, etp=etp, vpp=self.vpp, order=self.order
         )
         dims = tuple(self.broadcast_dims) if isinstance(self.broadcast_dims, (tuple, list)) else None
-        if dims is None or any(d not in _BROADCAST_DIMS for d in dims) or len(set(dims)) != len(dims):
+        if dims is None or any(d not in BROADCAST_DIMS for d in dims) or len(set(dims)) != len(dims):
             problems.append(
-                f"`broadcast_dims` must be distinct dims from {list(_BROADCAST_DIMS)}, got {self.broadcast_dims!r}"
+                f"`broadcast_dims` must be distinct dims from {list(BROADCAST_DIMS)}, got {self.broadcast_dims!r}"
             )
         if problems or meshes is None:
             raise ParallelLayoutError("invalid parallel layout:\n  - " + "\n  - ".join(problems))
@@ -276,20 +172,20 @@ class ClientPlaceTree:
                 world_size).
         """
         problems: list[str] = []
-        model = tp * cp * pp if all(_is_pos_int(v) for v in (tp, cp, pp)) else None
+        model = tp * cp * pp if all(is_pos_int(v) for v in (tp, cp, pp)) else None
         if dp is None and world_size is None:
             problems.append("give `dp` or `world_size` (dp = world_size // (tp*cp*pp))")
-        elif world_size is not None and not _is_pos_int(world_size):
+        elif world_size is not None and not is_pos_int(world_size):
             problems.append(f"`world_size` must be a positive int, got {world_size!r}")
         elif world_size is not None and model is not None:
             if world_size % model:
                 problems.append(f"world_size {world_size} is not divisible by tp*cp*pp = {tp}*{cp}*{pp} = {model}")
             elif dp is None:
                 dp = world_size // model
-            elif _is_pos_int(dp) and dp * model != world_size:
+            elif is_pos_int(dp) and dp * model != world_size:
                 problems.append(f"dp={dp} with tp*cp*pp={model} gives {dp * model} ranks, not world_size={world_size}")
         sizes_known = dp is not None or not problems
-        layout, _ = _layout(
+        layout, _ = check_layout(
             tp=tp, cp=cp, pp=pp, dp=dp if dp is not None else 1, ep=ep, etp=tp if etp is None else etp,
             vpp=vpp, order=order,
         ) if sizes_known else ([], None)
@@ -405,9 +301,9 @@ class ClientPlaceTree:
         ``"mp"`` is the tp-pp model-parallel group; ``"ep"``/``"edp"``/``"etp"`` are the expert
         model / expert data / expert tensor parallel groups.
         """
-        if axis not in _GROUPS:
-            raise ParallelLayoutError(f"group axis must be one of {sorted(_GROUPS)}, got {axis!r}")
-        mesh_name, tokens = _GROUPS[axis]
+        if axis not in GROUPS:
+            raise ParallelLayoutError(f"group axis must be one of {sorted(GROUPS)}, got {axis!r}")
+        mesh_name, tokens = GROUPS[axis]
         mesh = self._decoder if mesh_name == "decoder" else self._expert
         return mesh.group(self._check_rank(rank), tokens)
 
@@ -426,7 +322,7 @@ class ClientPlaceTree:
         ``dp * CP + cp`` serves the tp/pp ranks of that (dp, cp). ``"WORLD"``: bucket r is rank r.
         """
         ax = self.consumer_axis if axis is None else BucketAxis.parse(axis)
-        if group_size is not None and not _is_pos_int(group_size):
+        if group_size is not None and not is_pos_int(group_size):
             raise ParallelLayoutError(f"`group_size` must be None or a positive int, got {group_size!r}")
         key = ("buckets", ax, group_size)
         if key in self._cache:
@@ -505,9 +401,9 @@ class ClientPlaceTree:
             dims: Sequence[str] = self._effective_dims(self.consumer_axis)
         else:
             dims = dim.split("-") if isinstance(dim, str) else tuple(dim)
-        bad = [d for d in dims if d not in _BROADCAST_DIMS]
+        bad = [d for d in dims if d not in BROADCAST_DIMS]
         if bad:
-            raise ParallelLayoutError(f"broadcast dim must be among {list(_BROADCAST_DIMS)}, got {dim!r}")
+            raise ParallelLayoutError(f"broadcast dim must be among {list(BROADCAST_DIMS)}, got {dim!r}")
         return r - sum(int(self._decoder.coord(r, d)) * self._decoder.stride(d) for d in set(dims))
 
     # ------------------------------------------------------------------ inspection

@@ -14,8 +14,9 @@ the returned schedule is one global step served by the service:
   ``broadcast_at("tp")``, so every TP rank holds the batch.
 
 Everything it replaces is restored by `Installation.uninstall()`; modules that do not hold
-these functions are not touched. The installation's `state_dict()` is the data position
-(next global step) saved with a checkpoint; see `megascale_data_ext.megatron.checkpoint`.
+these functions are not touched. The data position (next step) is the client's: each call
+serves the client's current step and then moves it to the next one; the installation's
+`state_dict()` is the client's, saved with a checkpoint (see `megatron.pretrain`).
 """
 
 from __future__ import annotations
@@ -25,9 +26,7 @@ import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from megascale_data_ext.errors import ConfigError, ResumeError
-
-STATE_VERSION = 1
+from megascale_data_ext.errors import ConfigError
 
 
 def _model_configs(model: Any) -> list[Any]:
@@ -47,17 +46,21 @@ class Installation:
     """The hooks of one training run; see the module docstring. Not thread-safe (one per rank).
 
     Args:
-        client: The rank's `runtime.client.Client` (anything with `step_iterator(step)` and
-            `num_microbatches`).
+        client: The rank's `runtime.client.Client`.
         num_model_chunks: Virtual pipeline chunks of this rank (1 without VPP).
-        start_step: First global step to serve (the saved step when resuming).
+        start_step: First global step to serve; None keeps the client's position.
+        transform: Optional ``(batch, info) -> batch`` applied to each microbatch as the schedule
+            pulls it (e.g. `megatron.vlm.VLMFeed` attaching image features).
     """
 
     def __init__(
-        self, client: Any, *, num_model_chunks: int = 1, start_step: int = 0, pp_rank: int | None = None,
-        pp_size: int | None = None,
+        self, client: Any, *, num_model_chunks: int = 1, start_step: int | None = None, pp_rank: int | None = None,
+        pp_size: int | None = None, transform: Callable[[Any, Any], Any] | None = None,
     ) -> None:
         self.client = client
+        self.transform = transform
+        if start_step is not None:
+            client.seek(start_step)
         self.num_model_chunks = num_model_chunks
         if num_model_chunks > 1 and (pp_rank is None or pp_size is None):
             from megatron.core import parallel_state
@@ -65,13 +68,14 @@ class Installation:
             pp_rank = parallel_state.get_pipeline_model_parallel_rank()
             pp_size = parallel_state.get_pipeline_model_parallel_world_size()
         self.pp_rank, self.pp_size = pp_rank, pp_size
-        self.step = start_step
         self._patched: list[tuple[Any, str, Any]] = []
         self.steps_served = 0
 
     # -- what the schedule sees ----------------------------------------------------
     def iterators(self, step: int) -> Iterator[Any] | list[Iterator[Any] | None]:
         it = self.client.step_iterator(step)
+        if self.transform is not None:
+            it = (self.transform(batch, self.client.last_info) for batch in it)
         if self.num_model_chunks == 1:
             return it
         # With VPP only chunk 0 of the first pipeline rank and the last chunk of the last
@@ -95,7 +99,8 @@ class Installation:
                     f"{want} per step: set data.num_microbatches = global_batch_size / (DP * micro_batch_size)"
                 )
             kwargs["num_microbatches"] = want
-            kwargs["data_iterator"] = self.iterators(self.step)
+            step = self.step
+            kwargs["data_iterator"] = self.iterators(step)
             configs = _model_configs(kwargs.get("model", []))
             saved = [getattr(c, "variable_seq_lengths", False) for c in configs]
             for c in configs:
@@ -105,7 +110,7 @@ class Installation:
             finally:
                 for c, v in zip(configs, saved, strict=True):
                     c.variable_seq_lengths = v
-            self.step += 1
+            self.client.end_step(step)
             self.steps_served += 1
             return out
 
@@ -145,14 +150,17 @@ class Installation:
         return bool(self._patched)
 
     # -- state ---------------------------------------------------------------------
-    def state_dict(self) -> dict[str, int]:
-        """The data position to save with a checkpoint: the next global step to serve."""
-        return {"version": STATE_VERSION, "step": self.step}
+    @property
+    def step(self) -> int:
+        """The next global step the schedule will be fed."""
+        return self.client.step
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        if state.get("version") != STATE_VERSION:
-            raise ResumeError(f"data iterator state version {state.get('version')!r} != {STATE_VERSION}")
-        self.step = int(state["step"])
+    def state_dict(self) -> dict[str, Any]:
+        """The client's data position (the next step to serve)."""
+        return self.client.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.client.load_state_dict(state)
 
 
 def _batch_already_broadcast(data_iterator: Any, *args: Any, **kwargs: Any) -> Any:
@@ -161,8 +169,8 @@ def _batch_already_broadcast(data_iterator: Any, *args: Any, **kwargs: Any) -> A
 
 
 def install(
-    client: Any, *, num_model_chunks: int = 1, start_step: int = 0, pp_rank: int | None = None,
-    pp_size: int | None = None,
+    client: Any, *, num_model_chunks: int = 1, start_step: int | None = None, pp_rank: int | None = None,
+    pp_size: int | None = None, transform: Callable[[Any, Any], Any] | None = None,
 ) -> Installation:
     """Install the schedule hooks for this rank; returns the (reversible) installation.
 
@@ -170,4 +178,4 @@ def install(
     read from Megatron's `parallel_state` unless `pp_rank`/`pp_size` are given.
     """
     return Installation(client, num_model_chunks=num_model_chunks, start_step=start_step, pp_rank=pp_rank,
-                        pp_size=pp_size).install()
+                        pp_size=pp_size, transform=transform).install()

@@ -6,7 +6,7 @@ broadcasts how to reach it; every rank builds its `ClientPlaceTree` from Megatro
 `get_forward_backward_func` is fed balanced microbatches step by step.
 
 Checkpoints (``train.save`` every ``train.save_interval`` steps) hold, per rank, the model
-chunks, the optimizer and the hooks' data position, and on rank 0 the Planner state before
+chunks, the optimizer and the client's data position, and on rank 0 the Planner state before
 the next step (``data_state.json``). ``train.load`` restores all of them; the data stream after
 a resume is identical to an uninterrupted run, and an incompatible data config or parallel
 layout is refused with a `ResumeError` naming the field.
@@ -29,7 +29,7 @@ from megascale_data_ext.errors import ResumeError
 CHECKPOINT_VERSION = 1
 
 
-def serve(service_config: Any, tree: Any, *, state: dict | None, ray_kwargs: dict | None = None):
+def serve(service_config: Any, tree: Any, *, state: dict | None):
     """Start the service on rank 0 and tell every rank where it is. Returns (service|None, handles)."""
     service, payload = None, [None]
     if dist.get_rank() == 0:
@@ -37,13 +37,12 @@ def serve(service_config: Any, tree: Any, *, state: dict | None, ray_kwargs: dic
 
         service = DataService(service_config, tree)
         try:
-            payload[0] = service.start(state=state, **(ray_kwargs or {}))
+            payload[0] = service.start(state=state)
         except Exception as exc:  # every rank must learn about it, not hang in the broadcast
             payload[0] = exc
     dist.broadcast_object_list(payload, src=0)
     if isinstance(payload[0], Exception):
         raise payload[0]
-    payload[0].apply_env()
     return service, payload[0]
 
 
@@ -122,6 +121,7 @@ class TrainingSession:
         from megascale_data_ext.dataplane.placetree import ClientPlaceTree
         from megascale_data_ext.megatron.model import initialize_parallel
         from megascale_data_ext.runtime.client import Client
+        from megascale_data_ext.runtime.topology import PLANNER_NAME
 
         self.cfg, self.service_cfg = cfg, service_cfg
         initialize_parallel(model_cfg)
@@ -133,16 +133,14 @@ class TrainingSession:
             self.start = latest_step(self.load_dir)
             state = load_data_state(self.load_dir, self.start) if self.rank == 0 else None
         self.service, self.handles = serve(service_cfg, self.tree, state=state)
-        self.client = Client(self.tree, self.rank, namespace=self.handles.namespace, address=self.handles.address,
-                             num_microbatches=service_cfg.num_microbatches,
-                             constructor_group=self.handles.constructor_group,
-                             tp_group=parallel_state.get_tensor_model_parallel_group(),
-                             fetch_stages=self.handles.fetch_stages)
+        self.client = Client.connect(self.handles, self.rank, num_microbatches=service_cfg.num_microbatches,
+                                     tp_group=parallel_state.get_tensor_model_parallel_group(),
+                                     record_digests=bool(cfg.train.get("record_digests", False)))
         self.planner = None
         if self.rank == 0:
             import ray
 
-            self.planner = ray.get_actor("planner", namespace=self.handles.namespace)
+            self.planner = ray.get_actor(PLANNER_NAME, namespace=self.handles.namespace)
 
     def plan(self, step: int) -> Any:
         """The step's StepPlan (rank 0 only: it holds the planner handle)."""
@@ -155,14 +153,14 @@ class TrainingSession:
         chunks: list,
         optimizer: Any,
         *,
-        feed: Any = None,
+        transform: Callable[[Any, Any], Any] | None = None,
         before_step: Callable[[int], dict] | None = None,
         report: Callable[[int, dict], None] | None = None,
     ) -> list[dict]:
         """Train until ``train.train_iters``; returns this rank's step log.
 
         Args:
-            feed: What the hooks pull microbatches from (default: the client).
+            transform: Per-microbatch ``(batch, info) -> batch`` the hooks apply (e.g. `VLMFeed`).
             before_step: Per-step work before the schedule runs; its dict joins the log entry.
             report: Rank 0's per-step printout (default: loss, balance, tokens/s, fetch latency).
         """
@@ -170,7 +168,7 @@ class TrainingSession:
         from megascale_data_ext.megatron.model import train_step
 
         client, tcfg, m = self.client, self.cfg.train, self.service_cfg.num_microbatches
-        hooks = install(feed or client, num_model_chunks=len(chunks), start_step=self.start)
+        hooks = install(client, num_model_chunks=len(chunks), start_step=self.start, transform=transform)
         if self.load_dir:
             load_checkpoint(self.load_dir, self.start, chunks, optimizer, hooks)
         log: list[dict] = []
@@ -178,15 +176,16 @@ class TrainingSession:
         try:
             for step in range(self.start, int(tcfg.train_iters)):
                 t0 = time.perf_counter()
-                n0, f0 = len(client.delivered), len(client.fetch_seconds)
+                client.drain()
                 extra = before_step(step) if before_step is not None else {}
                 result = train_step(chunks, optimizer, None, num_microbatches=m, seq_length=self.service_cfg.seq_length)
                 dt = time.perf_counter() - t0
-                fetch = client.fetch_seconds[f0:]
+                records = client.drain()
+                fetch = records["fetch_seconds"]
                 entry = {"step": step, "loss": result["loss"], "num_tokens": result["num_tokens"], "seconds": dt,
                          "fetch_p50_ms": float(np.median(fetch)) * 1e3 if fetch else 0.0,
-                         "digests": client.digests[n0:],
-                         "samples": [np.asarray(i["samples"]).tolist() for i in client.delivered[n0:] if i is not None],
+                         "digests": records["digests"],
+                         "samples": [np.asarray(i["samples"]).tolist() for i in records["delivered"] if i is not None],
                          **extra}
                 if self.rank == 0:
                     (report or self._report)(step, entry)
@@ -220,7 +219,8 @@ def pretrain_gpt(cfg: Any) -> list[dict]:
     from megascale_data_ext.megatron.model import build_model_chunks
     from megascale_data_ext.sources.tokenizer import load_tokenizer
 
-    service_cfg = load_config(cfg.data).to_service_config()
+    cp = int(cfg.parallel.get("context_parallel_size", 1))
+    service_cfg = load_config(cfg.data, context_parallel_size=cp).to_service_config()
     vocab = load_tokenizer(service_cfg.sources[0].tokenizer).vocab_size
     model_cfg = gpt_model_config(cfg, service_cfg, vocab)
     session = TrainingSession(cfg, service_cfg, model_cfg)

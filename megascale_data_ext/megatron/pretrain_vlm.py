@@ -53,7 +53,8 @@ def pretrain_vlm(cfg: Any) -> list[dict]:
     from megascale_data_ext.megatron.vlm import FrozenViT, ViTConfig, VLMFeed, build_vlm_chunks, exchange_features
     from megascale_data_ext.sources.tokenizer import load_tokenizer
 
-    service_cfg = load_config(cfg.data).to_service_config()
+    cp = int(cfg.parallel.get("context_parallel_size", 1))
+    service_cfg = load_config(cfg.data, context_parallel_size=cp).to_service_config()
     if service_cfg.strategy != "vlm_balance":
         raise ConfigError(f"`data.strategy.name` is {service_cfg.strategy!r}; pretrain_vlm needs the hybrid "
                           "`vlm_balance` strategy (images balanced over WORLD, sequences over DP)")
@@ -71,7 +72,7 @@ def pretrain_vlm(cfg: Any) -> list[dict]:
     chunks = build_vlm_chunks(model_cfg, vision_hidden=vit_cfg.hidden_size, image_token_id=tok.image_id)
     first = next((get_attr_wrapped_model(c, "projector", return_model_obj=True) for c in chunks
                   if get_attr_wrapped_model(c, "pre_process")), None)
-    feed = VLMFeed(client, first, vision_hidden=vit_cfg.hidden_size)
+    feed = VLMFeed(first, vision_hidden=vit_cfg.hidden_size)
     params = [p for c in chunks for p in c.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=float(cfg.train.lr), weight_decay=0.0)
 
@@ -98,7 +99,7 @@ def pretrain_vlm(cfg: Any) -> list[dict]:
               f"({len(plan.encoder.sample)} images, patches/rank {e['patches_per_rank']}) | "
               f"encode+exchange {entry['encode_seconds']:.2f} s | {entry['seconds']:.2f} s", flush=True)
 
-    log = session.run(chunks, optimizer, feed=feed, before_step=encode, report=report)
+    log = session.run(chunks, optimizer, transform=feed, before_step=encode, report=report)
     # image tokens embedded during each step (VLMFeed counts cumulatively)
     totals = [e.pop("_image_tokens_before") for e in log] + [feed.image_tokens]
     for e, a, b in zip(log, totals, totals[1:], strict=False):

@@ -2,27 +2,28 @@
 
 With `external`, Megatron passes whatever the provider returns straight to its training loop
 (wrapped in `RerunDataIterator`) and calls `next()` on it once per microbatch, leaving sharding
-and resumption to the provider. This module returns, on every rank, a `MicrobatchIterator` that
-walks (step, microbatch) in order and pulls each microbatch from this rank's Data Constructor.
+and resumption to the provider. This module returns, on every rank, a `MicrobatchIterator`: a
+Megatron-shaped view of the rank's trainer-side `Client` (the same client the schedule hooks
+use), which walks (step, microbatch) in order and holds the data position.
 
 Megatron calls the provider with nothing but sample counts, so where the service lives has to
-come from outside: `configure(...)` in the launching process, or environment variables set for
-torchrun (the only thing that travels to every rank):
+come from outside: `configure(handles)` in the launching process, or environment variables set
+for torchrun (the only thing that travels to every rank); the service's `ServiceTopology` is
+then asked of its Planner:
 
 * ``MEGASCALE_RAY_ADDRESS``: Ray address of the service's cluster (``ray://...`` or ``host:port``).
 * ``MEGASCALE_NAMESPACE`` (required): Ray namespace of the service's named actors.
 * ``MEGASCALE_NUM_MICROBATCHES``: microbatches per step per DP rank; default Megatron's
   ``get_num_microbatches()`` (it must equal the service's ``num_microbatches``).
-* ``MEGASCALE_CONSTRUCTOR_GROUP``: DP buckets per Data Constructor (default 1, as the service).
 * ``MEGASCALE_START_STEP``: first step to fetch; default Megatron's ``args.iteration`` (the
   iteration of the loaded checkpoint), so a resumed job asks for the steps it has not trained.
 
 Contract with Megatron's `get_batch` (pretrain_gpt.py at core_v0.16.1): only TP rank 0 of the
 first and last pipeline stage calls `next()`; it then broadcasts the microbatch to its TP group
-itself, so this iterator never broadcasts (the service's `Client.get` would, and deadlock). The
-service already slices for context parallelism, which Megatron's `get_batch` would do a second
-time, so CP > 1 is refused here. Batches come out as Megatron's DataLoader with
-``--micro-batch-size 1`` would yield them (see `megatron_view`).
+itself, so the client runs without its TP broadcast (which would deadlock). The service already
+slices for context parallelism, which Megatron's `get_batch` would do a second time, so CP > 1
+is refused here. Batches come out as Megatron's DataLoader with ``--micro-batch-size 1`` would
+yield them (see `megatron_view`).
 """
 
 from __future__ import annotations
@@ -31,21 +32,19 @@ import importlib
 import os
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, replace
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
 from megascale_data_ext.dataplane.placetree import ClientPlaceTree
-from megascale_data_ext.errors import ConfigError, ResumeError
+from megascale_data_ext.errors import ConfigError
+from megascale_data_ext.runtime.client import Client, MicrobatchSource
+from megascale_data_ext.runtime.topology import ServiceTopology
 
 ENV_RAY_ADDRESS = "MEGASCALE_RAY_ADDRESS"
 ENV_NAMESPACE = "MEGASCALE_NAMESPACE"
 ENV_NUM_MICROBATCHES = "MEGASCALE_NUM_MICROBATCHES"
-ENV_CONSTRUCTOR_GROUP = "MEGASCALE_CONSTRUCTOR_GROUP"
 ENV_START_STEP = "MEGASCALE_START_STEP"
-
-STATE_VERSION = 1
-"""Version stamped into `MicrobatchIterator.state_dict()`."""
 
 MEGATRON_REQUIRED_FIELDS: tuple[str, ...] = ("tokens", "labels", "loss_mask", "position_ids")
 """Keys Megatron's `get_batch_on_this_tp_rank` indexes unconditionally on TP rank 0."""
@@ -59,15 +58,15 @@ class ProviderConfig:
         namespace: Ray namespace of the service's named actors.
         address: Ray address to join; None when Ray is already initialised in this process.
         num_microbatches: Microbatches per step per DP rank; None reads Megatron's calculator.
-        constructor_group: DP buckets per Data Constructor (must match the service).
         start_step: First step to fetch; None reads Megatron's ``args.iteration`` (else 0).
+        topology: The service's topology (from `ServiceHandles`); None asks the service's Planner.
     """
 
     namespace: str
     address: str | None = None
     num_microbatches: int | None = None
-    constructor_group: int = 1
     start_step: int | None = None
+    topology: ServiceTopology | None = None
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> ProviderConfig:
@@ -92,49 +91,44 @@ class ProviderConfig:
         if not namespace:
             problems.append(f"{ENV_NAMESPACE} is not set: export the namespace the data service was started in")
         num_microbatches = integer(ENV_NUM_MICROBATCHES, 1)
-        group = integer(ENV_CONSTRUCTOR_GROUP, 1)
         start = integer(ENV_START_STEP, 0)
         if problems:
             raise ConfigError("megascale data provider environment: " + "; ".join(problems)
                               + " (or call megascale_data_ext.megatron.provider.configure(...) before pretrain)")
         return cls(namespace=namespace, address=env.get(ENV_RAY_ADDRESS, "").strip() or None,
-                   num_microbatches=num_microbatches, constructor_group=1 if group is None else group,
-                   start_step=start)
+                   num_microbatches=num_microbatches, start_step=start)
 
     @classmethod
     def from_handles(cls, handles: Any) -> ProviderConfig:
         """From the `ServiceHandles` that `DataService.start()` returned."""
-        return cls(namespace=handles.namespace, address=handles.address,
-                   constructor_group=int(handles.constructor_group))
+        return cls(namespace=handles.namespace, address=handles.address, topology=handles.topology)
 
 
-class MicrobatchSource(Protocol):
-    """Where a fetching rank's microbatches come from (the service, or a fake in tests)."""
+SourceFactory = Callable[[ServiceTopology, ProviderConfig], MicrobatchSource]
+"""(topology, config) -> where fetching ranks pull from; called on fetching ranks only."""
 
-    def fetch(self, step: int, microbatch: int) -> dict[str, torch.Tensor]:
-        """Microbatch `microbatch` of `step` for this rank, as torch tensors."""
-        ...
-
-
-ClientFactory = Callable[[ClientPlaceTree, int, ProviderConfig, int], MicrobatchSource]
-"""(tree, global rank, config, num_microbatches) -> source; called on fetching ranks only."""
+TopologyFactory = Callable[[ClientPlaceTree, ProviderConfig], ServiceTopology]
+"""(trainer tree, config) -> the service's topology."""
 
 
-class ServiceMicrobatchSource:
-    """A `runtime.client.Client` without its TP broadcast: Megatron's `get_batch` broadcasts."""
+def remote_source(topology: ServiceTopology, config: ProviderConfig) -> MicrobatchSource:
+    """The service's constructors over Ray (the default source)."""
+    from megascale_data_ext.runtime.remote import RemoteConstructors
 
-    def __init__(self, tree: ClientPlaceTree, rank: int, config: ProviderConfig, num_microbatches: int) -> None:
-        from megascale_data_ext.runtime.client import Client
+    return RemoteConstructors(topology, config.address)
 
-        self.client = Client(tree, rank, namespace=config.namespace, address=config.address,
-                             num_microbatches=num_microbatches, constructor_group=config.constructor_group)
 
-    def fetch(self, step: int, microbatch: int) -> dict[str, torch.Tensor]:
-        from megascale_data_ext.runtime.client import to_torch
+def service_topology(tree: ClientPlaceTree, config: ProviderConfig) -> ServiceTopology:
+    """The configured topology, else the running service's; it must match Megatron's layout."""
+    topology = config.topology
+    if topology is None:
+        from megascale_data_ext.runtime.remote import fetch_topology
 
-        raw, info = self.client.fetch(step, microbatch)
-        self.client.delivered.append(info)
-        return to_torch(raw)
+        topology = fetch_topology(config.address, config.namespace)
+    if topology.tree.layout() != tree.layout():
+        raise ConfigError(f"the data service in namespace {config.namespace!r} plans for {topology.tree.layout()} "
+                          f"but Megatron runs {tree.layout()}: start the service with this job's parallel layout")
+    return topology
 
 
 def megatron_view(batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -158,72 +152,59 @@ def megatron_view(batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 class MicrobatchIterator(Iterator[dict[str, torch.Tensor] | None]):
-    """Endless iterator over (step, microbatch) for one rank: microbatch j of step s, in order.
+    """Endless iterator over (step, microbatch) for one rank, over its `Client`.
 
     Single-threaded: Megatron's training loop is its only caller. Ranks that do not fetch
-    (TP rank > 0, middle pipeline stages) get None and still advance, so counters agree across
-    a TP group. Checkpoint schema (`state_dict`): ``{"version", "step", "microbatch",
-    "num_microbatches"}``: the position of the next microbatch the trainer will consume.
+    (TP rank > 0, middle pipeline stages, model chunks that read no data) get None and still
+    advance, so counters agree across a TP group. Its state is the client's data position.
+
+    Args:
+        client: The rank's client, built with ``tp_broadcast=False``.
+        reads: False for a virtual-pipeline chunk that reads no data (it yields None).
     """
 
-    __slots__ = ("_source", "_n", "_step", "_mb", "rank")
+    __slots__ = ("client", "reads")
 
-    def __init__(self, source: MicrobatchSource | None, *, num_microbatches: int, start_step: int = 0,
-                 rank: int = 0) -> None:
-        if num_microbatches < 1 or start_step < 0:
-            raise ConfigError(f"num_microbatches must be >= 1 and start_step >= 0, got "
-                              f"num_microbatches={num_microbatches!r}, start_step={start_step!r}")
-        self._source = source
-        self._n = int(num_microbatches)
-        self._step = int(start_step)
-        self._mb = 0
-        self.rank = rank
+    def __init__(self, client: Client, *, reads: bool = True) -> None:
+        if client.tp_broadcast:
+            raise ConfigError("the provider's client must not broadcast over TP (Megatron's get_batch does)")
+        self.client = client
+        self.reads = reads
 
     @property
     def step(self) -> int:
         """Step of the next microbatch."""
-        return self._step
+        return self.client.step
 
     @property
     def microbatch(self) -> int:
         """Index, within its step, of the next microbatch."""
-        return self._mb
+        return self.client.microbatch
 
     @property
     def fetches(self) -> bool:
         """Whether this rank pulls from the service (else it yields None)."""
-        return self._source is not None
+        return self.reads and self.client.fetches
 
     def __iter__(self) -> MicrobatchIterator:
         return self
 
     def __next__(self) -> dict[str, torch.Tensor] | None:
-        batch = None if self._source is None else megatron_view(self._source.fetch(self._step, self._mb))
-        self._mb += 1
-        if self._mb == self._n:
-            self._step, self._mb = self._step + 1, 0
-        return batch
+        if not self.reads:
+            self.client.skip()
+            return None
+        batch = self.client.next_microbatch()
+        return None if batch is None else megatron_view(batch)
 
-    def state_dict(self) -> dict[str, int]:
-        return {"version": STATE_VERSION, "step": self._step, "microbatch": self._mb, "num_microbatches": self._n}
+    def state_dict(self) -> dict[str, Any]:
+        return self.client.state_dict()
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Resume at the saved position; refuses another version or microbatch count."""
-        missing = [k for k in ("version", "step", "microbatch", "num_microbatches") if k not in state]
-        if missing:
-            raise ResumeError(f"data iterator state lacks {missing}; got keys {sorted(state)}")
-        if state["version"] != STATE_VERSION:
-            raise ResumeError(f"data iterator state version {state['version']!r} != {STATE_VERSION}; "
-                              "re-save it with this version of megascale_data_ext")
-        if state["num_microbatches"] != self._n:
-            raise ResumeError(f"num_microbatches changed: saved {state['num_microbatches']} != current {self._n} "
-                              f"(set {ENV_NUM_MICROBATCHES} / the global batch size back, or restart the plan)")
-        if not 0 <= int(state["microbatch"]) < self._n or int(state["step"]) < 0:
-            raise ResumeError(f"data iterator state out of range: {dict(state)!r}")
-        self._step, self._mb = int(state["step"]), int(state["microbatch"])
+        self.client.load_state_dict(state)
 
     # Megatron's --dataloader-save (checkpointing.maybe_save_dataloader_state) calls save_state().
-    def save_state(self) -> dict[str, int]:
+    def save_state(self) -> dict[str, Any]:
         return self.state_dict()
 
     def restore_state(self, state: Mapping[str, Any]) -> None:
@@ -233,7 +214,8 @@ class MicrobatchIterator(Iterator[dict[str, torch.Tensor] | None]):
 @dataclass(slots=True, kw_only=True)
 class _Settings:
     config: ProviderConfig | None = None
-    client_factory: ClientFactory = ServiceMicrobatchSource
+    source_factory: SourceFactory = remote_source
+    topology_factory: TopologyFactory = service_topology
     valid_factory: Callable[[int | None], Any] | None = None
     test_factory: Callable[[int | None], Any] | None = None
 
@@ -248,7 +230,8 @@ def configure(
     *,
     num_microbatches: int | None = None,
     start_step: int | None = None,
-    client_factory: ClientFactory | None = None,
+    source_factory: SourceFactory | None = None,
+    topology_factory: TopologyFactory | None = None,
     valid_factory: Callable[[int | None], Any] | None = None,
     test_factory: Callable[[int | None], Any] | None = None,
 ) -> ProviderConfig:
@@ -259,18 +242,21 @@ def configure(
             mapping (read like `os.environ`), or None to read `os.environ` now.
         num_microbatches: Overrides the config's count.
         start_step: Overrides the config's first step.
-        client_factory: Builds a fetching rank's `MicrobatchSource` (tests pass a fake).
+        source_factory: Builds a fetching rank's `MicrobatchSource` (default: Ray; tests pass a fake).
+        topology_factory: Finds the service's topology (default: the config's, else the Planner's).
         valid_factory: Called with `vp_stage` to build the validation iterator (None: no validation).
         test_factory: Same for the test iterator.
 
     Returns:
         The config the provider will use.
     """
+    from megascale_data_ext.runtime.handles import ServiceHandles
+
     if service is None or isinstance(service, Mapping):
         config = ProviderConfig.from_env(service)
     elif isinstance(service, ProviderConfig):
         config = service
-    elif hasattr(service, "namespace") and hasattr(service, "constructor_group"):
+    elif isinstance(service, ServiceHandles):
         config = ProviderConfig.from_handles(service)
     else:
         raise ConfigError(f"configure(service=...) takes ServiceHandles, ProviderConfig, a mapping or None, "
@@ -280,15 +266,16 @@ def configure(
     if start_step is not None:
         config = replace(config, start_step=start_step)
     _SETTINGS.config = config
-    _SETTINGS.client_factory = client_factory or ServiceMicrobatchSource
+    _SETTINGS.source_factory = source_factory or remote_source
+    _SETTINGS.topology_factory = topology_factory or service_topology
     _SETTINGS.valid_factory, _SETTINGS.test_factory = valid_factory, test_factory
     return config
 
 
 def reset() -> None:
     """Forget `configure`: the next provider call reads the environment again."""
-    _SETTINGS.config, _SETTINGS.client_factory = None, ServiceMicrobatchSource
-    _SETTINGS.valid_factory = _SETTINGS.test_factory = None
+    global _SETTINGS
+    _SETTINGS = _Settings()
 
 
 def train_valid_test_datasets_provider(
@@ -300,7 +287,8 @@ def train_valid_test_datasets_provider(
     ``--train-iters``. Call after `initialize_model_parallel` (Megatron does).
 
     Raises:
-        ConfigError: Missing service settings, CP > 1, or ``--dataloader-type`` not external.
+        ConfigError: Missing service settings, CP > 1, a service planned for another layout,
+            or ``--dataloader-type`` not external.
         ParallelLayoutError: parallel_state is not initialised.
     """
     del train_val_test_num_samples
@@ -323,9 +311,13 @@ def train_valid_test_datasets_provider(
     if start is None:
         start = int(getattr(args, "iteration", 0) or 0) if args is not None else 0
     rank = _global_rank()
-    fetches = tree.must_fetch(rank) and tree.needs_data(rank) and _chunk_reads_data(tree, rank, vp_stage)
-    source = _SETTINGS.client_factory(tree, rank, config, num_microbatches) if fetches else None
-    train = MicrobatchIterator(source, num_microbatches=num_microbatches, start_step=start, rank=rank)
+    topology = _SETTINGS.topology_factory(tree, config)
+    reads = _chunk_reads_data(tree, rank, vp_stage)
+    fetches = reads and topology.fetches(rank) and topology.needs_data(rank)
+    source = _SETTINGS.source_factory(topology, config) if fetches else None
+    client = Client(topology, rank, source=source, num_microbatches=num_microbatches, tp_broadcast=False)
+    client.seek(start)
+    train = MicrobatchIterator(client, reads=reads)
     valid = _SETTINGS.valid_factory(vp_stage) if _SETTINGS.valid_factory else None
     test = _SETTINGS.test_factory(vp_stage) if _SETTINGS.test_factory else None
     return train, valid, test

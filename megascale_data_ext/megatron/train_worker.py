@@ -2,7 +2,8 @@
 
 Run under torchrun (``python -m torch.distributed.run ... -m megascale_data_ext.megatron.train_worker``).
 Each rank initialises gloo + Megatron's `parallel_state`, builds its `ClientPlaceTree` from
-Megatron, joins the Ray cluster of the service (fetching ranks only), and trains through
+Megatron; rank 0 asks the service's Planner for its `ServiceTopology` and shares it, fetching
+ranks join the Ray cluster of the service on their first fetch, and every rank trains through
 `get_forward_backward_func` on the delivered microbatches. Rank 0 prints one line per step;
 every rank writes ``rank<N>.json`` (losses, delivered sample ids, fetch latencies) to ``--out``.
 """
@@ -34,8 +35,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--namespace", required=True)
     p.add_argument("--address", required=True)
-    p.add_argument("--constructor-group", type=int, default=1)
-    p.add_argument("--fetch-stages", default="ends", help="ServiceHandles.fetch_stages of the service")
+    p.add_argument("--record-digests", action="store_true", help="log a SHA-1 of every delivered microbatch")
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--no-train", action="store_true", help="only consume batches (accounting tests)")
     return p.parse_args(argv)
@@ -48,6 +48,8 @@ def main(argv: list[str] | None = None) -> int:
     from megascale_data_ext.dataplane.placetree import ClientPlaceTree
     from megascale_data_ext.megatron.model import GPTModelConfig, build_model_chunks, initialize_parallel, train_step
     from megascale_data_ext.runtime.client import Client
+    from megascale_data_ext.runtime.remote import RemoteConstructors, fetch_topology
+    from megascale_data_ext.runtime.topology import PLANNER_NAME
 
     vocab = -(-args.vocab_size // (64 * args.tp)) * 64 * args.tp  # pad like --make-vocab-size-divisible-by
     cfg = GPTModelConfig(
@@ -68,10 +70,14 @@ def main(argv: list[str] | None = None) -> int:
         initialize_parallel(cfg)
     rank = dist.get_rank()
     tree = ClientPlaceTree.from_megatron()
+    shared = [fetch_topology(args.address, args.namespace) if rank == 0 else None]
+    dist.broadcast_object_list(shared, src=0)
+    topology = shared[0]
+    if topology.tree.layout() != tree.layout():
+        raise SystemExit(f"the service plans for {topology.tree.layout()}, this job runs {tree.layout()}")
     client = Client(
-        tree, rank, namespace=args.namespace, address=args.address, num_microbatches=args.num_microbatches,
-        constructor_group=args.constructor_group, tp_group=parallel_state.get_tensor_model_parallel_group(),
-        fetch_stages=args.fetch_stages,
+        topology, rank, source=RemoteConstructors(topology, args.address), num_microbatches=args.num_microbatches,
+        tp_group=parallel_state.get_tensor_model_parallel_group(), record_digests=args.record_digests,
     )
     chunks = optimizer = None
     if not args.no_train:
@@ -82,12 +88,11 @@ def main(argv: list[str] | None = None) -> int:
     if rank == 0:
         import ray
 
-        planner = ray.get_actor("planner", namespace=args.namespace)
+        planner = ray.get_actor(PLANNER_NAME, namespace=args.namespace)
     log: dict = {"rank": rank, "coords": tree.coords(rank), "steps": []}
     for step in range(args.start_step, args.start_step + args.steps):
         t0 = time.perf_counter()
-        n_before = len(client.delivered)
-        fetch_before = len(client.fetch_seconds)
+        client.drain()
         if args.no_train:
             tokens = 0
             for batch in client.step_iterator(step):
@@ -98,8 +103,8 @@ def main(argv: list[str] | None = None) -> int:
             result = train_step(chunks, optimizer, client.step_iterator(step), num_microbatches=args.num_microbatches,
                                 seq_length=args.seq_length)
         dt = time.perf_counter() - t0
-        infos = client.delivered[n_before:]
-        fetch = client.fetch_seconds[fetch_before:]
+        records = client.drain()
+        infos, fetch = records["delivered"], records["fetch_seconds"]
         entry = {
             "step": step,
             "loss": result["loss"],
@@ -108,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
             "fetch_ms": [1e3 * f for f in fetch],
             "samples": [np.asarray(i["samples"]).tolist() for i in infos if i is not None],
             "microbatch_tokens": [i["tokens"] for i in infos if i is not None],
-            "digests": client.digests[n_before:],
+            "digests": records["digests"],
         }
         log["steps"].append(entry)
         if rank == 0:

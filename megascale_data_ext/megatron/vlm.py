@@ -15,8 +15,8 @@ The data service balances *images* over WORLD (every rank is an encoder rank) an
   `MultimodalProjector` on the first stage. Its ``decoder_input`` is the word embedding of the
   tokens with each ``image_token_id`` position replaced by the projected patch features of its
   image, images in packing order (the constructor's ``image_keys`` say which).
-* `VLMFeed`: the step source for `hooks.install`; as Megatron's ``forward_step`` pulls a
-  microbatch it hands that microbatch's features to the first-stage chunk, so megatron's own
+* `VLMFeed`: the per-microbatch transform of `hooks.install`; as Megatron's ``forward_step``
+  pulls a microbatch it hands that microbatch's features to the first-stage chunk, so megatron's own
   ``forward_step``/``train_step`` run unchanged.
 """
 
@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import collections
 import zlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -225,33 +225,34 @@ def build_vlm_chunks(cfg: GPTModelConfig, *, vision_hidden: int, image_token_id:
 
 
 class VLMFeed:
-    """What `hooks.install` feeds the schedule from: the client's microbatches plus image features.
+    """The per-microbatch transform `hooks.install` applies on VLM runs: attach image features.
+
+    Called with each microbatch the client delivers and its delivery info; on the first stage
+    it queues the features of the microbatch's images (packing order, by ``image_keys``) on the
+    chunk holding the embedding. Other stages pass batches through.
 
     Args:
-        client: The rank's `runtime.client.Client`.
         first_chunk: The unwrapped `VLMChunk` holding the embedding (None off the first stage).
         vision_hidden: Encoder width (shape of the empty feature tensor of text-only microbatches).
     """
 
-    def __init__(self, client: Any, first_chunk: VLMChunk | None, *, vision_hidden: int) -> None:
-        self.client = client
-        self.num_microbatches = client.num_microbatches
+    def __init__(self, first_chunk: VLMChunk | None, *, vision_hidden: int) -> None:
         self.first_chunk = first_chunk
         self.vision_hidden = vision_hidden
         self.features: Mapping[ImageKey, torch.Tensor] = {}
         self.image_tokens = 0
 
-    def step_iterator(self, step: int) -> Iterator[dict[str, torch.Tensor] | None]:
-        for j in range(self.num_microbatches):
-            batch = self.client.get(step, j)
-            if self.first_chunk is not None and batch is not None:
-                keys = self.client.delivered[-1].get("image_keys", np.zeros((0, 3), np.int64))
-                missing = [k for k in map(tuple, np.asarray(keys).tolist()) if k not in self.features]
-                if missing:
-                    raise SampleError(f"step {step} microbatch {j}: no encoder features for images {missing[:3]} "
-                                      f"(of {len(missing)}); every image must be encoded by some rank")
-                feats = [self.features[k] for k in map(tuple, np.asarray(keys).tolist())]
-                merged = torch.cat(feats) if feats else torch.zeros(0, self.vision_hidden)
-                self.image_tokens += merged.shape[0]
-                self.first_chunk.push_features(merged)
-            yield batch
+    def __call__(self, batch: dict[str, torch.Tensor] | None, info: Mapping[str, Any] | None):
+        if self.first_chunk is None or batch is None:
+            return batch
+        keys = (info or {}).get("image_keys", np.zeros((0, 3), np.int64))
+        missing = [k for k in map(tuple, np.asarray(keys).tolist()) if k not in self.features]
+        if missing:
+            where = f"step {info['step']} microbatch {info['microbatch']}" if info else "a microbatch"
+            raise SampleError(f"{where}: no encoder features for images {missing[:3]} "
+                              f"(of {len(missing)}); every image must be encoded by some rank")
+        feats = [self.features[k] for k in map(tuple, np.asarray(keys).tolist())]
+        merged = torch.cat(feats) if feats else torch.zeros(0, self.vision_hidden)
+        self.image_tokens += merged.shape[0]
+        self.first_chunk.push_features(merged)
+        return batch

@@ -17,35 +17,32 @@ from typing import Any
 
 import ray
 
-from megascale_data_ext.dataplane.placetree import ClientPlaceTree
 from megascale_data_ext.runtime.config import ServiceConfig
 from megascale_data_ext.runtime.constructor import DataConstructor, EncoderRows, encoder_rows
 from megascale_data_ext.runtime.loader import SourceLoader
 from megascale_data_ext.runtime.planner import Planner
+from megascale_data_ext.runtime.topology import ServiceTopology
 
 ACTOR_CONCURRENCY = 16
 _log = logging.getLogger(__name__)
-
-
-def loader_name(namespace_prefix: str, source: int) -> str:
-    return f"{namespace_prefix}/loader/{source}"
-
-
-def constructor_name(namespace_prefix: str, index: int) -> str:
-    return f"{namespace_prefix}/constructor/{index}"
 
 
 @ray.remote(num_cpus=0)
 class PlannerActor:
     """The Planner in its own process; holds handles to the loaders for `summary_buffer`."""
 
-    def __init__(self, config: ServiceConfig, tree: ClientPlaceTree, loader_handles: list[Any]):
+    def __init__(self, config: ServiceConfig, topology: ServiceTopology, loader_handles: list[Any]):
         self._loaders = loader_handles
+        self._topology = topology
 
         def summarize(source: int, start: int, count: int):
             return ray.get(self._loaders[source].summary_buffer.remote(start, count))
 
-        self.planner = Planner(config, tree, summarize)
+        self.planner = Planner(config, topology, summarize)
+
+    def topology(self) -> ServiceTopology:
+        """The service's topology, for clients that join by namespace alone."""
+        return self._topology
 
     def plan(self, step: int):
         return self.planner.plan(step)
@@ -114,17 +111,23 @@ class SourceLoaderActor:
     def stats(self) -> dict:
         return self.loader.stats()
 
+    def state_dict(self) -> dict:
+        return self.loader.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.loader.load_state_dict(state)
+
 
 @ray.remote(num_cpus=0, max_concurrency=ACTOR_CONCURRENCY)
 class DataConstructorActor:
     """A Data Constructor with a background prefetch thread `prefetch` steps ahead."""
 
-    def __init__(self, buckets: list[int], config: ServiceConfig, tree: ClientPlaceTree, planner: Any,
+    def __init__(self, buckets: list[int], config: ServiceConfig, topology: ServiceTopology, planner: Any,
                  loaders: list[Any], pad_id: int, image_token_id: int | None, start_step: int = 0):
         self.constructor = DataConstructor(
             buckets,
             config,
-            tree,
+            topology,
             get_plan=lambda step, b: ray.get(planner.constructor_plan.remote(step, b)),
             fetch=lambda s, step, bs: ray.get(loaders[s].fetch.remote(step, bs)),
             pad_id=pad_id,
@@ -165,5 +168,4 @@ class DataConstructorActor:
         return self.constructor.get_encoder_images(step, rank)
 
     def stats(self) -> dict:
-        c = self.constructor
-        return {"built_steps": len(c.build_seconds), "build_seconds": list(c.build_seconds), "skipped": list(c.skipped)}
+        return self.constructor.stats()

@@ -1,29 +1,44 @@
 """Client: the trainer-side end of the service, inside each torchrun rank.
 
-A client knows its coordinates from the ClientPlaceTree. Ranks the tree marks as fetchers
-(TP rank 0 of the first and last PP stage, per CP rank) pull their microbatches from their
-Data Constructor through Ray; the other ranks of a TP group receive them with
-`torch.distributed.broadcast` from that fetcher (`broadcast_at("tp")`); middle PP stages get
-nothing (their input is the previous stage's activations). With a hybrid (VLM) strategy
-every rank, whatever its stage, also pulls its encoder share with `encoder_images(step)`:
-the encoder is data parallel over WORLD, so each rank asks every constructor. Tensors come out in Megatron's
-dtypes: tokens/labels/position_ids int64, loss_mask float32, attention_mask bool (True =
-masked), cu_seqlens int32.
+One client per rank serves every trainer-side consumer — the schedule hooks
+(`megatron.hooks.install`), Megatron-LM's external dataloader (`megatron.provider`) and the
+example loops — and holds the rank's one data position (next step and microbatch), which is
+what a checkpoint saves.
+
+Who does what comes from the service's `ServiceTopology`: fetching ranks (TP rank 0 of the
+reading pipeline stages, per bucket of the strategy's axis) pull their microbatches from their
+Data Constructor through a `MicrobatchSource` (`RemoteConstructors` over Ray, or an
+`InProcessService`); with ``tp_broadcast`` the other ranks of a TP group receive them by
+`torch.distributed.broadcast` from that fetcher; stages that read nothing get ``{}``. Without
+``tp_broadcast`` (Megatron-LM's own `get_batch` broadcasts) non-fetching ranks get None. With a
+hybrid (VLM) strategy every rank also pulls its encoder share with `encoder_images(step)`.
+Tensors come out in Megatron's dtypes: tokens/labels/position_ids int64, loss_mask float32,
+attention_mask bool (True = masked), cu_seqlens int32.
+
+Hot path: one object-store round trip per microbatch, no hashing (``record_digests`` turns on
+a SHA-1 per delivered microbatch for identity checks), and bounded records (``history``);
+loops take the records of a step with `drain()`.
+
+Checkpoint (`StateSchema` "data_position", version 2): fingerprint ``num_microbatches``;
+fields ``step`` and ``microbatch`` of the next microbatch to deliver.
 """
 
 from __future__ import annotations
 
 import hashlib
-from dataclasses import replace
 import time
-from collections.abc import Iterator
-from typing import Any
+from collections import deque
+from collections.abc import Iterator, Mapping
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from megascale_data_ext.dataplane.placetree import ClientPlaceTree, FetchStages
+from megascale_data_ext.errors import ConfigError, ResumeError
+from megascale_data_ext.runtime.constructor import EncoderImages
+from megascale_data_ext.runtime.topology import ServiceTopology
+from megascale_data_ext.state import StateSchema
 
 _DTYPES = {
     "tokens": torch.int64,
@@ -36,7 +51,19 @@ _DTYPES = {
 }
 
 
-def to_torch(batch: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
+class MicrobatchSource(Protocol):
+    """Where a fetching rank's microbatches come from (`RemoteConstructors`, `InProcessService`)."""
+
+    def get(self, step: int, microbatch: int, rank: int) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+        """Microbatch `microbatch` of `step` as rank `rank` needs it, and its delivery info."""
+        ...
+
+    def get_encoder_images(self, step: int, rank: int) -> EncoderImages:
+        """Rank `rank`'s encoder share of `step` from every constructor."""
+        ...
+
+
+def to_torch(batch: Mapping[str, np.ndarray]) -> dict[str, torch.Tensor]:
     out = {}
     for k, v in batch.items():
         t = torch.from_numpy(np.ascontiguousarray(v))
@@ -45,7 +72,8 @@ def to_torch(batch: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
     return out
 
 
-def _digest(batch: dict[str, torch.Tensor]) -> str:
+def digest(batch: Mapping[str, torch.Tensor]) -> str:
+    """SHA-1 of a microbatch's fields (identity checks across ranks and runs)."""
     h = hashlib.sha1()
     for k in sorted(batch):
         h.update(k.encode())
@@ -54,100 +82,73 @@ def _digest(batch: dict[str, torch.Tensor]) -> str:
 
 
 class Client:
-    """Delivers this rank's microbatches, step by step.
+    """Delivers this rank's microbatches in (step, microbatch) order. Not thread-safe (one per rank).
 
     Args:
-        tree: The trainer mesh (from `ClientPlaceTree.from_megatron()` in training).
+        topology: The service's topology (`ServiceHandles.topology`).
         rank: This process's global rank.
-        namespace: Ray namespace of the service's named actors.
-        address: Ray address to join (None when Ray is already initialised in-process).
-        num_microbatches: Microbatches per step for this DP rank.
-        constructor_group: DP buckets per constructor (must match the service).
-        axis: Distribution axis of the strategy ("DP" or "CP").
-        tp_group: Process group of this rank's TP group, for `broadcast_at("tp")`.
-        fetch_stages: The service's `ServiceHandles.fetch_stages` ("ends", or "all" when
-            middle pipeline stages fetch their masks); None keeps the tree's own.
+        source: Where fetching ranks pull from; None on ranks that never fetch or need images.
+        num_microbatches: Microbatches per step for this rank's bucket.
+        tp_group: Process group of this rank's TP group, for the TP broadcast.
+        tp_broadcast: Broadcast each microbatch over the TP group (False when the caller
+            broadcasts itself, as Megatron-LM's `get_batch` does).
+        record_digests: Keep a SHA-1 of every delivered microbatch (tests, debugging).
+        history: Most records (delivery infos, fetch latencies, digests) kept between drains.
     """
+
+    STATE = StateSchema("data_position", 2, ("step", "microbatch"),
+                        hint="resume with the global batch size (data.num_microbatches) of the saved run")
 
     def __init__(
         self,
-        tree: ClientPlaceTree,
+        topology: ServiceTopology,
         rank: int,
         *,
-        namespace: str,
+        source: MicrobatchSource | None,
         num_microbatches: int,
-        address: str | None = None,
-        constructor_group: int = 1,
-        axis: str = "DP",
         tp_group: Any = None,
-        fetch_stages: str | None = None,
+        tp_broadcast: bool = True,
+        record_digests: bool = False,
+        history: int = 1024,
     ) -> None:
-        if fetch_stages is not None:
-            tree = replace(tree, fetch_stages=FetchStages(fetch_stages))
-        self.tree = tree
+        if not isinstance(num_microbatches, int) or num_microbatches < 1:
+            raise ConfigError(f"num_microbatches must be a positive integer, got {num_microbatches!r}")
+        self.topology = topology
+        self.tree = topology.tree
         self.rank = rank
+        self.source = source
         self.num_microbatches = num_microbatches
-        self.axis = axis
         self.tp_group = tp_group
-        self.fetches = tree.must_fetch(rank, axis)
-        self.needs_data = tree.needs_data(rank, axis)
-        self.src = tree.broadcast_source(rank, "tp")
-        self.fetch_seconds: list[float] = []
-        self.delivered: list[dict[str, Any]] = []
-        self.digests: list[str] = []  # one hash of every delivered microbatch (TP-identity checks)
-        self.encoder_seconds: list[float] = []
-        self.namespace = namespace
-        self.address = address
-        self.num_constructors = -(-tree.buckets(axis).num_buckets // constructor_group)
-        self._handle = None
-        self._all_handles: list[Any] | None = None
-        if self.fetches:
-            import ray
+        self.tp_broadcast = tp_broadcast
+        self.record_digests = record_digests
+        self.fetches = topology.fetches(rank)
+        self.needs_data = topology.needs_data(rank)
+        self.src = topology.broadcast_source(rank)
+        self.step, self.microbatch = 0, 0
+        self.last_info: dict[str, Any] | None = None
+        """Delivery info (step, bucket, samples, tokens...) of the last microbatch delivered."""
+        self.delivered: deque[dict[str, Any]] = deque(maxlen=history)
+        self.fetch_seconds: deque[float] = deque(maxlen=history)
+        self.digests: deque[str] = deque(maxlen=history)
+        self.encoder_seconds: deque[float] = deque(maxlen=history)
 
-            self._connect()
-            bucket = tree.buckets(axis).bucket_of_rank(rank)
-            self._handle = ray.get_actor(f"constructor/{bucket // constructor_group}", namespace=namespace)
+    @classmethod
+    def connect(cls, handles: Any, rank: int, *, num_microbatches: int, **kwargs: Any) -> Client:
+        """A client of the running service `handles` (`ServiceHandles`) over Ray."""
+        from megascale_data_ext.runtime.remote import RemoteConstructors
 
-    def _connect(self) -> None:
-        import ray
+        handles.apply_env()
+        return cls(handles.topology, rank, source=RemoteConstructors(handles.topology, handles.address),
+                   num_microbatches=num_microbatches, **kwargs)
 
-        if not ray.is_initialized():
-            ray.init(address=self.address, namespace=self.namespace, log_to_driver=False, configure_logging=False)
-
-    def encoder_images(self, step: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """This rank's encoder share of `step`: images gathered from every constructor.
-
-        Returns ``(patches float32 [P, patch_dim], seqlens int32 [n], keys int64 [n, 3])``, key =
-        (source, position, image index), constructors in order. Every rank calls it (all stages).
-        """
-        import ray
-
-        t0 = time.perf_counter()
-        if self._all_handles is None:
-            self._connect()
-            self._all_handles = [ray.get_actor(f"constructor/{j}", namespace=self.namespace)
-                                 for j in range(self.num_constructors)]
-        parts = ray.get([h.get_encoder_images.remote(step, self.rank) for h in self._all_handles])
-        dims = {p.shape[1] for p, seq, _ in parts if len(seq)} or {parts[0][0].shape[1]}
-        patch_dim = max(dims)
-        out = (
-            np.concatenate([p.reshape(-1, patch_dim) if len(seq) else np.zeros((0, patch_dim), np.float32)
-                            for p, seq, _ in parts]).astype(np.float32, copy=False),
-            np.concatenate([seq for _, seq, _ in parts]).astype(np.int32, copy=False),
-            np.concatenate([k.reshape(-1, 3) for _, _, k in parts]).astype(np.int64, copy=False),
-        )
-        self.encoder_seconds.append(time.perf_counter() - t0)
-        return out
-
+    # -- delivery ------------------------------------------------------------------
     def fetch(self, step: int, microbatch: int) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
-        """Pull one microbatch from the constructor (fetching ranks only), no TP broadcast.
-
-        For callers that broadcast themselves (Megatron-LM's `get_batch_on_this_tp_rank`).
-        """
-        import ray
-
+        """Pull one microbatch from the constructor (fetching ranks only), no TP broadcast."""
+        if not self.fetches or self.source is None:
+            raise ConfigError(f"rank {self.rank} does not fetch here (it receives from rank {self.src}, reads "
+                              "nothing, or was given no source)")
         t0 = time.perf_counter()
-        batch, info = ray.get(self._handle.get.remote(step, microbatch, self.rank))
+        batch, info = self.source.get(step, microbatch, self.rank)
         self.fetch_seconds.append(time.perf_counter() - t0)
         return batch, info
 
@@ -164,21 +165,91 @@ class Client:
             dist.broadcast(batch[k], src=self.src, group=self.tp_group)
         return batch, info
 
-    def get(self, step: int, microbatch: int) -> dict[str, torch.Tensor]:
-        """Microbatch `microbatch` of `step` for this rank ({} where the stage reads nothing)."""
+    def get(self, step: int, microbatch: int) -> dict[str, torch.Tensor] | None:
+        """Microbatch `microbatch` of `step` for this rank, without moving the data position.
+
+        ``{}`` where the stage reads nothing; None on non-fetching ranks without ``tp_broadcast``.
+        """
         if not self.needs_data:
-            return {}
+            return {} if self.tp_broadcast else None
+        broadcast = self.tp_broadcast and self.tree.tp > 1
+        if not self.fetches and not broadcast:
+            return None
         batch = info = None
         if self.fetches:
             raw, info = self.fetch(step, microbatch)
             batch = to_torch(raw)
-        if self.tree.tp > 1:
+        if broadcast:
             batch, info = self._broadcast(batch, info)
+        self.last_info = info
         self.delivered.append(info)
-        self.digests.append(_digest(batch))
+        if self.record_digests:
+            self.digests.append(digest(batch))
         return batch
 
-    def step_iterator(self, step: int) -> Iterator[dict[str, torch.Tensor]]:
-        """One iterator over the step's microbatches, as Megatron's schedule consumes it."""
-        for j in range(self.num_microbatches):
-            yield self.get(step, j)
+    def next_microbatch(self) -> dict[str, torch.Tensor] | None:
+        """The microbatch at the data position; the position moves one on."""
+        batch = self.get(self.step, self.microbatch)
+        self.skip()
+        return batch
+
+    def skip(self) -> None:
+        """Move the data position one microbatch on without delivering it (chunks that read nothing)."""
+        self.microbatch += 1
+        if self.microbatch == self.num_microbatches:
+            self.step, self.microbatch = self.step + 1, 0
+
+    def step_iterator(self, step: int | None = None) -> Iterator[dict[str, torch.Tensor] | None]:
+        """The rest of a step's microbatches, as Megatron's schedule consumes them.
+
+        Given `step`, the position first moves to its start (callers that drive steps
+        explicitly); the position advances as the iterator is consumed.
+        """
+        if step is not None and (step, 0) != (self.step, self.microbatch):
+            self.seek(step)
+        current = self.step
+        while self.step == current:
+            yield self.next_microbatch()
+
+    def end_step(self, step: int) -> None:
+        """Mark `step` done: the position moves to the next step's start even where the schedule
+        did not consume this rank's iterator (model chunks that read no data)."""
+        self.seek(step + 1)
+
+    def seek(self, step: int, microbatch: int = 0) -> None:
+        if step < 0 or not 0 <= microbatch < self.num_microbatches:
+            raise ResumeError(f"data position (step {step}, microbatch {microbatch}) is out of range "
+                              f"(steps >= 0, microbatches in [0, {self.num_microbatches}))")
+        self.step, self.microbatch = int(step), int(microbatch)
+
+    def encoder_images(self, step: int) -> EncoderImages:
+        """This rank's encoder share of `step`: images gathered from every constructor.
+
+        Returns ``(patches float32 [P, patch_dim], seqlens int32 [n], keys int64 [n, 3])``, key =
+        (source, position, image index), constructors in order. Every rank calls it (all stages).
+        """
+        if self.source is None:
+            raise ConfigError(f"rank {self.rank} has no source to pull encoder images from")
+        t0 = time.perf_counter()
+        out = self.source.get_encoder_images(step, self.rank)
+        self.encoder_seconds.append(time.perf_counter() - t0)
+        return out
+
+    def drain(self) -> dict[str, list]:
+        """The records since the last drain (``delivered``, ``fetch_seconds``, ``digests``), cleared."""
+        out = {"delivered": list(self.delivered), "fetch_seconds": list(self.fetch_seconds),
+               "digests": list(self.digests)}
+        self.delivered.clear()
+        self.fetch_seconds.clear()
+        self.digests.clear()
+        return out
+
+    # -- state ---------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """The data position to save with a checkpoint: the next microbatch the trainer consumes."""
+        return self.STATE.stamp({"num_microbatches": self.num_microbatches}, step=self.step,
+                                microbatch=self.microbatch)
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        fields = self.STATE.check(state, {"num_microbatches": self.num_microbatches})
+        self.seek(int(fields["step"]), int(fields["microbatch"]))

@@ -1,58 +1,107 @@
 """ServiceConfig: everything the runtime needs to start loaders, planner and constructors.
 
-Plain dataclasses (no Hydra import) so actors can receive them; `megascale_data_ext.config`
-builds one from the Hydra/YAML group and validates it eagerly.
+Plain dataclasses (no Hydra import) so actors can receive them. The batch shape
+(:class:`BatchConfig`) and where Ray runs (:class:`RayConfig`) are defined here once: the
+``data`` config group's schema (`megascale_data_ext.config`) inherits / embeds them, and their
+checks (``problems()``: ``(field, message)`` pairs) serve both, the config re-addressing each
+field to its config path.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
+from megascale_data_ext.dataplane.mixing import MixMode
 from megascale_data_ext.errors import ConfigError
-from megascale_data_ext.sources.base import SourceSpec
+from megascale_data_ext.sources.base import FieldProblem, SourceSpec
+
+__all__ = ["DEFAULT_STRATEGY", "MIX_MODES", "OVERFLOW_MODES", "BatchConfig", "FieldProblem", "RayConfig",
+           "ServiceConfig", "choice_problems", "render_problems"]
+
+DEFAULT_STRATEGY = "llm_balance"
+MIX_MODES: tuple[str, ...] = tuple(m.value for m in MixMode)
+OVERFLOW_MODES: tuple[str, ...] = ("defer", "error")
+#: BatchConfig fields that must be integers >= 1, in the order problems are reported.
+_POSITIVE = ("samples_per_step", "num_microbatches", "seq_length", "pad_to_multiple_of", "prefetch", "buffer_size",
+             "constructor_group")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def choice_problems(key: str, value: Any, allowed: Sequence[str]) -> list[FieldProblem]:
+    """``[(key, message)]`` when ``value`` is not one of ``allowed``, else ``[]``."""
+    return [] if value in allowed else [(key, f"must be one of {list(allowed)}, got {value!r}")]
+
+
+def render_problems(what: str, problems: Sequence[FieldProblem]) -> str:
+    """One error text listing every ``(field, message)`` problem of ``what``."""
+    return f"invalid {what}:\n  - " + "\n  - ".join(f"`{key}`: {msg}" for key, msg in problems)
 
 
 @dataclass(slots=True, kw_only=True)
-class ServiceConfig:
-    """Batch shape, strategy, mixing and runtime knobs of one data service.
+class RayConfig:
+    """Where the service's actors run.
 
     Attributes:
-        sources: The sources, in mixing order.
+        address: None = an embedded local Ray started by the service; "auto" or "ray://..."
+            joins a cluster.
+        namespace: Ray namespace of the named actors.
+        num_cpus: CPUs of an embedded Ray (None = all cores); a cluster owns its CPUs.
+        resources: Custom resources of an embedded Ray.
+    """
+
+    address: str | None = None
+    namespace: str = "megascale"
+    num_cpus: int | None = None
+    resources: dict[str, float] = field(default_factory=dict)
+
+    def init_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for ``ray.init`` (``num_cpus``/``resources`` only for an embedded Ray)."""
+        local = {"num_cpus": self.num_cpus, "resources": dict(self.resources) or None} if self.address is None else {}
+        embedded = {k: v for k, v in local.items() if v is not None}
+        return {"address": self.address, "namespace": self.namespace, **embedded}
+
+    def problems(self) -> list[FieldProblem]:
+        """What is wrong with the fields, as ``(field, message)``."""
+        out: list[FieldProblem] = []
+        if self.num_cpus is not None and (not _is_int(self.num_cpus) or self.num_cpus < 1):
+            out.append(("num_cpus", f"must be an integer >= 1 or null, got {self.num_cpus!r}"))
+        out += [(f"resources.{k}", f"must be >= 0, got {a!r}") for k, a in self.resources.items() if not a >= 0]
+        return out
+
+
+@dataclass(slots=True, kw_only=True)
+class BatchConfig:
+    """Batch shape and runtime knobs, shared by ServiceConfig and the ``data`` config node.
+
+    Attributes:
         seed: Seeds epoch shuffles and random mixing; same seed + step -> same samples.
         samples_per_step: Samples in one global batch (before packing).
         num_microbatches: Microbatches per DP rank per step (Megatron's GBS / (DP * MBS)).
         seq_length: Token cap of one packed microbatch (the context length).
-        strategy: Name of a registered strategy ("vanilla", "llm_balance", "vlm_balance").
-        strategy_args: Keyword arguments of the strategy (model, method, level, ...).
-        mixing: Mixing schedule mapping for `mixing.build_schedule` (default: source weights).
-        mix_mode: "deterministic" (Megatron-like error minimisation) or "random".
-        overflow: "defer": samples of a step that do not fit DP x num_microbatches x seq_length
-            tokens wait for the next step (`samples_per_step` is then a maximum); "error": stop
-            with a CapacityError naming the sample.
         shuffle: Shuffle each source's order per epoch (seeded).
         buffer_size: Samples per source whose metadata the planner may look at.
         prefetch: Steps planned and assembled ahead of the trainer.
         constructor_group: DP buckets served by one Data Constructor (1 = one per DP rank).
         with_attention_mask: Build the block-diagonal causal mask (needed without THD kernels).
         pad_to_multiple_of: Packed length granularity (multiplied by 2*cp for CP slicing).
+        overflow: "defer": samples of a step that do not fit DP x num_microbatches x seq_length
+            tokens wait for the next step (`samples_per_step` is then a maximum); "error": stop
+            with a CapacityError naming the sample.
         middle_stage_masks: Middle pipeline stages (pp > 2) also fetch the attention mask and
             cu_seqlens, so packed documents never attend across boundaries on any stage.
-        namespace: Ray namespace of the named actors.
-        ray_address: None = embedded local Ray; "auto" or "ray://..." for a cluster.
     """
 
-    sources: list[SourceSpec]
     seed: int = 1234
     samples_per_step: int = 32
     num_microbatches: int = 2
     seq_length: int = 1024
-    strategy: str = "llm_balance"
-    strategy_args: dict[str, Any] = field(default_factory=dict)
-    mixing: dict[str, Any] | None = None
-    mix_mode: str = "deterministic"
     shuffle: bool = True
     buffer_size: int = 4096
     prefetch: int = 2
@@ -61,38 +110,54 @@ class ServiceConfig:
     pad_to_multiple_of: int = 8
     overflow: str = "defer"
     middle_stage_masks: bool = True
-    namespace: str = "megascale"
-    ray_address: str | None = None
+
+    def problems(self) -> list[FieldProblem]:
+        """What is wrong with the batch fields, as ``(field, message)``."""
+        out = [(k, f"must be a positive integer, got {getattr(self, k)!r}") for k in _POSITIVE
+               if not _is_int(getattr(self, k)) or getattr(self, k) < 1]
+        if not _is_int(self.seed) or self.seed < 0:
+            out.append(("seed", f"must be an integer >= 0 (numpy SeedSequence), got {self.seed!r}"))
+        return out + choice_problems("overflow", self.overflow, OVERFLOW_MODES)
+
+
+@dataclass(slots=True, kw_only=True)
+class ServiceConfig(BatchConfig):
+    """Sources, strategy, mixing and Ray of one data service, plus the :class:`BatchConfig` fields.
+
+    Attributes:
+        sources: The sources, in mixing order.
+        strategy: Name of a registered strategy ("vanilla", "llm_balance", "vlm_balance").
+        strategy_args: Keyword arguments of the strategy (model, method, level, ...).
+        mixing: Mixing schedule mapping for `mixing.build_schedule` (default: source weights).
+        mix_mode: "deterministic" (Megatron-like error minimisation) or "random".
+        ray: Where the actors run (`RayConfig.init_kwargs` starts or joins Ray).
+    """
+
+    sources: list[SourceSpec]
+    strategy: str = DEFAULT_STRATEGY
+    strategy_args: dict[str, Any] = field(default_factory=dict)
+    mixing: dict[str, Any] | None = None
+    mix_mode: str = MixMode.DETERMINISTIC.value
+    ray: RayConfig = field(default_factory=RayConfig)
 
     def __post_init__(self) -> None:
         # A sample can never be longer than the context: sources without their own limit get
         # seq_length; their `truncate` flag decides between cutting and a named error.
         self.sources = [s if s.max_tokens is not None else replace(s, max_tokens=self.seq_length) for s in self.sources]
-        problems = []
+        problems = self.problems()
+        if problems:
+            raise ConfigError(render_problems("data service config", problems))
+
+    def problems(self) -> list[FieldProblem]:
+        """What is wrong, as ``(field, message)``: the batch fields, sources, mix mode, Ray."""
+        out = BatchConfig.problems(self)
         if not self.sources:
-            problems.append("`sources` is empty: give at least one source")
+            out.append(("sources", "is empty: give at least one source"))
         names = [s.name for s in self.sources]
         if len(set(names)) != len(names):
-            problems.append(f"`sources` names must be unique, got {names}")
-        for key in ("samples_per_step", "num_microbatches", "seq_length", "buffer_size", "prefetch", "constructor_group"):
-            value = getattr(self, key)
-            if not isinstance(value, int) or value < 1:
-                problems.append(f"`{key}` must be a positive integer, got {value!r}")
-        if self.mix_mode not in ("deterministic", "random"):
-            problems.append(f"`mix_mode` must be 'deterministic' or 'random', got {self.mix_mode!r}")
-        if self.overflow not in ("defer", "error"):
-            problems.append(f"`overflow` must be 'defer' or 'error', got {self.overflow!r}")
-        if problems:
-            raise ConfigError("invalid data service config:\n  - " + "\n  - ".join(problems))
-
-    def service_tree(self, tree: Any) -> Any:
-        """The tree the service plans and delivers for: with `middle_stage_masks`, every
-        pipeline stage fetches (middle stages get only the masks)."""
-        from megascale_data_ext.dataplane.placetree import FetchStages
-
-        if self.middle_stage_masks and tree.pp > 2 and tree.fetch_stages is FetchStages.ENDS:
-            return replace(tree, fetch_stages=FetchStages.ALL)
-        return tree
+            out.append(("sources", f"names must be unique, got {names}"))
+        out += choice_problems("mix_mode", self.mix_mode, MIX_MODES)
+        return out + [(f"ray.{key}", msg) for key, msg in self.ray.problems()]
 
     @property
     def source_names(self) -> list[str]:

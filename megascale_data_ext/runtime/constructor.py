@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,10 +32,10 @@ import numpy as np
 from megascale_data_ext.dataplane.cp_slicing import slice_for_cp
 from megascale_data_ext.dataplane.microbatch import fields_for_stage
 from megascale_data_ext.dataplane.packing import pack_microbatch
-from megascale_data_ext.dataplane.placetree import ClientPlaceTree
 from megascale_data_ext.dataplane.plan import ConstructorPlan, StepPlan
 from megascale_data_ext.errors import PlanError
 from megascale_data_ext.runtime.config import ServiceConfig
+from megascale_data_ext.runtime.topology import ServiceTopology
 
 FetchFn = Callable[[int, int, list[int]], dict[str, list]]
 """(source_id, step, buckets) -> a loader's `fetch` result."""
@@ -83,6 +84,18 @@ def _empty_images(patch_dim: int) -> EncoderImages:
     return (np.zeros((0, patch_dim), np.float32), np.zeros(0, np.int32), np.zeros((0, 3), np.int64))
 
 
+def merge_encoder_images(parts: Sequence[EncoderImages]) -> EncoderImages:
+    """One rank's encoder share from every constructor's part, constructors in order."""
+    dims = {p.shape[1] for p, seq, _ in parts if len(seq)} or {parts[0][0].shape[1]}
+    patch_dim = max(dims)
+    return (
+        np.concatenate([p.reshape(-1, patch_dim) if len(seq) else np.zeros((0, patch_dim), np.float32)
+                        for p, seq, _ in parts]).astype(np.float32, copy=False),
+        np.concatenate([seq for _, seq, _ in parts]).astype(np.int32, copy=False),
+        np.concatenate([k.reshape(-1, 3) for _, _, k in parts]).astype(np.int64, copy=False),
+    )
+
+
 @dataclass(slots=True)
 class _ImageStep:
     per_rank: dict[int, EncoderImages]
@@ -103,7 +116,7 @@ class DataConstructor:
     Args:
         buckets: DP buckets this constructor serves.
         config: Service config (seq length, microbatches, prefetch, attention mask).
-        tree: The trainer mesh (who fetches, CP/PP coordinates of clients).
+        topology: The service topology (who fetches, CP/PP coordinates of clients).
         get_plan: ``(step, bucket) -> ConstructorPlan`` (the Planner).
         fetch: ``(source_id, step, buckets) -> samples`` (a Source Loader).
         pad_id: Padding / masked-label token.
@@ -112,13 +125,14 @@ class DataConstructor:
         get_encoder_plan: ``(step, buckets) -> EncoderRows | None`` (the Planner); given, the
             constructor keeps each step's images per encoder rank for `get_encoder_images`.
         image_steps_kept: Most steps of encoder images kept while some rank has not taken its share.
+        history: Most build timings and skipped-sample records kept (older ones are counted only).
     """
 
     def __init__(
         self,
         buckets: Sequence[int],
         config: ServiceConfig,
-        tree: ClientPlaceTree,
+        topology: ServiceTopology,
         *,
         get_plan: Callable[[int, int], ConstructorPlan],
         fetch: FetchFn,
@@ -127,19 +141,19 @@ class DataConstructor:
         decode: Callable[[Any], Any] | None = None,
         get_encoder_plan: Callable[[int, list[int]], EncoderRows | None] | None = None,
         image_steps_kept: int | None = None,
+        history: int = 256,
     ) -> None:
         self.buckets = list(buckets)
         self.config = config
-        self.tree = tree
+        self.topology = topology
+        self.tree = topology.tree
         self.get_plan = get_plan
         self.fetch = fetch
         self.pad_id = pad_id
         self.image_token_id = image_token_id
         self.decode = decode
-        axis = config.strategy_args.get("axis", "DP")
-        self.layout = tree.buckets(axis)
-        fetchers = set(tree.with_broadcast(("tp",)).fetch_ranks(axis))
-        self.fetchers = {b: sorted(set(self.layout.bucket_ranks[b]) & fetchers) for b in self.buckets}
+        self.layout = topology.layout
+        self.fetchers = {b: topology.fetchers(b) for b in self.buckets}
         self.get_encoder_plan = get_encoder_plan
         self.image_steps_kept = image_steps_kept or max(4, 2 * config.prefetch + 2)
         self._images: dict[int, _ImageStep] = {}
@@ -147,8 +161,10 @@ class DataConstructor:
         self._building: dict[int, threading.Event] = {}
         self._lock = threading.Lock()
         self._next_prefetch = 0
-        self.build_seconds: list[float] = []
-        self.skipped: list[tuple[int, int, int, str]] = []  # (step, source, position, reason)
+        self.built_steps = 0
+        self.skipped_total = 0
+        self.build_seconds: deque[float] = deque(maxlen=history)
+        self.skipped: deque[tuple[int, int, int, str]] = deque(maxlen=history)  # (step, source, position, reason)
 
     # -- assembly ------------------------------------------------------------------
     def _build(self, step: int) -> _BuiltStep:
@@ -162,6 +178,7 @@ class DataConstructor:
                 pool[(s, pos)] = sample
             for _b, pos, bad in got["skipped"]:
                 self.skipped.append((step, s, pos, bad.reason))
+                self.skipped_total += 1
         if self.decode is not None:
             pool = {key: self.decode(x) for key, x in pool.items()}
         rows = self.get_encoder_plan(step, self.buckets) if self.get_encoder_plan is not None else None
@@ -201,6 +218,7 @@ class DataConstructor:
                 for old in [s for s in self._images if s <= step - self.image_steps_kept]:
                     self._images.pop(old)
         self.build_seconds.append(time.perf_counter() - t0)
+        self.built_steps += 1
         return built
 
     def _encoder_images(self, step: int, rows: EncoderRows, pool: dict[tuple[int, int], Any]) -> _ImageStep:
@@ -281,6 +299,10 @@ class DataConstructor:
             if not built.remaining:
                 self._built.pop(step, None)
         return batch, info
+
+    def stats(self) -> dict[str, Any]:
+        return {"built_steps": self.built_steps, "build_seconds": list(self.build_seconds),
+                "skipped_total": self.skipped_total, "skipped": list(self.skipped)}
 
     def get_encoder_images(self, step: int, rank: int) -> EncoderImages:
         """The images of this constructor's buckets that encoder rank `rank` encodes at `step`.

@@ -9,23 +9,23 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+from megascale_data_ext.runtime.topology import ServiceTopology
+
 
 @dataclass(slots=True, kw_only=True)
 class ServiceHandles:
-    """What a client needs to reach the service: Ray address, namespace, actor layout."""
+    """What a client needs to reach the service: the Ray address and the service's topology."""
 
     address: str
-    namespace: str
-    num_constructors: int
-    constructor_group: int
-    fetch_stages: str = "ends"
-    """Which pipeline stages fetch (`FetchStages`); clients must use the service's choice."""
+    topology: ServiceTopology
+    """Who fetches from which constructor, actor names, namespace: clients use the service's own."""
     ray_env: dict[str, str] = field(default_factory=dict)
     """RAY_AUTH_* settings a joining process needs (Ray's token auth on the started cluster)."""
+
+    @property
+    def namespace(self) -> str:
+        return self.topology.namespace
 
     def apply_env(self) -> None:
         """Set the Ray auth variables in this process before `ray.init(address=...)`."""
         os.environ.update(self.ray_env)
-
-    def constructor_for_bucket(self, bucket: int) -> str:
-        return f"constructor/{bucket // self.constructor_group}"

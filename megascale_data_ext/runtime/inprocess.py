@@ -2,16 +2,23 @@
 
 No Ray: every call is a direct method call. It exists for unit tests, debugging a strategy
 against real files, and simulating a large world's plans on one machine; the Ray façades in
-`runtime.actors` wire exactly these classes, so behaviour is the same apart from concurrency.
+`runtime.actors` wire exactly these classes from the same `ServiceTopology`, so behaviour is
+the same apart from concurrency. It is also a `MicrobatchSource`, so a trainer-side `Client`
+can be driven by it without Ray.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
+import numpy as np
+
 from megascale_data_ext.dataplane.placetree import ClientPlaceTree
 from megascale_data_ext.runtime.config import ServiceConfig
-from megascale_data_ext.runtime.constructor import DataConstructor, encoder_rows
+from megascale_data_ext.runtime.constructor import DataConstructor, EncoderImages, encoder_rows, merge_encoder_images
 from megascale_data_ext.runtime.loader import SourceLoader
 from megascale_data_ext.runtime.planner import Planner
+from megascale_data_ext.runtime.topology import ServiceTopology
 from megascale_data_ext.sources.tokenizer import load_tokenizer
 
 
@@ -19,36 +26,40 @@ class InProcessService:
     """Loaders, planner and constructors of `config` for `tree`, as plain objects.
 
     Attributes:
+        topology: The service topology derived from `config` and `tree`.
         loaders: One `SourceLoader` per source.
         planner: The `Planner`.
-        constructors: One `DataConstructor` per `config.constructor_group` DP buckets.
+        constructors: One `DataConstructor` per constructor group of the topology.
     """
 
     def __init__(self, config: ServiceConfig, tree: ClientPlaceTree) -> None:
-        self.config, self.tree = config, config.service_tree(tree)
-        tree = self.tree
+        self.config = config
+        self.topology = topo = ServiceTopology.of(config, tree)
+        self.tree = topo.tree
         self.loaders = [SourceLoader(i, s, seed=config.seed, shuffle=config.shuffle) for i, s in enumerate(config.sources)]
-        self.planner = Planner(config, tree, lambda s, start, n: self.loaders[s].summary_buffer(start, n))
+        self.planner = Planner(config, topo, lambda s, start, n: self.loaders[s].summary_buffer(start, n))
         for ld in self.loaders:
             ld.get_plan = self.planner.loader_plan
         tok = load_tokenizer(config.sources[0].tokenizer)
         image_id = tok.image_id if any(s.image_column for s in config.sources) else None
-        self.layout = tree.buckets(config.strategy_args.get("axis", "DP"))
-        n, g = self.layout.num_buckets, config.constructor_group
         self.constructors = [
             DataConstructor(
-                list(range(i, min(i + g, n))), config, tree,
+                list(buckets), config, topo,
                 get_plan=lambda step, b: self.planner.plan(step).constructor_do_plan(b),
                 fetch=lambda s, step, bs: self.loaders[s].fetch(step, bs),
                 pad_id=tok.pad_id, image_token_id=image_id,
                 get_encoder_plan=lambda step, bs: encoder_rows(self.planner.plan(step), bs),
             )
-            for i in range(0, n, g)
+            for buckets in topo.constructor_groups
         ]
 
     def constructor_of(self, rank: int) -> DataConstructor:
-        return self.constructors[self.layout.bucket_of_rank(rank) // self.config.constructor_group]
+        return self.constructors[self.topology.constructor_of_rank(rank)]
 
-    def get(self, step: int, microbatch: int, rank: int):
+    def get(self, step: int, microbatch: int, rank: int) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
         """What a fetching client `rank` receives: (batch, info)."""
         return self.constructor_of(rank).get(step, microbatch, rank)
+
+    def get_encoder_images(self, step: int, rank: int) -> EncoderImages:
+        """Rank `rank`'s encoder share of `step`, gathered from every constructor."""
+        return merge_encoder_images([c.get_encoder_images(step, rank) for c in self.constructors])

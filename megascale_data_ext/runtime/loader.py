@@ -8,13 +8,19 @@ The stream of a source is a sequence of positions: position p is sample
 
 Thread contract: `fetch` may be called concurrently by several constructors (the actor runs
 with max_concurrency > 1); one lock per step makes a step's plan execute exactly once.
+
+Checkpoint (`StateSchema` "source_loader", version 1): fingerprint = (name, size, seed,
+shuffle), so a resume over changed files or another shuffle is refused; fields
+``next_position`` (one past the furthest stream position read) and the read/skip counters.
+The stream itself is a pure function of the position, so nothing else needs saving.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -23,6 +29,7 @@ from megascale_data_ext.dataplane.summary import SourceSummary
 from megascale_data_ext.errors import SourceError
 from megascale_data_ext.sources.base import Sample, SkippedSample, SourceSpec
 from megascale_data_ext.sources.registry import open_source
+from megascale_data_ext.state import StateSchema
 
 
 @dataclass(slots=True)
@@ -44,6 +51,9 @@ class SourceLoader:
         shuffle: Shuffle sample order per epoch.
         get_plan: Callable ``(step, source_id) -> LoaderPlan`` (the Planner; pull model).
     """
+
+    STATE = StateSchema("source_loader", 1, ("next_position", "samples_read", "skipped"),
+                        hint="resume over the same files with the same seed and shuffle")
 
     def __init__(
         self,
@@ -74,6 +84,7 @@ class SourceLoader:
         self._lock = threading.Lock()
         self.samples_read = 0
         self.skipped_total = 0
+        self.next_position = 0
 
     # -- stream --------------------------------------------------------------------
     def _perm(self, epoch: int) -> np.ndarray:
@@ -135,6 +146,8 @@ class SourceLoader:
             staged.pending.add(b)
         self.samples_read += len(result.samples)
         self.skipped_total += len(result.skipped)
+        if len(plan.positions):
+            self.next_position = max(self.next_position, int(plan.positions.max()) + 1)
         if staged.pending:
             self._steps[plan.step] = staged
         else:  # this source has nothing in the step
@@ -188,7 +201,27 @@ class SourceLoader:
             return out
 
     def stats(self) -> dict[str, int]:
-        return {"samples_read": self.samples_read, "skipped": self.skipped_total, "staged_steps": len(self._steps)}
+        return {"samples_read": self.samples_read, "skipped": self.skipped_total, "staged_steps": len(self._steps),
+                "next_position": self.next_position}
+
+    # -- state ---------------------------------------------------------------------
+    def fingerprint(self) -> dict[str, Any]:
+        return {"name": self.spec.name, "size": self.size, "seed": self.seed, "shuffle": self.shuffle}
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.STATE.stamp(self.fingerprint(), next_position=self.next_position,
+                                samples_read=self.samples_read, skipped=self.skipped_total)
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Resume the stream at the saved position; staged (read, undelivered) steps are dropped
+        and read again from their plans."""
+        fields = self.STATE.check(state, self.fingerprint())
+        with self._lock:
+            self.next_position = int(fields["next_position"])
+            self.samples_read, self.skipped_total = int(fields["samples_read"]), int(fields["skipped"])
+            self._steps.clear()
+            self._finished.clear()
+            self._step_locks.clear()
 
     def close(self) -> None:
         self.source.close()

@@ -6,14 +6,15 @@ ahead of the trainer, and are a pure function of (config, tree, state before the
 `state_dict(step)` returns the state *before* `step`, so a resume at the trainer's consumed
 step recomputes exactly the plans an uninterrupted run would have made.
 
-State schema (version 1): ``{"version", "config" (ServiceConfig.fingerprint()), "world", "step", "cursors",
-"mixer"}``.
+Checkpoint (`StateSchema` "planner", version 2): fingerprint = the config's stream-deciding
+fields (`ServiceConfig.fingerprint()`) plus the parallel layout; fields ``step`` (the next
+step to plan), ``cursors`` (next stream position per source) and ``mixer`` (the Mixer's own
+state). That is all: plans are recomputed from it.
 """
 
 from __future__ import annotations
 
 import copy
-import json
 import threading
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -23,28 +24,14 @@ import numpy as np
 from megascale_data_ext.dataplane.dgraph import DGraph
 from megascale_data_ext.dataplane.mixing import Mixer
 from megascale_data_ext.dataplane.mixing import build_schedule
-from megascale_data_ext.dataplane.placetree import ClientPlaceTree
 from megascale_data_ext.dataplane.plan import LoaderPlan, StepPlan
-from megascale_data_ext.dataplane.strategies import build_strategy
 from megascale_data_ext.dataplane.summary import BufferSummary, SourceSummary
 from megascale_data_ext.errors import CapacityError, ResumeError
 from megascale_data_ext.runtime.config import ServiceConfig
+from megascale_data_ext.runtime.topology import ServiceTopology, make_strategy
+from megascale_data_ext.state import StateSchema
 
-STATE_VERSION = 1
 Summarize = Callable[[int, int, int], SourceSummary]
-
-
-def _plain(value: Any) -> Any:
-    """JSON-normal form (tuples -> lists) so a state saved to disk compares equal to a live one."""
-    return json.loads(json.dumps(value, default=str))
-
-
-def make_strategy(config: ServiceConfig) -> Callable[[DGraph], DGraph]:
-    args = dict(config.strategy_args)
-    args.setdefault("num_microbatches", config.num_microbatches)
-    if config.strategy != "vanilla":
-        args.setdefault("cap", config.seq_length)
-    return build_strategy(config.strategy, **args)
 
 
 class Planner:
@@ -52,14 +39,18 @@ class Planner:
 
     Args:
         config: The service config (sources, batch shape, strategy, mixing).
-        tree: The trainer device mesh.
+        topology: The service topology (its tree is the mesh plans are made for).
         summarize: ``(source_id, start_position, count) -> SourceSummary`` — asks a loader.
         keep: How many planned steps to keep cached behind the newest one.
     """
 
-    def __init__(self, config: ServiceConfig, tree: ClientPlaceTree, summarize: Summarize, *, keep: int = 64):
+    STATE = StateSchema("planner", 2, ("step", "cursors", "mixer"),
+                        hint="resume with the data config and parallel layout of the saved run")
+
+    def __init__(self, config: ServiceConfig, topology: ServiceTopology, summarize: Summarize, *, keep: int = 64):
         self.config = config
-        self.tree = tree
+        self.topology = topology
+        self.tree = topology.tree
         self.summarize = summarize
         self.keep = keep
         self.strategy = make_strategy(config)
@@ -74,15 +65,13 @@ class Planner:
         self._lock = threading.RLock()
 
     # -- planning ------------------------------------------------------------------
+    def fingerprint(self) -> dict[str, Any]:
+        """What a saved state must have been planned with: the stream-deciding config and the layout."""
+        return {**self.config.fingerprint(), "world": self.tree.layout()}
+
     def _snapshot(self) -> dict[str, Any]:
-        return {
-            "version": STATE_VERSION,
-            "config": self.config.fingerprint(),
-            "world": self.tree.layout(),
-            "step": self.next_step,
-            "cursors": self.cursors.tolist(),
-            "mixer": copy.deepcopy(self.mixer.state_dict()),
-        }
+        return self.STATE.stamp(self.fingerprint(), step=self.next_step, cursors=self.cursors.tolist(),
+                                mixer=copy.deepcopy(self.mixer.state_dict()))
 
     def _plan_next(self) -> StepPlan:
         step = self.next_step
@@ -113,8 +102,7 @@ class Planner:
         deferred samples are exactly the next ones each source serves: none lost or repeated.
         """
         rows, tokens = mixed.selected, mixed.cols["seq_len"]
-        axis = self.config.strategy_args.get("axis", "DP")
-        capacity = self.tree.buckets(axis).num_buckets * self.config.num_microbatches * self.config.seq_length
+        capacity = self.topology.layout.num_buckets * self.config.num_microbatches * self.config.seq_length
         n = int(np.searchsorted(np.cumsum(tokens), capacity, side="right"))
         while n > 0:
             graph = DGraph.from_summary(buffer, self.tree, step=step).select(rows[:n], note="mix-fit")
@@ -158,20 +146,14 @@ class Planner:
             raise ResumeError(f"state for step {step} is no longer kept (planner at {self.next_step}, keep={self.keep})")
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        problems = []
-        if state.get("version") != STATE_VERSION:
-            problems.append(f"state version {state.get('version')!r} != {STATE_VERSION}")
-        saved, now = _plain(state.get("config", {})), _plain(self.config.fingerprint())
-        for key in sorted(set(saved) | set(now)):
-            if saved.get(key) != now.get(key):
-                problems.append(f"`{key}` changed: saved {saved.get(key)!r}, now {now.get(key)!r}")
-        if _plain(state.get("world")) != _plain(self.tree.layout()):
-            problems.append(f"parallel layout changed: saved {state.get('world')} != current {self.tree.layout()}")
-        if problems:
-            raise ResumeError("cannot resume the data state: " + "; ".join(problems))
+        """Continue planning at the saved step; refuses another config, layout or version (ResumeError)."""
+        fields = self.STATE.check(state, self.fingerprint())
+        if len(fields["cursors"]) != len(self.cursors):
+            raise ResumeError(f"planner state has {len(fields['cursors'])} source cursors, the config has "
+                              f"{len(self.cursors)} sources")
         with self._lock:
-            self.next_step = int(state["step"])
-            self.cursors = np.asarray(state["cursors"], dtype=np.int64)
-            self.mixer.load_state_dict(state["mixer"])
+            self.next_step = int(fields["step"])
+            self.cursors = np.asarray(fields["cursors"], dtype=np.int64)
+            self.mixer.load_state_dict(fields["mixer"])
             self.plans.clear()
             self._states.clear()

@@ -1,15 +1,15 @@
 """DataService: starts (or joins) Ray and launches Planner, Source Loaders and Data Constructors.
 
-Actors are named (``<namespace>/loader/<i>``, ``<namespace>/planner``,
-``<namespace>/constructor/<j>``) in the Ray namespace of the config, so trainer processes
-find them by name after ``ray.init(address=...)``: nothing but the address and namespace has
-to travel to torchrun.
+Actors are named (``loader/<i>``, ``planner``, ``constructor/<j>``, see `runtime.topology`)
+in the Ray namespace of the config, so trainer processes find them by name after
+``ray.init(address=...)``: the `ServiceHandles` that travel to torchrun ranks carry the address
+and the `ServiceTopology`; a process given only the namespace asks the Planner for it.
 """
 
 from __future__ import annotations
 
-import time
 import os
+import time
 from typing import Any
 
 import ray
@@ -18,6 +18,7 @@ from megascale_data_ext.dataplane.placetree import ClientPlaceTree
 from megascale_data_ext.runtime.actors import DataConstructorActor, PlannerActor, SourceLoaderActor
 from megascale_data_ext.runtime.config import ServiceConfig
 from megascale_data_ext.runtime.handles import ServiceHandles
+from megascale_data_ext.runtime.topology import PLANNER_NAME, ServiceTopology
 from megascale_data_ext.sources.tokenizer import load_tokenizer
 
 
@@ -43,67 +44,64 @@ def check_sources(specs: list) -> None:
 
 
 class DataService:
-    """Owns the actors of one data service; `start()` returns once every actor is ready."""
+    """Owns the actors of one data service; `start()` returns once every actor is ready.
+
+    Ray is started from ``config.ray`` (`RayConfig.init_kwargs`: an embedded local Ray with its
+    ``num_cpus`` / ``resources``, or the cluster at ``address``) unless the process already
+    joined one.
+    """
 
     def __init__(self, config: ServiceConfig, tree: ClientPlaceTree):
         self.config = config
-        self.tree = config.service_tree(tree)  # middle PP stages fetch masks when pp > 2
+        self.topology = ServiceTopology.of(config, tree)
+        self.tree = self.topology.tree
         self.loaders: list[Any] = []
         self.planner: Any = None
         self.constructors: list[Any] = []
         self.startup_seconds = 0.0
         self._owns_ray = False
 
-    def start(self, *, num_cpus: int | None = None, state: dict | None = None) -> ServiceHandles:
+    def start(self, *, state: dict | None = None) -> ServiceHandles:
         """Start every actor; `state` (a saved `state_dict`) resumes the planner before prefetch starts."""
         t0 = time.perf_counter()
-        cfg = self.config
+        cfg, topo = self.config, self.topology
         if not ray.is_initialized():
-            ray.init(address=cfg.ray_address, namespace=cfg.namespace, num_cpus=num_cpus,
-                     include_dashboard=False, log_to_driver=True, configure_logging=False)
+            ray.init(**cfg.ray.init_kwargs(), include_dashboard=False, log_to_driver=True, configure_logging=False)
             self._owns_ray = True
-        ns = cfg.namespace
+        ns = topo.namespace
         check_sources(cfg.sources)
         self.loaders = [
-            SourceLoaderActor.options(name=f"loader/{i}", namespace=ns).remote(
-                i, spec, cfg.seed, cfg.shuffle
-            )
-            for i, spec in enumerate(cfg.sources)
+            SourceLoaderActor.options(name=name, namespace=ns).remote(i, spec, cfg.seed, cfg.shuffle)
+            for i, (name, spec) in enumerate(zip(topo.loader_names(), cfg.sources, strict=True))
         ]
         ray.get([h.size.remote() for h in self.loaders])  # surfaces source errors (missing files...) now
-        self.planner = PlannerActor.options(name="planner", namespace=ns).remote(cfg, self.tree, self.loaders)
+        self.planner = PlannerActor.options(name=PLANNER_NAME, namespace=ns).remote(cfg, topo, self.loaders)
         ray.get([h.set_planner.remote(self.planner) for h in self.loaders])
         start_step = 0
         if state is not None:
             ray.get(self.planner.load_state_dict.remote(state))
             start_step = int(state["step"])
         tok = load_tokenizer(cfg.sources[0].tokenizer)
-        axis = cfg.strategy_args.get("axis", "DP")
-        n_buckets = self.tree.buckets(axis).num_buckets
-        g = cfg.constructor_group
-        groups = [list(range(i, min(i + g, n_buckets))) for i in range(0, n_buckets, g)]
         image_id = tok.image_id if any(s.image_column for s in cfg.sources) else None
         self.constructors = [
-            DataConstructorActor.options(name=f"constructor/{j}", namespace=ns).remote(
-                buckets, cfg, self.tree, self.planner, self.loaders, tok.pad_id, image_id, start_step
+            DataConstructorActor.options(name=name, namespace=ns).remote(
+                list(buckets), cfg, topo, self.planner, self.loaders, tok.pad_id, image_id, start_step
             )
-            for j, buckets in enumerate(groups)
+            for name, buckets in zip(topo.constructor_names(), topo.constructor_groups, strict=True)
         ]
         ray.get([c.stats.remote() for c in self.constructors])
         self.startup_seconds = time.perf_counter() - t0
         return ServiceHandles(
             address=ray.get_runtime_context().gcs_address,
-            namespace=ns,
-            num_constructors=len(self.constructors),
-            constructor_group=g,
+            topology=topo,
             ray_env={k: v for k, v in os.environ.items() if k.startswith("RAY_AUTH_")},
-            fetch_stages=self.tree.fetch_stages.value,
         )
 
     def plan_summary(self, step: int) -> dict:
         return ray.get(self.planner.plan_summary.remote(step))
 
-    def state_dict(self, step: int) -> dict:
+    def state_dict(self, step: int | None = None) -> dict:
+        """The Planner's state before `step` (default: its next unplanned step)."""
         return ray.get(self.planner.state_dict.remote(step))
 
     def load_state_dict(self, state: dict) -> None:

@@ -1,12 +1,10 @@
 """Data sources: Parquet, Megatron ``.bin/.idx`` and JSONL readers with sample transforms.
 
-Plain classes (no Ray): the runtime wraps one per Source Loader actor. The Megatron reader is
-loaded lazily because it imports torch.
+Plain classes (no Ray): the runtime wraps one per Source Loader actor. The Megatron reader
+imports Megatron-LM (and so torch) only when it opens a source.
 """
 
 from __future__ import annotations
-
-from typing import Any
 
 from megascale_data_ext.sources.base import (
     METADATA_KEYS,
@@ -19,27 +17,15 @@ from megascale_data_ext.sources.base import (
     take_metadata,
 )
 from megascale_data_ext.sources.demo_data import make_demo_data
+from megascale_data_ext.sources.formats import SourceFormat, source_formats
 from megascale_data_ext.sources.images import decode_patches, image_patch_count, image_patch_grid
 from megascale_data_ext.sources.jsonl import JsonlSource
+from megascale_data_ext.sources.megatron_indexed import MegatronIndexedSource, write_indexed_dataset
 from megascale_data_ext.sources.parquet import ParquetSource
-from megascale_data_ext.sources.registry import open_source, register_source_format, source_formats
+from megascale_data_ext.sources.registry import open_source, register_source_format
 from megascale_data_ext.sources.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer
 from megascale_data_ext.sources.transforms import decode_images
 from megascale_data_ext.sources.writer import PreparedParquetWriter
-
-_LAZY = {
-    "MegatronIndexedSource": "megascale_data_ext.sources.megatron_indexed",
-    "write_indexed_dataset": "megascale_data_ext.sources.megatron_indexed",
-}
-
-
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        import importlib
-
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
 
 __all__ = [
     "METADATA_KEYS",
@@ -53,6 +39,7 @@ __all__ = [
     "Sample",
     "SkippedSample",
     "Source",
+    "SourceFormat",
     "SourceSpec",
     "Tokenizer",
     "decode_images",

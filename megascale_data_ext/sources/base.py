@@ -17,9 +17,11 @@ from typing import Any, Literal, Protocol, get_args, runtime_checkable
 import numpy as np
 
 from megascale_data_ext.errors import ConfigError
+from megascale_data_ext.sources.formats import SourceFormat, source_formats
 
-SourceFormat = Literal["parquet", "megatron", "jsonl"]
 DecodeMode = Literal["loader", "constructor"]
+#: One thing wrong with a config value: ``(field name, message)``; a config re-addresses the field.
+FieldProblem = tuple[str, str]
 
 #: Keys of the dict returned by :meth:`Source.metadata`; image patches are ragged
 #: (``image_offsets[i]:image_offsets[i+1]`` slices ``image_patch_counts`` for sample ``i``).
@@ -124,37 +126,38 @@ class SourceSpec:
         if isinstance(self.paths, str):
             self.paths = [self.paths]
         self.paths = [str(p) for p in self.paths]
-        problems = self._problems()
+        problems = self.field_problems({f.name: getattr(self, f.name) for f in dataclasses.fields(self)})
         if problems:
-            raise ConfigError(f"invalid source spec {self.name!r}:\n  - " + "\n  - ".join(problems))
+            lines = "\n  - ".join(f"`sources.{self.name}.{key}` {msg}" for key, msg in problems)
+            raise ConfigError(f"invalid source spec {self.name!r}:\n  - {lines}")
 
-    def _problems(self) -> list[str]:
-        where = f"sources.{self.name}"
-        out: list[str] = []
-        if not self.name or not isinstance(self.name, str):
-            out.append(f"`name` must be a non-empty string, got {self.name!r}")
-        from megascale_data_ext.sources.registry import source_formats  # formats can be plugged in
+    @classmethod
+    def field_problems(cls, values: Mapping[str, Any]) -> list[FieldProblem]:
+        """What is wrong with would-be field ``values``, as ``(field, message)``; empty = valid.
 
-        if self.format not in source_formats():
-            out.append(f"`{where}.format` must be one of {source_formats()}, got {self.format!r}")
-        if not self.paths:
-            out.append(f"`{where}.paths` is empty: give files, globs, directories or Megatron prefixes")
-        if not (self.weight >= 0):
-            out.append(f"`{where}.weight` must be >= 0, got {self.weight!r}")
-        if self.patch_size < 1:
-            out.append(f"`{where}.patch_size` must be >= 1, got {self.patch_size!r}")
-        if self.max_image_patches < 1:
-            out.append(f"`{where}.max_image_patches` must be >= 1, got {self.max_image_patches!r}")
-        if self.decode_images not in get_args(DecodeMode):
-            out.append(f"`{where}.decode_images` must be one of {get_args(DecodeMode)}, got {self.decode_images!r}")
-        if self.max_tokens is not None and self.max_tokens < 2:
-            out.append(f"`{where}.max_tokens` must be >= 2 (one token plus EOD) or null, got {self.max_tokens!r}")
-        if not 0.0 <= self.max_bad_fraction <= 1.0:
-            out.append(f"`{where}.max_bad_fraction` must be in [0, 1], got {self.max_bad_fraction!r}")
-        if self.num_workers < 0:
-            out.append(f"`{where}.num_workers` must be >= 0, got {self.num_workers!r}")
-        if self.row_group_cache < 1:
-            out.append(f"`{where}.row_group_cache` must be >= 1, got {self.row_group_cache!r}")
+        A config checks its sources with this before building any spec, naming each field by
+        its own config path.
+        """
+        v, out = values, list[FieldProblem]()
+        if not v["name"] or not isinstance(v["name"], str):
+            out.append(("name", f"must be a non-empty string, got {v['name']!r}"))
+        if v["format"] not in source_formats():
+            out.append(("format", f"must be one of {source_formats()}, got {v['format']!r}"))
+        if not v["paths"]:
+            out.append(("paths", "is empty: give files, globs, directories or Megatron prefixes"))
+        if not (v["weight"] >= 0):
+            out.append(("weight", f"must be >= 0, got {v['weight']!r}"))
+        out += [(key, f"must be >= 1, got {v[key]!r}") for key in ("patch_size", "max_image_patches") if v[key] < 1]
+        if v["decode_images"] not in get_args(DecodeMode):
+            out.append(("decode_images", f"must be one of {list(get_args(DecodeMode))}, got {v['decode_images']!r}"))
+        if v["max_tokens"] is not None and v["max_tokens"] < 2:
+            out.append(("max_tokens", f"must be >= 2 (one token plus EOD) or null, got {v['max_tokens']!r}"))
+        if not 0.0 <= v["max_bad_fraction"] <= 1.0:
+            out.append(("max_bad_fraction", f"must be in [0, 1], got {v['max_bad_fraction']!r}"))
+        if v["num_workers"] < 0:
+            out.append(("num_workers", f"must be >= 0, got {v['num_workers']!r}"))
+        if v["row_group_cache"] < 1:
+            out.append(("row_group_cache", f"must be >= 1, got {v['row_group_cache']!r}"))
         return out
 
     @classmethod

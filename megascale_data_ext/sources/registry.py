@@ -1,7 +1,8 @@
 """Source formats by name: ``open_source(spec)`` builds the reader ``spec.format`` names.
 
 Formats register a factory, so a new format (e.g. WebDataset shards) plugs in without
-touching the runtime that calls :func:`open_source` inside its Source Loader actors.
+touching the runtime that calls :func:`open_source` inside its Source Loader actors. The
+valid names live in :mod:`~megascale_data_ext.sources.formats`, below the readers.
 """
 
 from __future__ import annotations
@@ -10,7 +11,13 @@ from collections.abc import Callable
 
 from megascale_data_ext.errors import ConfigError
 from megascale_data_ext.sources.base import Source, SourceSpec
+from megascale_data_ext.sources.formats import add_format_name, source_formats
+from megascale_data_ext.sources.jsonl import JsonlSource
+from megascale_data_ext.sources.megatron_indexed import MegatronIndexedSource
+from megascale_data_ext.sources.parquet import ParquetSource
 from megascale_data_ext.sources.tokenizer import Tokenizer
+
+__all__ = ["SourceFactory", "open_source", "register_source_format", "source_formats"]
 
 SourceFactory = Callable[..., Source]
 
@@ -20,11 +27,7 @@ _FACTORIES: dict[str, SourceFactory] = {}
 def register_source_format(fmt: str, factory: SourceFactory) -> None:
     """Register ``factory(spec, tokenizer=...)`` for ``fmt`` (replacing any earlier one)."""
     _FACTORIES[fmt] = factory
-
-
-def source_formats() -> list[str]:
-    """Registered format names, sorted."""
-    return sorted(_FACTORIES)
+    add_format_name(fmt)
 
 
 def open_source(spec: SourceSpec, *, tokenizer: Tokenizer | None = None) -> Source:
@@ -37,33 +40,15 @@ def open_source(spec: SourceSpec, *, tokenizer: Tokenizer | None = None) -> Sour
             ``spec.tokenizer``.
 
     Raises:
-        ConfigError: Unknown format (lists the registered ones).
+        ConfigError: No reader is registered for the format (lists the registered ones).
         SourceError: The files are missing, corrupt, empty or lack the configured columns.
     """
     factory = _FACTORIES.get(spec.format)
     if factory is None:
-        raise ConfigError(f"`sources.{spec.name}.format` is {spec.format!r}; registered formats: {source_formats()}")
+        raise ConfigError(f"`sources.{spec.name}.format` is {spec.format!r}; registered formats: {sorted(_FACTORIES)}")
     return factory(spec, tokenizer=tokenizer)
 
 
-def _parquet(spec: SourceSpec, *, tokenizer: Tokenizer | None = None) -> Source:
-    from megascale_data_ext.sources.parquet import ParquetSource
-
-    return ParquetSource(spec, tokenizer=tokenizer)
-
-
-def _megatron(spec: SourceSpec, *, tokenizer: Tokenizer | None = None) -> Source:
-    from megascale_data_ext.sources.megatron_indexed import MegatronIndexedSource
-
-    return MegatronIndexedSource(spec, tokenizer=tokenizer)
-
-
-def _jsonl(spec: SourceSpec, *, tokenizer: Tokenizer | None = None) -> Source:
-    from megascale_data_ext.sources.jsonl import JsonlSource
-
-    return JsonlSource(spec, tokenizer=tokenizer)
-
-
-register_source_format("parquet", _parquet)
-register_source_format("megatron", _megatron)
-register_source_format("jsonl", _jsonl)
+register_source_format("parquet", ParquetSource)
+register_source_format("megatron", MegatronIndexedSource)
+register_source_format("jsonl", JsonlSource)

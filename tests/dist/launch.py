@@ -106,6 +106,7 @@ def run_example(
 ) -> tuple[str, dict[int, list[dict]]]:
     """Run ``examples/<script>`` under torchrun on the demo data; returns (output, {rank: step log})."""
     proc = run_torchrun(REPO_ROOT / "examples" / script, nproc,
-                        [f"data.data_root={data_root}", f"train.log_dir={log_dir}", *overrides], timeout=timeout)
+                        [f"data.data_root={data_root}", f"train.log_dir={log_dir}", "train.record_digests=true",
+                         *overrides], timeout=timeout)
     logs = {int(p.stem[4:]): json.loads(p.read_text()) for p in Path(log_dir).glob("rank*.json")}
     return proc.stdout, logs

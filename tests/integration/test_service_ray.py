@@ -15,7 +15,7 @@ import pytest
 import ray
 
 from megascale_data_ext.dataplane.placetree import ClientPlaceTree
-from megascale_data_ext.runtime.config import ServiceConfig
+from megascale_data_ext.runtime.config import RayConfig, ServiceConfig
 from megascale_data_ext.runtime.service import DataService
 from megascale_data_ext.sources.demo_data import make_demo_data
 from megascale_data_ext.sources.tokenizer import ByteTokenizer
@@ -38,19 +38,19 @@ def ray_local():
     ray.shutdown()
 
 
-def config(specs, **kw):
+def config(specs, namespace="t", **kw):
     base = dict(sources=specs, seed=21, samples_per_step=12, num_microbatches=4, seq_length=1024,
-                strategy="llm_balance", strategy_args={"model": "gpt-tiny"}, buffer_size=48, namespace="t")
+                strategy="llm_balance", strategy_args={"model": "gpt-tiny"}, buffer_size=48,
+                ray=RayConfig(namespace=namespace))
     base.update(kw)
     return ServiceConfig(**base)
 
 
 def consume(service, tree, steps):
-    layout = tree.buckets("DP")
     out = {}
     for step in range(steps):
         for rank in tree.fetch_ranks("DP"):
-            h = service.constructors[layout.bucket_of_rank(rank)]
+            h = service.constructors[service.topology.constructor_of_rank(rank)]
             got = ray.get([h.get.remote(step, j, rank) for j in range(service.config.num_microbatches)])
             out[(step, rank)] = [tuple(k) for _, info in got for k in info["samples"].tolist()]
     return out
@@ -92,7 +92,8 @@ def test_torchrun_ranks_with_megatron_parallel_state_train_on_the_service(specs,
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=8",
                "-m", "megascale_data_ext.megatron.train_worker", "--tp", "2", "--pp", "2", "--steps", str(steps),
                "--num-microbatches", "4", "--seq-length", "1024", "--vocab-size", str(ByteTokenizer().vocab_size),
-               "--namespace", handles.namespace, "--address", handles.address, "--out", str(tmp_path)]
+               "--namespace", handles.namespace, "--address", handles.address, "--record-digests",
+               "--out", str(tmp_path)]
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=540)
         assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]

@@ -12,14 +12,17 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from omegaconf import OmegaConf
+from omegaconf.errors import ValidationError
 
 from megascale_data_ext.config import (
-    _SHARED_FIELDS as _SHARED,
+    BatchConfig,
     MegascaleDataConfig,
+    RayConfig,
     SourceConfig,
     compose_config,
     conf_dir,
     load_config,
+    source_config_class,
 )
 from megascale_data_ext.dataplane.strategies import STRATEGIES, LLMBalance, VLMBalance
 from megascale_data_ext.errors import ConfigError
@@ -93,7 +96,7 @@ def test_compose_with_command_line_overrides() -> None:
     assert cfg.parallel.tensor_model_parallel_size == 2  # the rest of the training config is untouched
     data = load_config(cfg, check_paths=False)
     service = data.to_service_config()
-    assert (service.seq_length, service.strategy, service.ray_address) == (2048, "vlm_balance", "auto")
+    assert (service.seq_length, service.strategy, service.ray.address) == (2048, "vlm_balance", "auto")
     assert isinstance(make_strategy(service), VLMBalance)
 
 
@@ -110,10 +113,18 @@ def test_default_train_gpt_maps_target_back_to_registered_name() -> None:
 
 def test_ray_cluster_group_and_init_kwargs() -> None:
     local = load_config(compose_config(["data.ray.num_cpus=2", "+data.ray.resources.loader=1"]), check_paths=False)
-    assert local.ray_init_kwargs() == {"address": None, "namespace": "megascale", "num_cpus": 2,
-                                       "resources": {"loader": 1.0}}
+    want = {"address": None, "namespace": "megascale", "num_cpus": 2, "resources": {"loader": 1.0}}
+    assert local.ray.init_kwargs() == local.to_service_config().ray.init_kwargs() == want
     cluster = load_config(compose_config(["ray=cluster", "data.ray.num_cpus=2"]), check_paths=False)
-    assert cluster.ray_init_kwargs() == {"address": "auto", "namespace": "megascale"}  # cluster owns its CPUs
+    assert cluster.ray.init_kwargs() == {"address": "auto", "namespace": "megascale"}  # cluster owns its CPUs
+    assert cluster.to_service_config().ray == cluster.ray
+
+
+def test_ray_init_kwargs_embedded_or_cluster() -> None:
+    assert RayConfig(num_cpus=2).init_kwargs() == {"address": None, "namespace": "megascale", "num_cpus": 2}
+    assert RayConfig().init_kwargs() == {"address": None, "namespace": "megascale"}
+    joined = RayConfig(address="ray://head:10001", namespace="exp", num_cpus=2, resources={"gpu_host": 1.0})
+    assert joined.init_kwargs() == {"address": "ray://head:10001", "namespace": "exp"}
 
 
 @pytest.mark.parametrize(
@@ -196,7 +207,7 @@ def test_round_trip_equals_hand_built_service_config(base: dict[str, Any], tmp_p
         strategy_args={"model": "gpt-tiny"},
         mixing={"type": "ramp", "start": {"a": 1.0, "b": 0.0}, "end": [1, 1], "warmup_steps": 100},
         mix_mode="random", shuffle=False, buffer_size=256, prefetch=3, constructor_group=2,
-        with_attention_mask=False, pad_to_multiple_of=16, namespace="exp1", ray_address="ray://head:10001",
+        with_attention_mask=False, pad_to_multiple_of=16, ray=RayConfig(address="ray://head:10001", namespace="exp1"),
     )
     assert got == want and got.digest() == want.digest()
 
@@ -217,18 +228,84 @@ def test_target_strategy_registered_under_its_path(base: dict[str, Any]) -> None
         STRATEGIES.pop(target, None)  # keep the global registry as other tests expect it
 
 
-def test_defaults_mirror_runtime_dataclasses() -> None:
-    spec_fields = {f.name: f.default for f in dataclasses.fields(SourceSpec)}
-    cfg_fields = {f.name: f.default for f in dataclasses.fields(SourceConfig)}
-    assert set(cfg_fields) == set(spec_fields) | {"path"}
-    assert {k: cfg_fields[k] for k in spec_fields if k not in ("name", "format", "paths")} == {
-        k: v for k, v in spec_fields.items() if k not in ("name", "format", "paths")}
-    service = dataclasses.fields(ServiceConfig)
-    data = {f.name: (f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default)
-            for f in dataclasses.fields(MegascaleDataConfig)}
-    shared = [f for f in service if f.name in data and f.name not in ("sources", "strategy", "mixing")]
-    assert len(shared) == len(_SHARED) and all(data[f.name] == f.default for f in shared)
-    assert data["strategy"].name == ServiceConfig.__dataclass_fields__["strategy"].default
+def test_source_config_has_every_source_spec_field() -> None:
+    shorthand = {"path"}
+    spec_fields = {f.name for f in dataclasses.fields(SourceSpec)}
+    assert {f.name for f in dataclasses.fields(SourceConfig)} - shorthand == spec_fields
+    spec_defaults = {f.name: f.default for f in dataclasses.fields(SourceSpec)}
+    cfg_defaults = {f.name: f.default for f in dataclasses.fields(SourceConfig)}
+    assert {k: cfg_defaults[k] for k in spec_defaults if k not in ("name", "format", "paths")} == {
+        k: v for k, v in spec_defaults.items() if k not in ("name", "format", "paths")}
+    assert (cfg_defaults["name"], cfg_defaults["format"], SourceConfig().paths) == (None, "parquet", [])
+
+
+def test_a_field_added_to_source_spec_is_a_yaml_key() -> None:
+    from typing import Literal
+
+    grown = dataclasses.make_dataclass(
+        "GrownSpec", [("colour", Literal["red", "blue"] | None, dataclasses.field(default="red")),
+                      ("tags", list[str], dataclasses.field(default_factory=list))],
+        bases=(SourceSpec,), kw_only=True, slots=True)
+    cfg = source_config_class(grown, "GrownSourceConfig")
+    assert {f.name for f in dataclasses.fields(cfg)} - {"path"} == {f.name for f in dataclasses.fields(grown)}
+    node = OmegaConf.structured(cfg)  # Literal -> str, so OmegaConf takes it
+    assert (node.colour, node.tags, node.format) == ("red", [], "parquet")
+    node.colour = "blue"
+    with pytest.raises(ValidationError, match="colour"):
+        node.colour = [1]
+
+
+def test_batch_fields_defined_once_and_passed_through() -> None:
+    batch = [f.name for f in dataclasses.fields(BatchConfig)]
+    assert issubclass(MegascaleDataConfig, BatchConfig) and issubclass(ServiceConfig, BatchConfig)
+    assert "namespace" not in batch and not hasattr(ServiceConfig, "ray_address")
+    assert not hasattr(MegascaleDataConfig(), "__dict__")  # slots through the inheritance
+    data = MegascaleDataConfig(sources=[SourceConfig(name="a", paths=["x"])], seed=9, overflow="error",
+                               middle_stage_masks=False, ray=RayConfig(namespace="n"))
+    service = data.to_service_config()
+    assert {k: getattr(service, k) for k in batch} == {k: getattr(data, k) for k in batch}
+    assert service.ray == data.ray and service.ray is not data.ray
+    defaults = ServiceConfig(sources=service.sources)
+    assert not hasattr(defaults, "__dict__") and not set(ServiceConfig.__slots__) & set(batch)
+    assert {k: getattr(defaults, k) for k in batch} == {k: getattr(MegascaleDataConfig(), k) for k in batch}
+    assert MegascaleDataConfig().strategy.name == defaults.strategy
+    assert MegascaleDataConfig().mixing.mode == defaults.mix_mode
+
+
+def test_structured_schema_builds_with_omegaconf() -> None:
+    from hydra.core.config_store import ConfigStore
+
+    node = OmegaConf.structured(MegascaleDataConfig)
+    node.sources.append(OmegaConf.structured(SourceConfig(path="x.parquet")))
+    node.ray.num_cpus = 2
+    built = OmegaConf.to_object(node)
+    assert isinstance(built, MegascaleDataConfig) and isinstance(built.ray, RayConfig)
+    assert built.sources == [SourceConfig(path="x.parquet")]
+    assert "checkpoint" not in node
+    stored = ConfigStore.instance().load("data/megascale_schema.yaml")
+    assert OmegaConf.get_type(stored.node) is MegascaleDataConfig
+
+
+@pytest.mark.parametrize(("key", "value"), [("samples_per_step", 0), ("seed", -1), ("overflow", "never"),
+                                            ("pad_to_multiple_of", 0)])
+def test_service_config_and_data_config_share_one_check(base: dict[str, Any], key: str, value: Any) -> None:
+    base[key] = value
+    problem = _one(base, f"data.{key}")
+    with pytest.raises(ConfigError) as info:
+        ServiceConfig(sources=[SourceSpec(name="a", format="parquet", paths=["x"])], **{key: value})
+    assert str(info.value).splitlines()[1:] == [problem.replace(f"`data.{key}`", f"  - `{key}`")]
+
+
+def test_mix_mode_and_ray_checks_shared(base: dict[str, Any]) -> None:
+    base["mixing"] = {"mode": "shuffled"}
+    base["ray"] = {"num_cpus": 0, "resources": {"loader": -1.0}}
+    problems = _problems(base)
+    spec = SourceSpec(name="a", format="parquet", paths=["x"])
+    with pytest.raises(ConfigError) as info:
+        ServiceConfig(sources=[spec], mix_mode="shuffled", ray=RayConfig(num_cpus=0, resources={"loader": -1.0}))
+    service = [line.removeprefix("  - ") for line in str(info.value).splitlines()[1:]]
+    assert [p.replace("`data.", "`") for p in problems] == [
+        service[1], service[2], service[0].replace("`mix_mode`", "`mixing.mode`")]
 
 
 def test_whole_composed_config_or_data_node_or_plain_mapping_all_accepted(base: dict[str, Any]) -> None:
@@ -250,10 +327,10 @@ def test_every_problem_reported_at_once(base: dict[str, Any], tmp_path: Path) ->
     problems = _problems(base)
     paths = [p.split("`")[1] for p in problems]
     assert paths == [
-        "data.bogus", "data.sources[0].wieght", "data.sources[0].format", "data.sources[2].decode_images",
-        "data.strategy.name", "data.prefetch", "data.samples_per_step", "data.seq_length",
-        "data.ray.num_cpus", "data.sources[0].name", "data.sources[0].weight", "data.sources[1].path",
-        "data.sources[2].name", "data.sources[2].paths[0]", "data.mixing.params",
+        "data.bogus", "data.prefetch", "data.sources[0].wieght", "data.strategy.name", "data.samples_per_step",
+        "data.seq_length", "data.ray.num_cpus", "data.sources[0].name", "data.sources[0].format",
+        "data.sources[0].weight", "data.sources[1].path", "data.sources[2].name", "data.sources[2].decode_images",
+        "data.sources[2].paths[0]", "data.mixing.params",
     ], problems
     text = "\n".join(problems)
     assert "did you mean 'weight'?" in text and "did you mean 'llm_balance'?" in text
@@ -358,11 +435,11 @@ def test_interpolation_and_missing_values_named(base: dict[str, Any]) -> None:
     assert "MEGASCALE_TEST_UNSET_VAR_XYZ" in problems[0] and "missing (???)" in problems[1]
 
 
-def test_checkpoint_dir_that_is_a_file(base: dict[str, Any], tmp_path: Path) -> None:
-    base["checkpoint"] = {"dir": "b.parquet", "save_with_megatron": False}
-    _one(base, "data.checkpoint.dir", "is a file")
-    base["checkpoint"]["dir"] = "ckpt"
-    assert load_config(base).checkpoint.dir == "ckpt"
+def test_removed_checkpoint_key_is_unknown(base: dict[str, Any]) -> None:
+    base["checkpoint"] = {"dir": "ckpt", "save_with_megatron": True}
+    _one(base, "data.checkpoint", "unknown key")
+    with pytest.raises(ConfigError, match="checkpoint"):
+        compose_config(["data.checkpoint.dir=ckpt"])
 
 
 def test_name_derived_from_path_and_duplicates(base: dict[str, Any]) -> None:
@@ -371,3 +448,13 @@ def test_name_derived_from_path_and_duplicates(base: dict[str, Any]) -> None:
     problems = _problems(base)
     assert [p.split("`")[1] for p in problems] == ["data.sources[0].name", "data.sources[1].name"]
     assert "[0, 1]" in problems[0]
+
+
+def test_strategy_model_accepts_every_registered_cost_model_name() -> None:
+    """`model` is checked against the cost-model registry the strategies resolve through."""
+    base = {"sources": [{"name": "a", "format": "jsonl", "paths": ["a.jsonl"]}]}
+    for model in ("tokens", "gpt-tiny", "vit:vit-1b"):
+        cfg = load_config({**base, "strategy": {"name": "llm_balance", "args": {"model": model}}}, check_paths=False)
+        assert cfg.strategy.args["model"] == model
+    with pytest.raises(ConfigError, match=r"data.strategy.args.model`: got 'no-such'.*allowed: \[.*'tokens'"):
+        load_config({**base, "strategy": {"name": "llm_balance", "args": {"model": "no-such"}}}, check_paths=False)

@@ -1,4 +1,4 @@
-"""Schedule hooks with a fake schedule and fake client (no process groups needed)."""
+"""Schedule hooks with a fake schedule over a real Client fed by a fake source (no process groups)."""
 
 from __future__ import annotations
 
@@ -9,16 +9,29 @@ import pytest
 
 pipeline_parallel = pytest.importorskip("megatron.core.pipeline_parallel")
 
+import numpy as np  # noqa: E402
+
+from megascale_data_ext import Client, ClientPlaceTree, ServiceTopology  # noqa: E402
 from megascale_data_ext.errors import ConfigError, ResumeError  # noqa: E402
-from megascale_data_ext.megatron.hooks import install  # noqa: E402
+from megascale_data_ext.megatron.hooks import Installation, install  # noqa: E402
+from tests.harness import check_save_load  # noqa: E402
 
 
-class FakeClient:
-    num_microbatches = 3
+class StepSource:
+    """Microbatch j of step s holds tokens [[s, j]]."""
 
-    def step_iterator(self, step):
-        for j in range(self.num_microbatches):
-            yield {"step": step, "mb": j}
+    def get(self, step, microbatch, rank):
+        return {"tokens": np.asarray([[step, microbatch]])}, {"step": step, "microbatch": microbatch}
+
+
+def FakeClient(num_microbatches=3):  # noqa: N802 - a real Client over a fake source
+    tree = ClientPlaceTree.from_sizes(dp=1)
+    topo = ServiceTopology(tree=tree, constructor_groups=((0,),), num_sources=1, namespace="t")
+    return Client(topo, 0, source=StepSource(), num_microbatches=num_microbatches)
+
+
+def as_ids(batches):
+    return [{"step": int(b["tokens"][0, 0]), "mb": int(b["tokens"][0, 1])} for b in batches]
 
 
 class Cfg:
@@ -64,10 +77,11 @@ def test_install_feeds_each_call_one_step_and_is_reversible(patched_megatron):
                                            num_microbatches=3, seq_length=64, micro_batch_size=1)
     assert out["varlen"] == [True]  # set for the call
     assert model[0].config.variable_seq_lengths is False  # and restored after
-    assert out["batches"] == [[{"step": 5, "mb": j} for j in range(3)]]
+    assert as_ids(out["batches"][0]) == [{"step": 5, "mb": j} for j in range(3)]
     out = pipeline_parallel.get_forward_backward_func()(model=model, num_microbatches=3, data_iterator=None)
-    assert out["batches"][0][0]["step"] == 6
-    assert inst.state_dict() == {"version": 1, "step": 7}
+    assert as_ids(out["batches"][0])[0]["step"] == 6
+    assert inst.step == 7 and inst.state_dict() == inst.client.state_dict()
+    assert (inst.state_dict()["step"], inst.state_dict()["microbatch"]) == (7, 0)
     assert untouched.get_forward_backward_func() == "someone else's"
     inst.uninstall()
     assert user.get_forward_backward_func is getter and pipeline_parallel.get_forward_backward_func is getter
@@ -81,7 +95,7 @@ def test_vpp_chunks_get_shared_iterator_on_data_chunks_only(patched_megatron):
             out = pipeline_parallel.get_forward_backward_func()(model=[Chunk(), Chunk(), Chunk()], num_microbatches=3,
                                                                 data_iterator=None)
             assert out["none"] == want
-            assert out["batches"][0] == [{"step": 0, "mb": j} for j in range(3)]
+            assert as_ids(out["batches"][0]) == [{"step": 0, "mb": j} for j in range(3)]
         finally:
             inst.uninstall()
 
@@ -91,9 +105,33 @@ def test_wrong_microbatch_count_and_bad_state_are_refused(patched_megatron):
     try:
         with pytest.raises(ConfigError, match="data.num_microbatches"):
             pipeline_parallel.get_forward_backward_func()(model=[Chunk()], num_microbatches=4, data_iterator=None)
-        with pytest.raises(ResumeError, match="version"):
+        with pytest.raises(ResumeError, match="data_position"):
             inst.load_state_dict({"step": 3})
-        inst.load_state_dict({"version": 1, "step": 3})
+        state = inst.state_dict()
+        inst.load_state_dict({**state, "step": 3})
         assert inst.step == 3
     finally:
         inst.uninstall()
+
+
+def test_installation_state_resumes_the_schedule_feed():
+    """The harness over the hooks: a schedule call per step, resumed from the saved data position."""
+
+    def make():
+        return Installation(FakeClient(), num_model_chunks=1)
+
+    def call(inst, _i):
+        out = inst.wrap(fake_schedule)(model=[Chunk()], num_microbatches=3, data_iterator=None)
+        return as_ids(out["batches"][0])
+
+    check_save_load(make, call, steps=6, resume_at=[0, 2, 5])
+
+
+def test_a_chunk_that_reads_nothing_still_advances_the_position():
+    inst = Installation(FakeClient(), num_model_chunks=2, pp_rank=1, pp_size=3)  # middle rank: no chunk reads
+    out = inst.wrap(fake_schedule_no_read)(model=[Chunk(), Chunk()], num_microbatches=3, data_iterator=None)
+    assert out == [True, True] and inst.step == 1
+
+
+def fake_schedule_no_read(**kwargs):
+    return [it is None for it in kwargs["data_iterator"]]

@@ -1,4 +1,4 @@
-"""The `--dataloader-type external` provider over a mocked `parallel_state` and a fake service client."""
+"""The `--dataloader-type external` provider over a mocked `parallel_state`, a real Client and a fake source."""
 
 from __future__ import annotations
 
@@ -6,12 +6,15 @@ import sys
 import types
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
+from megascale_data_ext import Client, ClientPlaceTree, ServiceTopology
 from megascale_data_ext.errors import ConfigError, ParallelLayoutError, ResumeError
 from megascale_data_ext.megatron import provider as prov
 from megascale_data_ext.megatron.provider import MicrobatchIterator, ProviderConfig, megatron_view
+from tests.harness import check_save_load
 
 RankGenerator = pytest.importorskip("megatron.core.parallel_state").RankGenerator
 ORDER = "tp-cp-ep-dp-pp"
@@ -49,23 +52,39 @@ def fake_parallel_state(rank: int, *, tp: int, pp: int, dp: int, cp: int = 1,
 class FakeSource:
     """Stands in for the service: microbatch (step, j) of rank r is tokens [[step, j, r]]."""
 
-    built: list[tuple[int, int]] = []  # (rank, num_microbatches) of every source built
+    built: list[ServiceTopology] = []  # topology of every source built (fetching ranks only)
 
-    def __init__(self, tree: Any, rank: int, config: ProviderConfig, num_microbatches: int) -> None:
-        self.rank = rank
-        FakeSource.built.append((rank, num_microbatches))
+    def __init__(self, topology: ServiceTopology, config: ProviderConfig) -> None:
+        FakeSource.built.append(topology)
 
-    def fetch(self, step: int, microbatch: int) -> dict[str, torch.Tensor]:
-        t = torch.tensor([[step, microbatch, self.rank]], dtype=torch.int64)
-        return {"tokens": t, "labels": t + 1, "loss_mask": torch.ones(1, 3), "position_ids": torch.arange(3)[None],
-                "cu_seqlens": torch.tensor([0, 3], dtype=torch.int32)}
+    def get(self, step: int, microbatch: int, rank: int):
+        t = np.asarray([[step, microbatch, rank]], dtype=np.int64)
+        return ({"tokens": t, "labels": t + 1, "loss_mask": np.ones((1, 3), np.float32),
+                 "position_ids": np.arange(3)[None], "cu_seqlens": np.asarray([0, 3], np.int32)},
+                {"step": step, "microbatch": microbatch})
+
+
+def own_topology(tree: ClientPlaceTree, config: ProviderConfig) -> ServiceTopology:
+    """The topology a service started for this layout would have (one constructor per DP rank)."""
+    n = tree.buckets("DP").num_buckets
+    return ServiceTopology(tree=tree, constructor_groups=tuple((b,) for b in range(n)), num_sources=1,
+                           namespace=config.namespace)
+
+
+def configure(config: ProviderConfig, **kw: Any) -> ProviderConfig:
+    return prov.configure(config, source_factory=FakeSource, topology_factory=own_topology, **kw)
+
+
+def client(rank: int = 0, num_microbatches: int = 4) -> Client:
+    tree = ClientPlaceTree.from_sizes(dp=2)
+    return Client(own_topology(tree, ProviderConfig(namespace="ns")), rank, source=FakeSource(None, None),
+                  num_microbatches=num_microbatches, tp_broadcast=False)
 
 
 @pytest.fixture(autouse=True)
 def _clean(monkeypatch: pytest.MonkeyPatch):
     FakeSource.built = []
-    for var in (prov.ENV_NAMESPACE, prov.ENV_RAY_ADDRESS, prov.ENV_NUM_MICROBATCHES, prov.ENV_START_STEP,
-                prov.ENV_CONSTRUCTOR_GROUP):
+    for var in (prov.ENV_NAMESPACE, prov.ENV_RAY_ADDRESS, prov.ENV_NUM_MICROBATCHES, prov.ENV_START_STEP):
         monkeypatch.delenv(var, raising=False)
     prov.reset()
     yield
@@ -79,7 +98,7 @@ def build_on(monkeypatch: pytest.MonkeyPatch, rank: int, vp_stage: int | None = 
 
 def test_provider_is_distributed_and_only_fetching_ranks_pull(monkeypatch: pytest.MonkeyPatch) -> None:
     assert prov.train_valid_test_datasets_provider.is_distributed is True
-    prov.configure(ProviderConfig(namespace="ns", num_microbatches=3, start_step=5), client_factory=FakeSource)
+    configure(ProviderConfig(namespace="ns", num_microbatches=3, start_step=5))
     fetching = []
     for rank in range(8):  # tp=2, pp=2, dp=2: ranks 0..3 stage 0, 4..7 stage 1; tp rank = rank % 2
         train, valid, test = build_on(monkeypatch, rank, tp=2, pp=2, dp=2)
@@ -92,11 +111,11 @@ def test_provider_is_distributed_and_only_fetching_ranks_pull(monkeypatch: pytes
             assert (train.step, train.microbatch) == (6, 1)  # non-fetchers still count
     # Exactly the ranks on which Megatron's get_batch calls next(): TP rank 0 of first and last stage.
     assert fetching == [0, 2, 4, 6]
-    assert FakeSource.built == [(r, 3) for r in fetching]
+    assert len(FakeSource.built) == len(fetching)
 
 
 def test_iterator_yields_step_microbatch_order_in_megatron_shapes(monkeypatch: pytest.MonkeyPatch) -> None:
-    prov.configure(ProviderConfig(namespace="ns", num_microbatches=3, start_step=5), client_factory=FakeSource)
+    configure(ProviderConfig(namespace="ns", num_microbatches=3, start_step=5))
     train, _, _ = build_on(monkeypatch, 2, tp=2, pp=1, dp=2)
     got = [next(train) for _ in range(7)]
     assert [tuple(b["tokens"][0].tolist()) for b in got] == [
@@ -104,47 +123,50 @@ def test_iterator_yields_step_microbatch_order_in_megatron_shapes(monkeypatch: p
     assert got[0]["cu_seqlens"].shape == (1, 2)  # collated like Megatron's DataLoader (micro-batch 1)
 
 
-def test_state_dict_round_trip_matches_uninterrupted_run() -> None:
-    src = FakeSource(None, 0, ProviderConfig(namespace="ns"), 4)
-    whole = MicrobatchIterator(src, num_microbatches=4, start_step=2)
-    reference = [next(whole)["tokens"][0, :2].tolist() for _ in range(11)]
-    first = MicrobatchIterator(src, num_microbatches=4, start_step=2)
+def test_state_is_the_clients_data_position_and_resumes_exactly() -> None:
+    def make() -> MicrobatchIterator:
+        return MicrobatchIterator(client(num_microbatches=4))
+
+    check_save_load(make, lambda it, _i: next(it)["tokens"][0, :2], steps=11, resume_at=[0, 6, 8])
+    it = make()
     for _ in range(6):
-        next(first)
-    state = first.state_dict()
-    assert state == {"version": prov.STATE_VERSION, "step": 3, "microbatch": 2, "num_microbatches": 4}
-    resumed = MicrobatchIterator(src, num_microbatches=4)
-    resumed.restore_state(state)  # the name Megatron's --dataloader-save convention uses
-    assert [next(resumed)["tokens"][0, :2].tolist() for _ in range(5)] == reference[6:]
-    assert resumed.save_state() == whole.state_dict()
+        next(it)
+    state = it.save_state()  # the name Megatron's --dataloader-save convention uses
+    assert (state["kind"], state["step"], state["microbatch"]) == ("data_position", 1, 2)
+    assert state == it.client.state_dict()
+    resumed = make()
+    resumed.restore_state(state)
+    assert (resumed.step, resumed.microbatch) == (1, 2)
 
 
 def test_load_state_dict_refuses_incompatible_states() -> None:
-    it = MicrobatchIterator(None, num_microbatches=4)
-    with pytest.raises(ResumeError, match="num_microbatches changed: saved 8 != current 4"):
-        it.load_state_dict({"version": 1, "step": 3, "microbatch": 0, "num_microbatches": 8})
+    it = MicrobatchIterator(client(num_microbatches=4))
+    good = it.state_dict()
+    with pytest.raises(ResumeError, match="`num_microbatches` changed: saved 8, now 4"):
+        it.load_state_dict({**good, "fingerprint": {"num_microbatches": 8}})
     with pytest.raises(ResumeError, match="version 99"):
-        it.load_state_dict({"version": 99, "step": 3, "microbatch": 0, "num_microbatches": 4})
-    with pytest.raises(ResumeError, match="lacks"):
-        it.load_state_dict({"step": 3})
+        it.load_state_dict({**good, "version": 99})
+    with pytest.raises(ResumeError, match="fields missing"):
+        it.load_state_dict({k: v for k, v in good.items() if k != "microbatch"})
     with pytest.raises(ResumeError, match="out of range"):
-        it.load_state_dict({"version": 1, "step": 3, "microbatch": 4, "num_microbatches": 4})
+        it.load_state_dict({**good, "microbatch": 4})
+    with pytest.raises(ConfigError, match="must not broadcast"):
+        MicrobatchIterator(Client(client().topology, 0, source=None, num_microbatches=2))
 
 
 def test_environment_configuration(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(prov.ENV_NAMESPACE, "job7")
     monkeypatch.setenv(prov.ENV_RAY_ADDRESS, "10.0.0.1:6379")
     monkeypatch.setenv(prov.ENV_NUM_MICROBATCHES, "2")
-    monkeypatch.setenv(prov.ENV_CONSTRUCTOR_GROUP, "4")
     assert ProviderConfig.from_env() == ProviderConfig(namespace="job7", address="10.0.0.1:6379", num_microbatches=2,
-                                                       constructor_group=4, start_step=None)
+                                                       start_step=None)
     seen: list[ProviderConfig] = []
 
-    def factory(tree: Any, rank: int, config: ProviderConfig, n: int) -> FakeSource:
+    def factory(topology: ServiceTopology, config: ProviderConfig) -> FakeSource:
         seen.append(config)
-        return FakeSource(tree, rank, config, n)
+        return FakeSource(topology, config)
 
-    prov.configure(None, client_factory=factory)  # reads os.environ
+    prov.configure(None, source_factory=factory, topology_factory=own_topology)  # reads os.environ
     train, _, _ = build_on(monkeypatch, 0, tp=1, pp=1, dp=2)
     assert seen[0].namespace == "job7" and [next(train)["tokens"][0, 1].item() for _ in range(3)] == [0, 1, 0]
     with pytest.raises(ConfigError) as err:
@@ -154,21 +176,28 @@ def test_environment_configuration(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_configure_from_service_handles() -> None:
-    from megascale_data_ext.runtime.service import ServiceHandles
+    from megascale_data_ext.runtime.handles import ServiceHandles
 
-    handles = ServiceHandles(address="auto", namespace="svc", num_constructors=2, constructor_group=2)
+    topo = own_topology(ClientPlaceTree.from_sizes(dp=2), ProviderConfig(namespace="svc"))
+    handles = ServiceHandles(address="auto", topology=topo)
     cfg = prov.configure(handles, num_microbatches=5, start_step=9)
-    assert cfg == ProviderConfig(namespace="svc", address="auto", num_microbatches=5, constructor_group=2,
-                                 start_step=9)
+    assert cfg == ProviderConfig(namespace="svc", address="auto", num_microbatches=5, start_step=9, topology=topo)
     with pytest.raises(ConfigError, match="got int"):
         prov.configure(3)
 
 
+def test_a_service_planned_for_another_layout_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    other = own_topology(ClientPlaceTree.from_sizes(dp=4), ProviderConfig(namespace="svc"))
+    prov.configure(ProviderConfig(namespace="svc", num_microbatches=2, topology=other), source_factory=FakeSource)
+    with pytest.raises(ConfigError, match="start the service with this job's parallel layout"):
+        build_on(monkeypatch, 0, tp=1, pp=1, dp=2)
+
+
 def test_provider_refuses_cp_and_unknown_microbatches(monkeypatch: pytest.MonkeyPatch) -> None:
-    prov.configure(ProviderConfig(namespace="ns", num_microbatches=2), client_factory=FakeSource)
+    configure(ProviderConfig(namespace="ns", num_microbatches=2))
     with pytest.raises(ConfigError, match="context parallel size 2"):
         build_on(monkeypatch, 0, tp=1, pp=1, dp=2, cp=2)
-    prov.configure(ProviderConfig(namespace="ns"), client_factory=FakeSource)
+    configure(ProviderConfig(namespace="ns"))
     with pytest.raises(ConfigError, match=prov.ENV_NUM_MICROBATCHES):
         build_on(monkeypatch, 0, tp=1, pp=1, dp=2)
     ps = fake_parallel_state(0, tp=1, pp=1, dp=2)
@@ -179,8 +208,7 @@ def test_provider_refuses_cp_and_unknown_microbatches(monkeypatch: pytest.Monkey
 
 
 def test_interleaved_pipeline_only_first_and_last_virtual_chunk_fetch(monkeypatch: pytest.MonkeyPatch) -> None:
-    prov.configure(ProviderConfig(namespace="ns", num_microbatches=2), client_factory=FakeSource,
-                   valid_factory=lambda vp: f"valid{vp}")
+    configure(ProviderConfig(namespace="ns", num_microbatches=2), valid_factory=lambda vp: f"valid{vp}")
     layout = dict(tp=1, pp=2, dp=1, vpp=2)
     fetch = {(rank, vp): build_on(monkeypatch, rank, vp, **layout)[0].fetches for rank in (0, 1) for vp in (0, 1)}
     assert fetch == {(0, 0): True, (0, 1): False, (1, 0): False, (1, 1): True}
@@ -199,7 +227,6 @@ def test_megatron_view_fills_fields_another_stage_owns() -> None:
 def test_megatrons_rerun_wrapper_drives_the_iterator() -> None:
     """Megatron wraps an external loader in RerunDataIterator and calls next() on it."""
     rsm = pytest.importorskip("megatron.core.rerun_state_machine")
-    src = FakeSource(None, 1, ProviderConfig(namespace="ns"), 2)
-    wrapped = rsm.RerunDataIterator(MicrobatchIterator(src, num_microbatches=2, start_step=0))
+    wrapped = rsm.RerunDataIterator(MicrobatchIterator(client(rank=1, num_microbatches=2)))
     assert [next(wrapped)["tokens"][0].tolist() for _ in range(3)] == [[0, 0, 1], [0, 1, 1], [1, 0, 1]]
     assert wrapped.iterable.state_dict()["step"] == 1

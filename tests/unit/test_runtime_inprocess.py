@@ -10,7 +10,7 @@ import pytest
 
 from megascale_data_ext.dataplane.cp_slicing import reassemble_cp
 from megascale_data_ext.dataplane.placetree import ClientPlaceTree
-from megascale_data_ext.errors import ResumeError
+from megascale_data_ext.errors import CapacityError, ResumeError
 from megascale_data_ext.runtime.config import ServiceConfig
 from megascale_data_ext.runtime.inprocess import InProcessService
 from megascale_data_ext.sources.demo_data import make_demo_data
@@ -132,8 +132,8 @@ def test_overflowing_steps_defer_samples_without_losing_any(specs):
         pos = sorted(p for src, p, _ in keys if src == s)
         assert pos == list(range(len(pos)))
     assert all(planner.plan(s).bin_tokens().max() <= 1024 for s in range(6))
-    with pytest.raises(Exception, match="fits no bin"):
-        _, _, strict, _ = wire(specs, tree, samples_per_step=40, num_microbatches=1, seq_length=1024, overflow="error")
+    _, _, strict, _ = wire(specs, tree, samples_per_step=40, num_microbatches=1, seq_length=1024, overflow="error")
+    with pytest.raises(CapacityError, match="fits no bin"):
         strict.plan(0)
 
 
@@ -194,12 +194,35 @@ def test_read_ahead_refills_without_reading_twice(specs):
 def test_middle_pipeline_stages_get_the_document_masks(specs):
     tree = ClientPlaceTree.from_sizes(pp=4, dp=2)
     cfg, _, _, cons = wire(specs, tree)
-    svc_tree = cfg.service_tree(tree)
-    assert svc_tree.fetch_ranks("DP") == sorted(tree.rank_of(dp=d, pp=p) for d in range(2) for p in range(4))
+    assert cons[0].topology.fetch_ranks() == sorted(tree.rank_of(dp=d, pp=p) for d in range(2) for p in range(4))
     first, middle, last = (cons[0].get(0, 0, tree.rank_of(dp=0, pp=p))[0] for p in (0, 1, 3))
     assert set(middle) == {"attention_mask", "cu_seqlens", "max_seqlen"}
     for key in middle:
         np.testing.assert_array_equal(middle[key], first[key])
         np.testing.assert_array_equal(middle[key], last[key])
     _, _, _, ends_only = wire(specs, tree, middle_stage_masks=False)
-    assert ends_only[0].tree.fetch_ranks("DP") == sorted(tree.rank_of(dp=d, pp=p) for d in range(2) for p in (0, 3))
+    assert ends_only[0].topology.fetch_ranks() == sorted(tree.rank_of(dp=d, pp=p) for d in range(2) for p in (0, 3))
+
+
+def test_one_client_per_rank_over_the_in_process_service(specs):
+    """The trainer-side Client (the one hooks, provider and examples use) over InProcessService:
+    each fetching rank gets exactly its constructor's microbatches, in order, as torch tensors."""
+    from megascale_data_ext import Client, InProcessService
+
+    tree = ClientPlaceTree.from_sizes(pp=2, dp=2)
+    cfg = ServiceConfig(sources=specs, seed=11, samples_per_step=24, num_microbatches=2, seq_length=4096,
+                        strategy="llm_balance", strategy_args={"model": "gpt-tiny"}, buffer_size=64)
+    served, reference = InProcessService(cfg, tree), InProcessService(cfg, tree)
+    clients = {r: Client(served.topology, r, source=served, num_microbatches=2, tp_broadcast=False)
+               for r in range(tree.world_size)}
+    assert sorted(r for r, c in clients.items() if c.fetches) == served.topology.fetch_ranks() == [0, 1, 2, 3]
+    for step in range(3):
+        for rank, client in clients.items():
+            for j in range(2):
+                got = client.next_microbatch()
+                want, info = reference.get(step, j, rank)
+                assert client.last_info["samples"].tolist() == info["samples"].tolist()
+                assert sorted(got) == sorted(want)
+                for key in want:
+                    np.testing.assert_array_equal(got[key].numpy(), want[key])
+            assert (client.step, client.microbatch) == (step + 1, 0)

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
 from megascale_data_ext.errors import ConfigError, SourceError
-from megascale_data_ext.sources import SourceSpec, open_source, registry
+from megascale_data_ext.sources import SourceSpec, formats, open_source, registry
 from megascale_data_ext.sources.images import synthetic_jpeg
 
 
@@ -142,5 +144,20 @@ def test_unknown_format_and_plugin(monkeypatch):
     with pytest.raises(ConfigError, match=r"must be one of \['jsonl', 'megatron', 'parquet'\], got 'csv'"):
         SourceSpec(name="s", format="csv", paths=["x"])
     monkeypatch.setattr(registry, "_FACTORIES", dict(registry._FACTORIES))  # keep the global registry clean
+    monkeypatch.setattr(formats, "_PLUGGED", set())
+    assert set(registry._FACTORIES) == set(formats.source_formats())  # a reader for every built-in name
     registry.register_source_format("fake", lambda spec, tokenizer=None: ("fake", spec.name))
     assert open_source(SourceSpec(name="s", format="fake", paths=["x"])) == ("fake", "s")
+    assert "fake" in formats.source_formats()
+
+
+def test_spec_problems_are_structured():
+    values = {f.name: f.default for f in dataclasses.fields(SourceSpec)}
+    values.update(name="s", format="csv", paths=["x"], weight=-1.0, row_group_cache=0)
+    assert SourceSpec.field_problems(values) == [
+        ("format", "must be one of ['jsonl', 'megatron', 'parquet'], got 'csv'"),
+        ("weight", "must be >= 0, got -1.0"),
+        ("row_group_cache", "must be >= 1, got 0"),
+    ]
+    with pytest.raises(ConfigError, match=r"`sources\.s\.weight` must be >= 0, got -1\.0"):
+        SourceSpec(**values)

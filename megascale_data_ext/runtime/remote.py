@@ -1,0 +1,68 @@
+"""RemoteConstructors: a trainer rank's way to the running service's Data Constructors over Ray.
+
+The trainer-side `Client` asks a `MicrobatchSource` for microbatches; this is the one that goes
+through Ray (`InProcessService` is the one without). Ray is joined lazily, on the first call,
+so ranks that never fetch never connect; actor handles are resolved by the names the
+`ServiceTopology` gives.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from megascale_data_ext.runtime.constructor import EncoderImages, merge_encoder_images
+from megascale_data_ext.runtime.topology import PLANNER_NAME, ServiceTopology
+
+
+def join_ray(address: str | None, namespace: str) -> None:
+    """Join the service's Ray cluster once per process (no-op when already joined)."""
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(address=address, namespace=namespace, log_to_driver=False, configure_logging=False)
+
+
+def fetch_topology(address: str | None, namespace: str) -> ServiceTopology:
+    """The topology of the service running in `namespace`, asked of its Planner."""
+    import ray
+
+    join_ray(address, namespace)
+    return ray.get(ray.get_actor(PLANNER_NAME, namespace=namespace).topology.remote())
+
+
+class RemoteConstructors:
+    """`MicrobatchSource` over the service's constructor actors.
+
+    Args:
+        topology: The service's topology (from `ServiceHandles` or `fetch_topology`).
+        address: Ray address to join; None when Ray is already initialised in this process.
+    """
+
+    def __init__(self, topology: ServiceTopology, address: str | None = None) -> None:
+        self.topology = topology
+        self.address = address
+        self._handles: dict[int, Any] = {}
+
+    def _handle(self, index: int) -> Any:
+        handle = self._handles.get(index)
+        if handle is None:
+            import ray
+
+            join_ray(self.address, self.topology.namespace)
+            name = self.topology.constructor_names()[index]
+            handle = self._handles[index] = ray.get_actor(name, namespace=self.topology.namespace)
+        return handle
+
+    def get(self, step: int, microbatch: int, rank: int) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+        import ray
+
+        handle = self._handle(self.topology.constructor_of_rank(rank))
+        return ray.get(handle.get.remote(step, microbatch, rank))
+
+    def get_encoder_images(self, step: int, rank: int) -> EncoderImages:
+        import ray
+
+        handles = [self._handle(j) for j in range(self.topology.num_constructors)]
+        return merge_encoder_images(ray.get([h.get_encoder_images.remote(step, rank) for h in handles]))

@@ -1,0 +1,136 @@
+"""ServiceTopology: who serves whom, computed once from config + tree + strategy.
+
+Every runtime part needs the same answers — along which axis samples are distributed, which
+ranks fetch and from which Data Constructor, over which dims the other ranks receive by
+broadcast, which pipeline stages read, what the actors are called — and each used to derive
+them itself. `ServiceTopology.of(config, tree)` derives them once; the service, the in-process
+wiring, the actors, the handles that travel to trainer ranks and the client all read this one
+value (plain data: no Ray, no torch, picklable).
+
+The tree it carries is the *service tree*: the trainer's `ClientPlaceTree` with its consumer
+axis set to the strategy's distribution axis, the runtime's broadcast dims, and, with
+``middle_stage_masks``, every pipeline stage reading (middle stages get only the masks).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any
+
+from megascale_data_ext.dataplane.placetree import BucketAxis, BucketLayout, ClientPlaceTree, FetchStages
+from megascale_data_ext.dataplane.strategies import build_strategy
+
+RUNTIME_BROADCAST_DIMS: tuple[str, ...] = ("tp",)
+"""Dims the trainer-side client broadcasts over: Megatron's TP-rank-0 broadcast."""
+
+PLANNER_NAME = "planner"
+
+
+def make_strategy(config: Any) -> Callable[..., Any]:
+    """The config's strategy, with ``num_microbatches`` and (except vanilla) the token ``cap``
+    defaulted from the batch shape."""
+    args = dict(config.strategy_args)
+    args.setdefault("num_microbatches", config.num_microbatches)
+    if config.strategy != "vanilla":
+        args.setdefault("cap", config.seq_length)
+    return build_strategy(config.strategy, **args)
+
+
+def strategy_axis(strategy: Any) -> BucketAxis:
+    """The axis a strategy distributes samples over: its ``axis`` attribute, else DP."""
+    return BucketAxis.parse(getattr(strategy, "axis", None) or "DP")
+
+
+def loader_name(source: int) -> str:
+    return f"loader/{source}"
+
+
+def constructor_name(index: int) -> str:
+    return f"constructor/{index}"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ServiceTopology:
+    """The service's shape for one trainer layout.
+
+    Attributes:
+        tree: The service tree (consumer axis = the strategy's axis, runtime broadcast dims,
+            reading stages).
+        constructor_groups: Buckets served by each Data Constructor, in constructor order.
+        num_sources: Source Loaders (one per source).
+        namespace: Ray namespace of the named actors.
+    """
+
+    tree: ClientPlaceTree
+    constructor_groups: tuple[tuple[int, ...], ...]
+    num_sources: int
+    namespace: str
+
+    @classmethod
+    def of(cls, config: Any, tree: ClientPlaceTree, strategy: Any = None) -> ServiceTopology:
+        """Derive the topology of `config` (a `ServiceConfig`) on the trainer mesh `tree`."""
+        axis = strategy_axis(make_strategy(config) if strategy is None else strategy)
+        stages = tree.fetch_stages
+        if config.middle_stage_masks and tree.pp > 2 and stages is FetchStages.ENDS:
+            stages = FetchStages.ALL
+        service_tree = replace(tree, consumer_axis=axis, broadcast_dims=RUNTIME_BROADCAST_DIMS, fetch_stages=stages)
+        n, g = service_tree.buckets(axis).num_buckets, config.constructor_group
+        groups = tuple(tuple(range(i, min(i + g, n))) for i in range(0, n, g))
+        return cls(tree=service_tree, constructor_groups=groups, num_sources=len(config.sources),
+                   namespace=config.ray.namespace)
+
+    # -- distribution ----------------------------------------------------------------
+    @property
+    def axis(self) -> BucketAxis:
+        return self.tree.consumer_axis
+
+    @property
+    def broadcast_dims(self) -> tuple[str, ...]:
+        return self.tree.broadcast_dims
+
+    @property
+    def layout(self) -> BucketLayout:
+        """The buckets of the distribution axis and the ranks each serves."""
+        return self.tree.buckets(self.axis)
+
+    @property
+    def fetch_stages(self) -> FetchStages:
+        return self.tree.fetch_stages
+
+    def fetch_ranks(self) -> list[int]:
+        """Ranks that pull from a Data Constructor, ascending."""
+        return self.tree.fetch_ranks(self.axis)
+
+    def fetchers(self, bucket: int) -> list[int]:
+        """The fetching ranks bucket `bucket`'s microbatches go to."""
+        return [r for r in self.layout.bucket_ranks[bucket] if self.tree.must_fetch(r, self.axis)]
+
+    def fetches(self, rank: int) -> bool:
+        return self.tree.must_fetch(rank, self.axis)
+
+    def needs_data(self, rank: int) -> bool:
+        """False on pipeline stages that read nothing (middle stages without masks)."""
+        return self.tree.needs_data(rank, self.axis)
+
+    def broadcast_source(self, rank: int) -> int:
+        """The fetching rank `rank` receives its microbatches from (itself when it fetches)."""
+        return self.tree.broadcast_source(rank, self.broadcast_dims)
+
+    # -- constructors and actor names ------------------------------------------------
+    @property
+    def num_constructors(self) -> int:
+        return len(self.constructor_groups)
+
+    def constructor_of_bucket(self, bucket: int) -> int:
+        size = len(self.constructor_groups[0])
+        return bucket // size
+
+    def constructor_of_rank(self, rank: int) -> int:
+        return self.constructor_of_bucket(self.layout.bucket_of_rank(rank))
+
+    def constructor_names(self) -> list[str]:
+        return [constructor_name(j) for j in range(self.num_constructors)]
+
+    def loader_names(self) -> list[str]:
+        return [loader_name(i) for i in range(self.num_sources)]
