@@ -349,7 +349,10 @@ class ClientPlaceTree:
         return layout
 
     # ------------------------------------------------------------------ who fetches
-    def _effective_dims(self, axis: BucketAxis) -> tuple[str, ...]:
+    def effective_broadcast_dims(self, axis: str | BucketAxis | None = None) -> tuple[str, ...]:
+        """The dims data is broadcast along for consumers of ``axis`` (default: the consumer axis):
+        none over WORLD, and never ``cp`` when every cp rank is its own bucket."""
+        axis = self.consumer_axis if axis is None else BucketAxis.parse(axis)
         if axis is BucketAxis.WORLD:
             return ()  # every rank is its own consumer
         if axis is BucketAxis.CP:
@@ -368,7 +371,7 @@ class ClientPlaceTree:
         key = ("fetch", axis)
         if key not in self._cache:
             mask = self._stage_mask(axis).copy()
-            for dim in self._effective_dims(axis):
+            for dim in self.effective_broadcast_dims(axis):
                 mask &= self._coord_array(dim) == 0
             self._cache[key] = mask
         return self._cache[key]
@@ -398,7 +401,7 @@ class ClientPlaceTree:
         """
         r = self._check_rank(rank)
         if dim is None:
-            dims: Sequence[str] = self._effective_dims(self.consumer_axis)
+            dims: Sequence[str] = self.effective_broadcast_dims(self.consumer_axis)
         else:
             dims = dim.split("-") if isinstance(dim, str) else tuple(dim)
         bad = [d for d in dims if d not in BROADCAST_DIMS]

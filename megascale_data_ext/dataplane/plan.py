@@ -159,6 +159,7 @@ class StepPlan:
             "vanilla_max_over_mean": self.vanilla_imbalance(),
             "max_bucket_cost": float(costs.max()) if costs.size else 0.0,
             "per_source": self.counts_per_source().tolist(),
+            "fetchers": len(self.fetch_ranks),
         }
         if self.encoder is not None:
             ec = self.encoder.bucket_costs()

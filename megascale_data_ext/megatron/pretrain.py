@@ -116,9 +116,8 @@ class TrainingSession:
     """
 
     def __init__(self, cfg: Any, service_cfg: Any, model_cfg: Any) -> None:
-        from megatron.core import parallel_state
-
         from megascale_data_ext.dataplane.placetree import ClientPlaceTree
+        from megascale_data_ext.megatron.groups import broadcast_group
         from megascale_data_ext.megatron.model import initialize_parallel
         from megascale_data_ext.runtime.client import Client
         from megascale_data_ext.runtime.topology import PLANNER_NAME
@@ -134,7 +133,7 @@ class TrainingSession:
             state = load_data_state(self.load_dir, self.start) if self.rank == 0 else None
         self.service, self.handles = serve(service_cfg, self.tree, state=state)
         self.client = Client.connect(self.handles, self.rank, num_microbatches=service_cfg.num_microbatches,
-                                     tp_group=parallel_state.get_tensor_model_parallel_group(),
+                                     broadcast_group=broadcast_group(self.handles.topology),
                                      record_digests=bool(cfg.train.get("record_digests", False)))
         self.planner = None
         if self.rank == 0:

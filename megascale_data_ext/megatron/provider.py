@@ -128,6 +128,10 @@ def service_topology(tree: ClientPlaceTree, config: ProviderConfig) -> ServiceTo
     if topology.tree.layout() != tree.layout():
         raise ConfigError(f"the data service in namespace {config.namespace!r} plans for {topology.tree.layout()} "
                           f"but Megatron runs {tree.layout()}: start the service with this job's parallel layout")
+    dims = topology.broadcast_dims
+    if set(dims) - {"tp"} or (tree.tp > 1 and "tp" not in dims):
+        raise ConfigError(f"the data service broadcasts along {list(dims)}, but Megatron-LM's get_batch broadcasts "
+                          "over TP only: start the service with the strategy's default broadcast (broadcast: [tp])")
     return topology
 
 
@@ -159,14 +163,14 @@ class MicrobatchIterator(Iterator[dict[str, torch.Tensor] | None]):
     advance, so counters agree across a TP group. Its state is the client's data position.
 
     Args:
-        client: The rank's client, built with ``tp_broadcast=False``.
+        client: The rank's client, built with ``broadcast=False``.
         reads: False for a virtual-pipeline chunk that reads no data (it yields None).
     """
 
     __slots__ = ("client", "reads")
 
     def __init__(self, client: Client, *, reads: bool = True) -> None:
-        if client.tp_broadcast:
+        if client.broadcast:
             raise ConfigError("the provider's client must not broadcast over TP (Megatron's get_batch does)")
         self.client = client
         self.reads = reads
@@ -315,7 +319,7 @@ def train_valid_test_datasets_provider(
     reads = _chunk_reads_data(tree, rank, vp_stage)
     fetches = reads and topology.fetches(rank) and topology.needs_data(rank)
     source = _SETTINGS.source_factory(topology, config) if fetches else None
-    client = Client(topology, rank, source=source, num_microbatches=num_microbatches, tp_broadcast=False)
+    client = Client(topology, rank, source=source, num_microbatches=num_microbatches, broadcast=False)
     client.seek(start)
     train = MicrobatchIterator(client, reads=reads)
     valid = _SETTINGS.valid_factory(vp_stage) if _SETTINGS.valid_factory else None

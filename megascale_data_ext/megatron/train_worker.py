@@ -46,6 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     from megatron.core import parallel_state
 
     from megascale_data_ext.dataplane.placetree import ClientPlaceTree
+    from megascale_data_ext.megatron.groups import broadcast_group
     from megascale_data_ext.megatron.model import GPTModelConfig, build_model_chunks, initialize_parallel, train_step
     from megascale_data_ext.runtime.client import Client
     from megascale_data_ext.runtime.remote import RemoteConstructors, fetch_topology
@@ -77,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"the service plans for {topology.tree.layout()}, this job runs {tree.layout()}")
     client = Client(
         topology, rank, source=RemoteConstructors(topology, args.address), num_microbatches=args.num_microbatches,
-        tp_group=parallel_state.get_tensor_model_parallel_group(), record_digests=args.record_digests,
+        broadcast_group=broadcast_group(topology), record_digests=args.record_digests,
     )
     chunks = optimizer = None
     if not args.no_train:

@@ -5,13 +5,15 @@ One client per rank serves every trainer-side consumer — the schedule hooks
 example loops — and holds the rank's one data position (next step and microbatch), which is
 what a checkpoint saves.
 
-Who does what comes from the service's `ServiceTopology`: fetching ranks (TP rank 0 of the
-reading pipeline stages, per bucket of the strategy's axis) pull their microbatches from their
-Data Constructor through a `MicrobatchSource` (`RemoteConstructors` over Ray, or an
-`InProcessService`); with ``tp_broadcast`` the other ranks of a TP group receive them by
-`torch.distributed.broadcast` from that fetcher; stages that read nothing get ``{}``. Without
-``tp_broadcast`` (Megatron-LM's own `get_batch` broadcasts) non-fetching ranks get None. With a
-hybrid (VLM) strategy every rank also pulls its encoder share with `encoder_images(step)`.
+Who does what comes from the service's `ServiceTopology`: fetching ranks (rank 0 along the
+strategy's broadcast dims, on the reading pipeline stages, per bucket of the strategy's axis)
+pull their microbatches from their Data Constructor through a `MicrobatchSource`
+(`RemoteConstructors` over Ray, or an `InProcessService`); with ``broadcast`` the other ranks of
+the broadcast group (TP, CP or TP x CP: selective broadcasting) receive them by
+`torch.distributed.broadcast` from that fetcher, and when ``cp`` is among the dims every rank
+then cuts its own CP slice; stages that read nothing get ``{}``. Without ``broadcast``
+(Megatron-LM's own `get_batch` broadcasts over TP) non-fetching ranks get None. With a hybrid
+(VLM) strategy every rank also pulls its encoder share with `encoder_images(step)`.
 Tensors come out in Megatron's dtypes: tokens/labels/position_ids int64, loss_mask float32,
 attention_mask bool (True = masked), cu_seqlens int32.
 
@@ -35,6 +37,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from megascale_data_ext.dataplane.cp_slicing import slice_for_cp
 from megascale_data_ext.errors import ConfigError, ResumeError
 from megascale_data_ext.runtime.constructor import EncoderImages
 from megascale_data_ext.runtime.topology import ServiceTopology
@@ -89,9 +92,10 @@ class Client:
         rank: This process's global rank.
         source: Where fetching ranks pull from; None on ranks that never fetch or need images.
         num_microbatches: Microbatches per step for this rank's bucket.
-        tp_group: Process group of this rank's TP group, for the TP broadcast.
-        tp_broadcast: Broadcast each microbatch over the TP group (False when the caller
-            broadcasts itself, as Megatron-LM's `get_batch` does).
+        broadcast_group: Process group of `topology.broadcast_group(rank)` (Megatron's TP, CP or
+            TP-CP group, see `megatron.groups.broadcast_group`), for the broadcast.
+        broadcast: Broadcast each microbatch over the broadcast group (False when the caller
+            broadcasts itself, as Megatron-LM's `get_batch` does over TP).
         record_digests: Keep a SHA-1 of every delivered microbatch (tests, debugging).
         history: Most records (delivery infos, fetch latencies, digests) kept between drains.
     """
@@ -106,8 +110,8 @@ class Client:
         *,
         source: MicrobatchSource | None,
         num_microbatches: int,
-        tp_group: Any = None,
-        tp_broadcast: bool = True,
+        broadcast_group: Any = None,
+        broadcast: bool = True,
         record_digests: bool = False,
         history: int = 1024,
     ) -> None:
@@ -118,12 +122,14 @@ class Client:
         self.rank = rank
         self.source = source
         self.num_microbatches = num_microbatches
-        self.tp_group = tp_group
-        self.tp_broadcast = tp_broadcast
+        self.broadcast_group = broadcast_group
+        self.broadcast = broadcast
         self.record_digests = record_digests
         self.fetches = topology.fetches(rank)
         self.needs_data = topology.needs_data(rank)
         self.src = topology.broadcast_source(rank)
+        self.group_size = len(topology.broadcast_group(rank))
+        self.cp_rank = self.tree.coords(rank)["cp"]
         self.step, self.microbatch = 0, 0
         self.last_info: dict[str, Any] | None = None
         """Delivery info (step, bucket, samples, tokens...) of the last microbatch delivered."""
@@ -153,26 +159,31 @@ class Client:
         return batch, info
 
     def _broadcast(self, batch: dict[str, torch.Tensor] | None, info: dict | None):
-        """Send (on the fetcher) or receive (elsewhere) one microbatch within the TP group."""
+        """Send (on the fetcher) or receive (elsewhere) one microbatch within the broadcast group."""
         header = [None]
         if self.fetches:
             header[0] = ({k: (tuple(v.shape), v.dtype) for k, v in batch.items()}, info)
-        dist.broadcast_object_list(header, src=self.src, group=self.tp_group)
+        dist.broadcast_object_list(header, src=self.src, group=self.broadcast_group)
         shapes, info = header[0]
         if not self.fetches:
             batch = {k: torch.empty(shape, dtype=dtype) for k, (shape, dtype) in shapes.items()}
         for k in sorted(shapes):
-            dist.broadcast(batch[k], src=self.src, group=self.tp_group)
+            dist.broadcast(batch[k], src=self.src, group=self.broadcast_group)
         return batch, info
+
+    def _own_cp_slice(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """This rank's CP slice of a whole pack (selective broadcasting over cp)."""
+        return to_torch(slice_for_cp({k: v.numpy() for k, v in batch.items()}, cp_size=self.tree.cp,
+                                     cp_rank=self.cp_rank))
 
     def get(self, step: int, microbatch: int) -> dict[str, torch.Tensor] | None:
         """Microbatch `microbatch` of `step` for this rank, without moving the data position.
 
-        ``{}`` where the stage reads nothing; None on non-fetching ranks without ``tp_broadcast``.
+        ``{}`` where the stage reads nothing; None on non-fetching ranks without ``broadcast``.
         """
         if not self.needs_data:
-            return {} if self.tp_broadcast else None
-        broadcast = self.tp_broadcast and self.tree.tp > 1
+            return {} if self.broadcast else None
+        broadcast = self.broadcast and self.group_size > 1
         if not self.fetches and not broadcast:
             return None
         batch = info = None
@@ -181,6 +192,8 @@ class Client:
             batch = to_torch(raw)
         if broadcast:
             batch, info = self._broadcast(batch, info)
+        if self.topology.client_slices_cp:
+            batch = self._own_cp_slice(batch)
         self.last_info = info
         self.delivered.append(info)
         if self.record_digests:

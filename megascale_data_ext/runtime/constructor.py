@@ -159,6 +159,7 @@ class DataConstructor:
         self._images: dict[int, _ImageStep] = {}
         self._built: dict[int, _BuiltStep] = {}
         self._building: dict[int, threading.Event] = {}
+        self._delivered: deque[int] = deque(maxlen=history)  # steps every fetcher took in full
         self._lock = threading.Lock()
         self._next_prefetch = 0
         self.built_steps = 0
@@ -249,11 +250,18 @@ class DataConstructor:
             )
         return _ImageStep(per_rank=out, remaining=set(range(rows.num_ranks)), patch_dim=patch_dim)
 
-    def _ensure(self, step: int) -> _BuiltStep:
+    def _ensure(self, step: int, *, prefetching: bool = False) -> _BuiltStep | None:
+        """The built step, building it once; None when prefetching a step already delivered."""
         with self._lock:
             built = self._built.get(step)
             if built is not None:
                 return built
+            if step in self._delivered:  # its samples left the loaders: a rebuild would be silently empty
+                if prefetching:  # the clients got ahead of the prefetch thread
+                    return None
+                raise PlanError(f"step {step} of buckets {self.buckets} was already handed to every fetching rank; "
+                                "each microbatch is delivered once (a client asked twice, or after a restart "
+                                "without restoring its data position)")
             event = self._building.get(step)
             owner = event is None
             if owner:
@@ -277,7 +285,7 @@ class DataConstructor:
     def prefetch(self, upto: int) -> None:
         """Build every step up to `upto` that is not built yet (called from a background thread)."""
         while self._next_prefetch <= upto:
-            self._ensure(self._next_prefetch)
+            self._ensure(self._next_prefetch, prefetching=True)
             self._next_prefetch += 1
 
     # -- client interface ----------------------------------------------------------
@@ -290,7 +298,7 @@ class DataConstructor:
         built = self._ensure(step)
         batch, info = built.batches[(bucket, microbatch)], built.info[(bucket, microbatch)]
         coords = self.tree.coords(rank)
-        if self.tree.cp > 1:
+        if self.tree.cp > 1 and not self.topology.client_slices_cp:  # else every rank slices after the broadcast
             batch = slice_for_cp(batch, cp_size=self.tree.cp, cp_rank=coords["cp"])
         batch = fields_for_stage(batch, pp_rank=coords["pp"], pp_size=self.tree.pp,
                                  middle_stage_masks=self.config.middle_stage_masks)
@@ -298,6 +306,7 @@ class DataConstructor:
             built.remaining.discard((bucket, microbatch, rank))
             if not built.remaining:
                 self._built.pop(step, None)
+                self._delivered.append(step)
         return batch, info
 
     def stats(self) -> dict[str, Any]:

@@ -26,7 +26,7 @@ from megascale_data_ext.dataplane.mixing import Mixer
 from megascale_data_ext.dataplane.mixing import build_schedule
 from megascale_data_ext.dataplane.plan import LoaderPlan, StepPlan
 from megascale_data_ext.dataplane.summary import BufferSummary, SourceSummary
-from megascale_data_ext.errors import CapacityError, ResumeError
+from megascale_data_ext.errors import CapacityError, PlanError, ResumeError
 from megascale_data_ext.runtime.config import ServiceConfig
 from megascale_data_ext.runtime.topology import ServiceTopology, make_strategy
 from megascale_data_ext.state import StateSchema
@@ -87,6 +87,11 @@ class Planner:
                 raise
             plan = self._fit(buffer, graph, step)
             self.mixer.settle(step, plan.counts_per_source())
+        if plan.fetch_ranks != tuple(self.topology.fetch_ranks()):
+            raise PlanError(f"step {step}: the plan's fetching ranks {list(plan.fetch_ranks)} (broadcast_at "
+                            f"{list(plan.broadcast_dims)}) differ from the runtime's {self.topology.fetch_ranks()} "
+                            f"(broadcast {list(self.topology.broadcast_dims)}): a strategy's `broadcast` attribute "
+                            "must name the dims its broadcast_at() calls use")
         self.cursors += plan.counts_per_source()
         self.plans[step] = plan
         self.next_step = step + 1

@@ -8,8 +8,12 @@ wiring, the actors, the handles that travel to trainer ranks and the client all 
 value (plain data: no Ray, no torch, picklable).
 
 The tree it carries is the *service tree*: the trainer's `ClientPlaceTree` with its consumer
-axis set to the strategy's distribution axis, the runtime's broadcast dims, and, with
-``middle_stage_masks``, every pipeline stage reading (middle stages get only the masks).
+axis set to the strategy's distribution axis, its broadcast dims set to the strategy's
+(selective broadcasting: ``("tp",)`` is Megatron's TP-rank-0 broadcast, ``("tp", "cp")`` makes
+one rank per TP x CP group fetch), and, with ``middle_stage_masks``, every pipeline stage
+reading (middle stages get only the masks). When ``cp`` is among the broadcast dims the
+fetcher receives the whole packed microbatch and every rank cuts its own CP slice after the
+broadcast (`client_slices_cp`).
 """
 
 from __future__ import annotations
@@ -21,8 +25,8 @@ from typing import Any
 from megascale_data_ext.dataplane.placetree import BucketAxis, BucketLayout, ClientPlaceTree, FetchStages
 from megascale_data_ext.dataplane.strategies import build_strategy
 
-RUNTIME_BROADCAST_DIMS: tuple[str, ...] = ("tp",)
-"""Dims the trainer-side client broadcasts over: Megatron's TP-rank-0 broadcast."""
+DEFAULT_BROADCAST_DIMS: tuple[str, ...] = ("tp",)
+"""Broadcast dims of a strategy that declares none: Megatron's TP-rank-0 broadcast."""
 
 PLANNER_NAME = "planner"
 
@@ -40,6 +44,12 @@ def make_strategy(config: Any) -> Callable[..., Any]:
 def strategy_axis(strategy: Any) -> BucketAxis:
     """The axis a strategy distributes samples over: its ``axis`` attribute, else DP."""
     return BucketAxis.parse(getattr(strategy, "axis", None) or "DP")
+
+
+def strategy_broadcast(strategy: Any) -> tuple[str, ...]:
+    """The dims a strategy broadcasts along on the trainer side: its ``broadcast`` attribute."""
+    dims = getattr(strategy, "broadcast", None)
+    return DEFAULT_BROADCAST_DIMS if dims is None else tuple(dims)
 
 
 def loader_name(source: int) -> str:
@@ -70,12 +80,13 @@ class ServiceTopology:
     @classmethod
     def of(cls, config: Any, tree: ClientPlaceTree, strategy: Any = None) -> ServiceTopology:
         """Derive the topology of `config` (a `ServiceConfig`) on the trainer mesh `tree`."""
-        axis = strategy_axis(make_strategy(config) if strategy is None else strategy)
+        strategy = make_strategy(config) if strategy is None else strategy
         stages = tree.fetch_stages
         if config.middle_stage_masks and tree.pp > 2 and stages is FetchStages.ENDS:
             stages = FetchStages.ALL
-        service_tree = replace(tree, consumer_axis=axis, broadcast_dims=RUNTIME_BROADCAST_DIMS, fetch_stages=stages)
-        n, g = service_tree.buckets(axis).num_buckets, config.constructor_group
+        service_tree = replace(tree, consumer_axis=strategy_axis(strategy), broadcast_dims=strategy_broadcast(strategy),
+                               fetch_stages=stages)
+        n, g = service_tree.buckets().num_buckets, config.constructor_group
         groups = tuple(tuple(range(i, min(i + g, n))) for i in range(0, n, g))
         return cls(tree=service_tree, constructor_groups=groups, num_sources=len(config.sources),
                    namespace=config.ray.namespace)
@@ -87,7 +98,19 @@ class ServiceTopology:
 
     @property
     def broadcast_dims(self) -> tuple[str, ...]:
-        return self.tree.broadcast_dims
+        """The dims fetched microbatches are broadcast along (none over WORLD; never ``cp`` on the CP axis)."""
+        return self.tree.effective_broadcast_dims(self.axis)
+
+    @property
+    def client_slices_cp(self) -> bool:
+        """Whether fetchers receive whole packs and every rank cuts its own CP slice after the
+        broadcast (``cp`` among the broadcast dims); else the constructor slices per CP rank."""
+        return self.tree.cp > 1 and "cp" in self.broadcast_dims
+
+    def broadcast_group(self, rank: int) -> list[int]:
+        """The ranks `rank` shares one fetched microbatch with (itself alone without broadcasting)."""
+        dims = self.broadcast_dims
+        return self.tree.group("-".join(d for d in ("tp", "cp") if d in dims), rank) if dims else [rank]
 
     @property
     def layout(self) -> BucketLayout:

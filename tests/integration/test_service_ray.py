@@ -133,3 +133,44 @@ def test_balancing_changes_the_per_rank_spread_not_the_global_batch(specs, ray_l
     assert streams["vanilla"] == streams["llm_balance"]  # same samples in every global batch
     assert sum(spreads["llm_balance"]) < sum(spreads["vanilla"])
     assert max(spreads["llm_balance"]) <= max(spreads["vanilla"])
+
+
+def test_selective_broadcast_over_tp_and_cp_only_planned_ranks_fetch(specs, ray_local, tmp_path):
+    """tp2·cp2·dp2 on 8 gloo ranks with broadcast (tp, cp): only the plan's fetchers (ranks 0 and 4)
+    pull from the service; every rank ends up with exactly the CP slice the constructor would
+    have cut for it (checked against an in-process service delivering per rank)."""
+    from megascale_data_ext.runtime.client import digest, to_torch
+    from megascale_data_ext.runtime.inprocess import InProcessService
+
+    tree = ClientPlaceTree.from_sizes(tp=2, cp=2, dp=2)
+    args = {"model": "gpt-tiny", "broadcast": ["tp", "cp"]}
+    cfg = config(specs, namespace="selective", samples_per_step=8, num_microbatches=2, strategy_args=args)
+    svc = DataService(cfg, tree)
+    handles = svc.start()
+    steps = 2
+    try:
+        assert list(ray.get(svc.planner.plan.remote(0)).fetch_ranks) == handles.topology.fetch_ranks() == [0, 4]
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=8",
+               "-m", "megascale_data_ext.megatron.train_worker", "--tp", "2", "--cp", "2", "--steps", str(steps),
+               "--num-microbatches", "2", "--seq-length", "1024", "--vocab-size", str(ByteTokenizer().vocab_size),
+               "--namespace", handles.namespace, "--address", handles.address, "--record-digests",
+               "--out", str(tmp_path)]
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=540)
+        assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    finally:
+        svc.stop()
+    logs = {json.loads(p.read_text())["rank"]: json.loads(p.read_text()) for p in tmp_path.glob("rank*.json")}
+    assert sorted(logs) == list(range(8))
+    fetched = sorted(r for r, log in logs.items() if any(s["fetch_ms"] for s in log["steps"]))
+    assert fetched == [0, 4]
+    per_rank = InProcessService(dataclasses.replace(cfg, strategy_args={"model": "gpt-tiny"}), tree)
+    want = {(step, j, src): digest(to_torch(per_rank.get(step, j, src)[0]))  # each microbatch taken once
+            for step in range(steps) for src in per_rank.topology.fetch_ranks() for j in range(2)}
+    bad = []
+    for rank, log in sorted(logs.items()):
+        c = tree.coords(rank)
+        src = tree.rank_of(tp=0, cp=c["cp"], dp=c["dp"])  # who fetches this slice when cp is not broadcast
+        for step, entry in enumerate(log["steps"]):
+            bad += [(rank, step, j) for j in range(2) if entry["digests"][j] != want[(step, j, src)]]
+    assert bad == []

@@ -78,7 +78,7 @@ def configure(config: ProviderConfig, **kw: Any) -> ProviderConfig:
 def client(rank: int = 0, num_microbatches: int = 4) -> Client:
     tree = ClientPlaceTree.from_sizes(dp=2)
     return Client(own_topology(tree, ProviderConfig(namespace="ns")), rank, source=FakeSource(None, None),
-                  num_microbatches=num_microbatches, tp_broadcast=False)
+                  num_microbatches=num_microbatches, broadcast=False)
 
 
 @pytest.fixture(autouse=True)
@@ -230,3 +230,11 @@ def test_megatrons_rerun_wrapper_drives_the_iterator() -> None:
     wrapped = rsm.RerunDataIterator(MicrobatchIterator(client(rank=1, num_microbatches=2)))
     assert [next(wrapped)["tokens"][0].tolist() for _ in range(3)] == [[0, 0, 1], [0, 1, 1], [1, 0, 1]]
     assert wrapped.iterable.state_dict()["step"] == 1
+
+
+def test_a_service_broadcasting_other_than_over_tp_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Megatron-LM's get_batch broadcasts over TP itself: the service must fetch at TP rank 0 only."""
+    everyone = own_topology(ClientPlaceTree.from_sizes(tp=2, dp=2).with_broadcast(()), ProviderConfig(namespace="s"))
+    prov.configure(ProviderConfig(namespace="s", num_microbatches=2, topology=everyone), source_factory=FakeSource)
+    with pytest.raises(ConfigError, match=r"broadcasts along \[\], but Megatron-LM's get_batch broadcasts over TP"):
+        build_on(monkeypatch, 0, tp=2, pp=1, dp=2)

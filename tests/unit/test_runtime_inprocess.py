@@ -213,7 +213,7 @@ def test_one_client_per_rank_over_the_in_process_service(specs):
     cfg = ServiceConfig(sources=specs, seed=11, samples_per_step=24, num_microbatches=2, seq_length=4096,
                         strategy="llm_balance", strategy_args={"model": "gpt-tiny"}, buffer_size=64)
     served, reference = InProcessService(cfg, tree), InProcessService(cfg, tree)
-    clients = {r: Client(served.topology, r, source=served, num_microbatches=2, tp_broadcast=False)
+    clients = {r: Client(served.topology, r, source=served, num_microbatches=2, broadcast=False)
                for r in range(tree.world_size)}
     assert sorted(r for r, c in clients.items() if c.fetches) == served.topology.fetch_ranks() == [0, 1, 2, 3]
     for step in range(3):
@@ -226,3 +226,14 @@ def test_one_client_per_rank_over_the_in_process_service(specs):
                 for key in want:
                     np.testing.assert_array_equal(got[key].numpy(), want[key])
             assert (client.step, client.microbatch) == (step + 1, 0)
+
+
+def test_a_microbatch_asked_for_again_after_delivery_is_refused_not_rebuilt_empty(specs):
+    tree = ClientPlaceTree.from_sizes(dp=2)
+    _, _, _, cons = wire(specs, tree)
+    for j in range(2):
+        cons[0].get(0, j, 0)  # rank 0 is bucket 0's only fetcher: step 0 is now fully delivered
+    from megascale_data_ext.errors import PlanError
+
+    with pytest.raises(PlanError, match="step 0 of buckets \\[0\\] was already handed to every fetching rank"):
+        cons[0].get(0, 0, 0)
