@@ -62,8 +62,8 @@ def test_a_pack_broadcast_over_cp_is_sliced_on_every_rank_as_the_constructor_wou
                     for key in want:
                         np.testing.assert_array_equal(got[key], want[key])
     fetcher = Client(whole.topology, TREE.rank_of(dp=1), source=whole, num_microbatches=2, broadcast=False)
-    mine = fetcher.get(0, 0)  # the fetcher keeps its own (cp 0) slice of the pack it received
-    np.testing.assert_array_equal(mine["tokens"].numpy(), sliced.get(0, 0, TREE.rank_of(dp=1))[0]["tokens"])
+    mine = fetcher.get(2, 0)  # the fetcher keeps its own (cp 0) slice of the pack it received
+    np.testing.assert_array_equal(mine["tokens"].numpy(), sliced.get(2, 0, TREE.rank_of(dp=1))[0]["tokens"])
 
 
 def test_a_strategy_whose_broadcast_at_disagrees_with_its_declaration_is_refused(specs):
