@@ -96,6 +96,8 @@ class BatchConfig:
             with a CapacityError naming the sample.
         middle_stage_masks: Middle pipeline stages (pp > 2) also fetch the attention mask and
             cu_seqlens, so packed documents never attend across boundaries on any stage.
+        replay_dir: Serve the plans `megascale-data plan` wrote there instead of planning
+            (replay mode); None plans live.
     """
 
     seed: int = 1234
@@ -110,6 +112,7 @@ class BatchConfig:
     pad_to_multiple_of: int = 8
     overflow: str = "defer"
     middle_stage_masks: bool = True
+    replay_dir: str | None = None
 
     def problems(self) -> list[FieldProblem]:
         """What is wrong with the batch fields, as ``(field, message)``."""

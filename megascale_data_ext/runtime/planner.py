@@ -6,6 +6,9 @@ ahead of the trainer, and are a pure function of (config, tree, state before the
 `state_dict(step)` returns the state *before* `step`, so a resume at the trainer's consumed
 step recomputes exactly the plans an uninterrupted run would have made.
 
+Replay mode (``config.replay_dir``): the plans `megascale-data plan` wrote are served instead
+of planned (`PlanStore`), refused if they were made under another config or layout.
+
 Checkpoint (`StateSchema` "planner", version 2): fingerprint = the config's stream-deciding
 fields (`ServiceConfig.fingerprint()`) plus the parallel layout; fields ``step`` (the next
 step to plan), ``cursors`` (next stream position per source) and ``mixer`` (the Mixer's own
@@ -25,6 +28,7 @@ from megascale_data_ext.dataplane.dgraph import DGraph
 from megascale_data_ext.dataplane.mixing import Mixer
 from megascale_data_ext.dataplane.mixing import build_schedule
 from megascale_data_ext.dataplane.plan import LoaderPlan, StepPlan
+from megascale_data_ext.dataplane.plan_store import PlanStore
 from megascale_data_ext.dataplane.summary import BufferSummary, SourceSummary
 from megascale_data_ext.errors import CapacityError, PlanError, ResumeError
 from megascale_data_ext.runtime.config import ServiceConfig
@@ -61,6 +65,9 @@ class Planner:
         self.next_step = 0
         self.cursors = np.zeros(len(names), dtype=np.int64)
         self.plans: dict[int, StepPlan] = {}
+        self.replay = PlanStore(config.replay_dir) if config.replay_dir else None
+        if self.replay is not None:
+            self.replay.check(self.fingerprint())
         self._states: dict[int, dict[str, Any]] = {}
         self._lock = threading.RLock()
 
@@ -76,17 +83,7 @@ class Planner:
     def _plan_next(self) -> StepPlan:
         step = self.next_step
         self._states[step] = self._snapshot()
-        window = self.config.buffer_size
-        summaries = [self.summarize(s, int(self.cursors[s]), window) for s in range(len(self.cursors))]
-        buffer = BufferSummary.of(summaries)
-        graph = DGraph.from_summary(buffer, self.tree, step=step).mix(self.mixer, batch_size=self.config.samples_per_step)
-        try:
-            plan = self.strategy(graph).plan()
-        except CapacityError:
-            if self.config.overflow != "defer":
-                raise
-            plan = self._fit(buffer, graph, step)
-            self.mixer.settle(step, plan.counts_per_source())
+        plan = self._replayed(step) if self.replay is not None else self._planned(step)
         if plan.fetch_ranks != tuple(self.topology.fetch_ranks()):
             raise PlanError(f"step {step}: the plan's fetching ranks {list(plan.fetch_ranks)} (broadcast_at "
                             f"{list(plan.broadcast_dims)}) differ from the runtime's {self.topology.fetch_ranks()} "
@@ -98,6 +95,31 @@ class Planner:
         for old in [s for s in self.plans if s < step - self.keep]:
             self.plans.pop(old, None)
             self._states.pop(old, None)
+        return plan
+
+    def _planned(self, step: int) -> StepPlan:
+        """Plan `step` live: buffer summaries -> mix -> strategy (deferring what does not fit)."""
+        window = self.config.buffer_size
+        summaries = [self.summarize(s, int(self.cursors[s]), window) for s in range(len(self.cursors))]
+        buffer = BufferSummary.of(summaries)
+        graph = DGraph.from_summary(buffer, self.tree, step=step).mix(self.mixer, batch_size=self.config.samples_per_step)
+        try:
+            plan = self.strategy(graph).plan()
+        except CapacityError:
+            if self.config.overflow != "defer":
+                raise
+            plan = self._fit(buffer, graph, step)
+            self.mixer.settle(step, plan.counts_per_source())
+        return plan
+
+    def _replayed(self, step: int) -> StepPlan:
+        """The plan `megascale-data plan` wrote for `step`; it must continue the streams where they are."""
+        plan = self.replay.read(step)
+        for s in range(len(self.cursors)):
+            pos = np.sort(plan.position[plan.source == s])
+            if len(pos) and not np.array_equal(pos, np.arange(self.cursors[s], self.cursors[s] + len(pos))):
+                raise PlanError(f"replayed step {step} takes source {s} at positions {pos[:3].tolist()}..., "
+                                f"but its stream is at {int(self.cursors[s])}: the plan directory is inconsistent")
         return plan
 
     def _fit(self, buffer: BufferSummary, mixed: DGraph, step: int) -> StepPlan:

@@ -1,0 +1,53 @@
+"""`megascale-data plan`: run the real Planner ahead of time and write its plans for replay mode.
+
+The training config (``conf/train_gpt.yaml`` by default, or ``--config-dir/--config-name``)
+gives the data node and the parallel layout; ``--world-size`` gives the number of ranks. A
+service started with ``data.replay_dir=DIR`` then serves exactly these plans without planning.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+NAME = "plan"
+HELP = "Write the step plans of a training config to a directory (replay mode: data.replay_dir)."
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. sources=demo_text data.data_root=DIR")
+    parser.add_argument("--steps", type=int, required=True, help="steps to plan (0 .. steps-1)")
+    parser.add_argument("--out", type=Path, required=True, help="directory for manifest.json and step_*.npz")
+    parser.add_argument("--world-size", type=int, required=True, help="trainer ranks (dp = world / (tp*cp*pp))")
+    parser.add_argument("--config-dir", type=Path, default=None, help="config directory (default: the package's conf/)")
+    parser.add_argument("--config-name", default="train_gpt", help="config to compose (default: train_gpt)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from megascale_data_ext.config import compose_config, load_config
+    from megascale_data_ext.dataplane.placetree import ClientPlaceTree
+    from megascale_data_ext.dataplane.plan_store import PlanStore
+    from megascale_data_ext.runtime.inprocess import InProcessService
+
+    if args.steps < 1:
+        raise SystemExit("--steps must be >= 1")
+    cfg = compose_config(args.overrides, args.config_name, config_dir=args.config_dir)
+    par = cfg.parallel
+    tp, pp = int(par.tensor_model_parallel_size), int(par.pipeline_model_parallel_size)
+    cp, vpp = int(par.get("context_parallel_size", 1)), par.get("virtual_pipeline_model_parallel_size")
+    tree = ClientPlaceTree.from_sizes(tp=tp, pp=pp, cp=cp, vpp=vpp, world_size=args.world_size)
+    service_cfg = load_config(cfg.data, context_parallel_size=cp).to_service_config()
+    if service_cfg.replay_dir is not None:
+        raise SystemExit("data.replay_dir is set: plan from the live configuration (drop the override)")
+    t0 = time.perf_counter()
+    planner = InProcessService(service_cfg, tree).planner
+    store = PlanStore.create(args.out, planner.fingerprint())
+    for step in tqdm(range(args.steps), total=args.steps, desc="planning", unit="step", file=sys.stderr):
+        store.write(planner.plan(step))
+    print(f"wrote {store.num_steps} plans for {tree!r} to {args.out} in {time.perf_counter() - t0:.1f} s; "
+          f"replay them with data.replay_dir={args.out}")
+    return 0
