@@ -1,7 +1,8 @@
 """Data sources: Parquet, Megatron ``.bin/.idx`` and JSONL readers with sample transforms.
 
-Plain classes (no Ray): the runtime wraps one per Source Loader actor. The Megatron reader
-imports Megatron-LM (and so torch) only when it opens a source.
+Plain classes (no Ray, no torch): the runtime wraps them in Source Loader actors. The Megatron
+``.bin/.idx`` reader is numpy-only (memory-mapped); only `write_indexed_dataset`, used by the
+driver for demo and test data, imports Megatron-LM.
 """
 
 from __future__ import annotations

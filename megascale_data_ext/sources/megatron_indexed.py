@@ -1,13 +1,16 @@
 """Megatron ``.bin/.idx`` sources: existing Megatron-LM data served unchanged.
 
-Reading goes through Megatron's own :class:`megatron.core.datasets.indexed_dataset.IndexedDataset`
-(memory-mapped), so any file ``tools/preprocess_data.py`` wrote is read exactly as Megatron
-reads it. One sample is one document (``document_indices[d]:document_indices[d+1]`` of the
-index's sequences). Metadata comes from the index's ``sequence_lengths`` alone: planning a
-whole epoch never touches the ``.bin`` payload.
+Files are read by a small numpy-only reader of Megatron's ``MMIDIDX`` format (:class:`_MMapIndex`
+for the ``.idx``, :class:`_MMapIndexedData` for the ``.bin`` memory map), written from the format
+as megatron-core 0.16.1 writes it (``megatron/core/datasets/indexed_dataset.py``:
+``_IndexWriter``/``_IndexReader``): any file ``tools/preprocess_data.py`` wrote is read token for
+token as Megatron's ``IndexedDataset`` reads it, but a Source Loader actor never imports torch or
+megatron-core. One sample is one document (``document_indices[d]:document_indices[d+1]`` of the
+index's sequences). Metadata comes from the index's ``sequence_lengths`` alone: planning a whole
+epoch never touches the ``.bin`` payload.
 
-Megatron is imported lazily (it pulls in torch), keeping ``import megascale_data_ext.sources``
-cheap for processes that only plan.
+Only :func:`write_indexed_dataset` (demo data, tests; run in the driver) uses Megatron's
+``IndexedDatasetBuilder``, imported lazily inside the function.
 """
 
 from __future__ import annotations
@@ -23,6 +26,163 @@ from megascale_data_ext.sources.base import SourceSpec, text_only_metadata
 from megascale_data_ext.sources.rowsource import RowSource
 from megascale_data_ext.sources.tokenizer import Tokenizer
 from megascale_data_ext.sources.transforms import RawSample
+
+# The .idx layout (all little-endian), as megatron-core's ``_IndexWriter`` writes it:
+#   9 bytes  magic ``MMIDIDX\x00\x00``
+#   u64      version (always 1)
+#   u8       token dtype code (``DType``)
+#   u64      sequence count S
+#   u64      document count D (entries of document_indices: number of documents + 1)
+#   S x i32  sequence_lengths (tokens per sequence)
+#   S x i64  sequence_pointers (byte offset of each sequence in the .bin)
+#   D x i64  document_indices (sequence index where each document starts; last == S)
+#   S x i8   sequence_modes (multimodal indexes only)
+_INDEX_HEADER = b"MMIDIDX\x00\x00"
+_INDEX_VERSION = 1
+_HEADER = struct.Struct("<9sQBQQ")  # magic, version, dtype code, sequence count, document count: 34 bytes
+# megatron.core.datasets.indexed_dataset.DType: code -> token dtype.
+_DTYPE_CODES: dict[int, np.dtype] = {
+    1: np.dtype(np.uint8),
+    2: np.dtype(np.int8),
+    3: np.dtype("<i2"),
+    4: np.dtype("<i4"),
+    5: np.dtype("<i8"),
+    6: np.dtype("<f8"),
+    7: np.dtype("<f4"),
+    8: np.dtype("<u2"),
+}
+
+
+class _CorruptIndex(ValueError):
+    """The .idx bytes do not describe a Megatron MMIDIDX index (reason in the message)."""
+
+
+class _OutOfRange(ValueError):
+    """The index points past the end of the .bin (reason in the message)."""
+
+
+class _MMapIndex:
+    """A memory-mapped Megatron ``.idx`` (what ``_IndexReader`` reads), numpy only.
+
+    ``sequence_lengths`` (int32), ``sequence_pointers`` (int64, bytes into the .bin),
+    ``document_indices`` (int64) and, for ``multimodal`` indexes, ``sequence_modes`` (int8) are
+    read-only views of the file. The header and the counts are checked against the file size, so a
+    damaged index fails here with :class:`_CorruptIndex` instead of at some later read.
+    """
+
+    def __init__(self, idx_path: str, *, multimodal: bool = False) -> None:
+        self.path = idx_path
+        self.multimodal = multimodal
+        size = os.path.getsize(idx_path)
+        with open(idx_path, "rb") as f:
+            head = f.read(_HEADER.size)
+        if len(head) < _HEADER.size:
+            raise _CorruptIndex(f"{size} bytes, shorter than the {_HEADER.size}-byte MMIDIDX header")
+        magic, version, code, n_seq, n_doc = _HEADER.unpack(head)
+        if magic != _INDEX_HEADER:
+            raise _CorruptIndex(f"bad magic {magic!r}, expected {_INDEX_HEADER!r}")
+        if version != _INDEX_VERSION:
+            raise _CorruptIndex(f"unknown version {version}, expected {_INDEX_VERSION}")
+        if code not in _DTYPE_CODES:
+            raise _CorruptIndex(f"unknown dtype code {code}, expected one of {sorted(_DTYPE_CODES)}")
+        self.dtype = _DTYPE_CODES[code]
+        self.dtype_size = self.dtype.itemsize
+        if n_doc < 1:
+            raise _CorruptIndex("document count 0 (document_indices always holds at least [0])")
+        need = _HEADER.size + n_seq * (4 + 8 + (1 if multimodal else 0)) + n_doc * 8
+        if need > size:
+            raise _CorruptIndex(
+                f"header counts {n_seq} sequences and {n_doc} document indices, which need {need} bytes; "
+                f"the file has {size}"
+            )
+        self.sequence_count, self.document_count = int(n_seq), int(n_doc)
+        self._mmap = np.memmap(idx_path, mode="r", dtype=np.uint8, order="C")
+        buf = memoryview(self._mmap)
+        off = _HEADER.size
+        self.sequence_lengths = np.frombuffer(buf, dtype="<i4", count=n_seq, offset=off)
+        off += 4 * n_seq
+        self.sequence_pointers = np.frombuffer(buf, dtype="<i8", count=n_seq, offset=off)
+        off += 8 * n_seq
+        self.document_indices = np.frombuffer(buf, dtype="<i8", count=n_doc, offset=off)
+        off += 8 * n_doc
+        self.sequence_modes = np.frombuffer(buf, dtype=np.int8, count=n_seq, offset=off) if multimodal else None
+        docs = self.document_indices
+        if int(docs[-1]) != n_seq:  # Megatron's own IndexedDataset check
+            raise _CorruptIndex(f"document_indices end at sequence {int(docs[-1])}, but the index has {n_seq}")
+        if int(docs[0]) < 0 or (n_doc > 1 and bool(np.any(docs[1:] < docs[:-1]))):
+            raise _CorruptIndex("document_indices are not non-decreasing sequence indices")
+        if n_seq and int(self.sequence_lengths.min()) < 0:
+            raise _CorruptIndex("negative sequence length")
+
+    def __len__(self) -> int:
+        return self.sequence_count
+
+    def __reduce__(self) -> tuple[object, tuple[str, bool]]:
+        """Pickles as its path: the receiver maps the file again instead of copying the arrays."""
+        return _open_index, (self.path, self.multimodal)
+
+
+def _open_index(path: str, multimodal: bool) -> _MMapIndex:
+    return _MMapIndex(path, multimodal=multimodal)
+
+
+class _MMapIndexedData:
+    """One Megatron prefix: the :class:`_MMapIndex` plus a read-only memory map of the ``.bin``.
+
+    Reads return views of the map (``dtype`` as stored); ``document_tokens`` copies to int64.
+    """
+
+    def __init__(self, prefix: str, *, multimodal: bool = False, index: _MMapIndex | None = None) -> None:
+        self.prefix = prefix
+        self.bin_path = prefix + ".bin"
+        self.index = index if index is not None else _MMapIndex(prefix + ".idx", multimodal=multimodal)
+        self._bin = np.memmap(self.bin_path, mode="r", dtype=np.uint8, order="C")
+        self._bin_buffer = memoryview(self._bin)
+        self.bin_size = int(self._bin.size)
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def __reduce__(self) -> tuple[object, tuple[str, bool]]:
+        return _open_data, (self.prefix, self.index.multimodal)
+
+    @property
+    def sequence_lengths(self) -> np.ndarray:
+        return self.index.sequence_lengths
+
+    @property
+    def document_indices(self) -> np.ndarray:
+        return self.index.document_indices
+
+    def _read(self, count: int, offset: int) -> np.ndarray:
+        end = offset + count * self.index.dtype_size
+        if offset < 0 or end > self.bin_size:
+            raise _OutOfRange(
+                f"{self.bin_path!r} has {self.bin_size} bytes but its index points at bytes {offset}:{end}; "
+                "the .bin is truncated or belongs to another .idx: re-run preprocessing"
+            )
+        return np.frombuffer(self._bin_buffer, dtype=self.index.dtype, count=count, offset=offset)
+
+    def sequence(self, i: int) -> np.ndarray:
+        """Tokens of sequence ``i`` (``IndexedDataset[i]``)."""
+        return self._read(int(self.index.sequence_lengths[i]), int(self.index.sequence_pointers[i]))
+
+    def sequences(self, start: int, stop: int) -> np.ndarray:
+        """Tokens of sequences ``start:stop`` concatenated, read as ``IndexedDataset[start:stop]`` reads
+        them: one contiguous run from ``sequence_pointers[start]``."""
+        if stop <= start:
+            return np.zeros(0, dtype=self.index.dtype)
+        count = int(self.index.sequence_lengths[start:stop].sum(dtype=np.int64))
+        return self._read(count, int(self.index.sequence_pointers[start]))
+
+    def document_tokens(self, doc: int) -> np.ndarray:
+        """Tokens of document ``doc`` (all its sequences), as int64."""
+        docs = self.index.document_indices
+        return self.sequences(int(docs[doc]), int(docs[doc + 1])).astype(np.int64)
+
+
+def _open_data(prefix: str, multimodal: bool) -> _MMapIndexedData:
+    return _MMapIndexedData(prefix, multimodal=multimodal)
 
 
 def _prefix(path: str) -> str:
@@ -42,10 +202,8 @@ class MegatronIndexedSource(RowSource):
 
     def __init__(self, spec: SourceSpec, *, tokenizer: Tokenizer | None = None) -> None:
         super().__init__(spec, tokenizer=tokenizer)
-        from megatron.core.datasets.indexed_dataset import IndexedDataset
-
         self.prefixes = [_prefix(p) for p in spec.paths]
-        self._datasets: list[IndexedDataset] = []
+        self._datasets: list[_MMapIndexedData] = []
         doc_lengths, doc_starts = [], []
         for prefix in self.prefixes:
             missing = [p for p in (prefix + ".idx", prefix + ".bin") if not os.path.isfile(p)]
@@ -57,11 +215,19 @@ class MegatronIndexedSource(RowSource):
             if os.path.getsize(prefix + ".bin") == 0:
                 raise SourceError(f"source {self.name!r} is empty: {prefix + '.bin'!r} holds no tokens")
             try:
-                ds = IndexedDataset(prefix, mmap=True)
-            except (AssertionError, ValueError, struct.error, OSError, IndexError) as exc:
+                index = _MMapIndex(prefix + ".idx")
+            except (ValueError, struct.error, OSError, IndexError) as exc:
                 raise SourceError(
                     f"source {self.name!r}: cannot open Megatron index {prefix + '.idx'!r} "
-                    f"({type(exc).__name__}: {exc}); the file is corrupt or not a Megatron MMIDIDX index"
+                    f"({type(exc).__name__}: {exc}); the file is corrupt or not a Megatron MMIDIDX index: "
+                    "re-run preprocessing (tools/preprocess_data.py) to rewrite the .bin/.idx pair"
+                ) from exc
+            try:
+                ds = _MMapIndexedData(prefix, index=index)
+            except (ValueError, OSError) as exc:
+                raise SourceError(
+                    f"source {self.name!r}: cannot map Megatron data {prefix + '.bin'!r} "
+                    f"({type(exc).__name__}: {exc}); check the file is readable"
                 ) from exc
             self._check_bin_size(prefix, ds)
             self._datasets.append(ds)
@@ -80,13 +246,13 @@ class MegatronIndexedSource(RowSource):
     def __len__(self) -> int:
         return int(self._ds_start[-1])
 
-    def _check_bin_size(self, prefix: str, ds: object) -> None:
+    def _check_bin_size(self, prefix: str, ds: _MMapIndexedData) -> None:
         """Fail at open, not mid-training, when the .bin is shorter than its index says."""
-        index = ds.index  # type: ignore[attr-defined]
+        index = ds.index
         if len(index.sequence_lengths) == 0:
             return
         end = int(index.sequence_pointers[-1]) + int(index.sequence_lengths[-1]) * int(index.dtype_size)
-        size = os.path.getsize(prefix + ".bin")
+        size = ds.bin_size
         if size < end:
             raise SourceError(
                 f"source {self.name!r}: {prefix + '.bin'!r} has {size} bytes but its index needs {end}; "
@@ -106,15 +272,10 @@ class MegatronIndexedSource(RowSource):
         out = []
         for index, d_i in zip(indices.tolist(), which.tolist(), strict=True):
             doc = index - int(self._ds_start[d_i])
-            docs = self._doc_indices[d_i]
-            start, stop = int(docs[doc]), int(docs[doc + 1])
-            ds = self._datasets[d_i]
-            if stop - start == 1:
-                tokens = np.asarray(ds[start], dtype=np.int64)
-            elif stop == start:
-                tokens = np.zeros(0, dtype=np.int64)
-            else:
-                tokens = np.concatenate(ds[start:stop]).astype(np.int64)
+            try:
+                tokens = self._datasets[d_i].document_tokens(doc)
+            except _OutOfRange as exc:
+                raise SourceError(f"source {self.name!r}: document {doc}: {exc}") from exc
             out.append(RawSample(index=index, tokens=tokens, path=self.prefixes[d_i] + ".bin", row=doc))
         return out
 
@@ -133,7 +294,8 @@ def write_indexed_dataset(
 
     Each document is stored as one sequence, as ``tools/preprocess_data.py`` does without
     sentence splitting. The dtype is Megatron's optimal one for ``vocab_size`` (uint16 below
-    65,500, else int32). Returns the prefix.
+    65,500, else int32). Returns the prefix. Megatron (and so torch) is imported here, in the
+    process that writes, never by the readers above.
     """
     from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
 
