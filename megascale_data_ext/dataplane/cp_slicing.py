@@ -29,6 +29,7 @@ SEQUENCE_DIMS: Mapping[str, int] = {
     "labels": 1,
     "loss_mask": 1,
     "position_ids": 1,
+    "source_ids": 1,
     "attention_mask": 2,
 }
 """Fields split along the sequence, and the dim Megatron splits them on."""

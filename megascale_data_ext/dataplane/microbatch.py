@@ -50,6 +50,7 @@ MEGATRON_DTYPES: Mapping[str, np.dtype] = MappingProxyType(
         "num_tokens": np.dtype(np.int64),
         "images": np.dtype(np.float32),
         "image_seqlens": np.dtype(np.int32),
+        "source_ids": np.dtype(np.int32),
     }
 )
 """The dtype Megatron allocates for each field (``get_batch_on_this_tp_rank``'s receive buffers)."""
@@ -59,8 +60,11 @@ FIRST_STAGE_FIELDS: frozenset[str] = frozenset(
 )
 """Fields the first pipeline stage reads: embedding inputs plus what its attention needs."""
 
-LAST_STAGE_FIELDS: frozenset[str] = frozenset({"labels", "loss_mask", "attention_mask", "cu_seqlens", "max_seqlen"})
-"""Fields the last pipeline stage reads: loss inputs plus what its attention needs."""
+LAST_STAGE_FIELDS: frozenset[str] = frozenset(
+    {"labels", "loss_mask", "attention_mask", "cu_seqlens", "max_seqlen", "source_ids"}
+)
+"""Fields the last pipeline stage reads: loss inputs (``source_ids`` splits the loss per source
+for feedback mixing) plus what its attention needs."""
 
 MIDDLE_STAGE_FIELDS: frozenset[str] = frozenset({"attention_mask", "cu_seqlens", "max_seqlen"})
 """What a middle stage needs so packed documents do not attend across their boundaries."""

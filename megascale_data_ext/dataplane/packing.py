@@ -111,6 +111,7 @@ def pack_microbatch(
     truncate: bool = False,
     pad_to_multiple_of: int = 1,
     variable_length: bool = False,
+    source_ids: Sequence[int] | None = None,
 ) -> dict[str, np.ndarray]:
     """Pack the samples of one microbatch into one sequence with per-document boundaries.
 
@@ -138,6 +139,8 @@ def pack_microbatch(
         variable_length: Emit ``s = round_up(real positions, pad_to_multiple_of)`` instead of
             ``s = seq_length``. Keep it off when TP ranks receive the batch by broadcast,
             since Megatron's receivers allocate ``[mbs, seq_length]`` buffers.
+        source_ids: The source index of each sample; given, the output has ``source_ids``
+            ([1, s] int32, -1 on padding) so the loss can be split per source (feedback mixing).
 
     Returns:
         The Megatron field dict described in the module docstring.
@@ -229,6 +232,11 @@ def pack_microbatch(
         "max_seqlen": np.asarray([seg_lens.max(initial=0)], dtype=np.int32),
         "num_tokens": np.asarray([real], dtype=np.int64),
     }
+    if source_ids is not None:
+        ids = np.asarray(list(source_ids), dtype=np.int32)
+        if ids.shape != (len(texts),):
+            raise ConfigError(f"`source_ids` must give one source per sample ({len(texts)}), got {ids.shape[0]}")
+        batch["source_ids"] = np.repeat(np.append(ids, -1) if pad_len else ids, seg_lens).astype(np.int32)[None, :]
     if with_attention_mask:
         seg_id = np.repeat(np.arange(n_seg), seg_lens)
         same_doc = seg_id[:, None] == seg_id[None, :]

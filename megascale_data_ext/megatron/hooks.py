@@ -13,6 +13,11 @@ the returned schedule is one global step served by the service:
   when that package is present) becomes a plain ``next()``: the client already did
   ``broadcast_at("tp")``, so every TP rank holds the batch.
 
+With ``report_loss`` (feedback mixing), after each step the last pipeline stage sums the
+``"source loss"`` entries its loss function returned (see `megatron.model.loss_func`), reduces
+them over data (and context) parallel ranks, and one rank reports the per-source mean loss to
+the Planner through the client, which applies it exactly ``delay`` steps later.
+
 Everything it replaces is restored by `Installation.uninstall()`; modules that do not hold
 these functions are not touched. The data position (next step) is the client's: each call
 serves the client's current step and then moves it to the next one; the installation's
@@ -51,14 +56,16 @@ class Installation:
         start_step: First global step to serve; None keeps the client's position.
         transform: Optional ``(batch, info) -> batch`` applied to each microbatch as the schedule
             pulls it (e.g. `megatron.vlm.VLMFeed` attaching image features).
+        report_loss: Report each step's per-source loss to the Planner (feedback mixing).
     """
 
     def __init__(
         self, client: Any, *, num_model_chunks: int = 1, start_step: int | None = None, pp_rank: int | None = None,
-        pp_size: int | None = None, transform: Callable[[Any, Any], Any] | None = None,
+        pp_size: int | None = None, transform: Callable[[Any, Any], Any] | None = None, report_loss: bool = False,
     ) -> None:
         self.client = client
         self.transform = transform
+        self.report_loss = report_loss
         if start_step is not None:
             client.seek(start_step)
         self.num_model_chunks = num_model_chunks
@@ -112,10 +119,32 @@ class Installation:
                     c.variable_seq_lengths = v
             self.client.end_step(step)
             self.steps_served += 1
+            if self.report_loss:
+                self._report_source_loss(step, out)
             return out
 
         fed_by_service.__megascale_original__ = schedule  # type: ignore[attr-defined]
         return fed_by_service
+
+    def _report_source_loss(self, step: int, outputs: Any) -> None:
+        """Per-source mean loss of the step, from the last stage's loss reports, to the Planner."""
+        import torch
+        import torch.distributed as dist
+        from megatron.core import parallel_state as ps
+
+        if not ps.is_pipeline_last_stage(ignore_virtual=True):
+            return
+        n = self.client.topology.num_sources
+        sums = torch.zeros(2, n, dtype=torch.float64)
+        for report in outputs or []:
+            values = report.get("source loss") if isinstance(report, dict) else None
+            if values is not None:
+                v = values.detach().double().view(2, -1)
+                sums[:, : v.shape[1]] += v
+        dist.all_reduce(sums, group=ps.get_data_parallel_group(with_context_parallel=True))
+        if ps.get_data_parallel_rank(with_context_parallel=True) == 0 and ps.get_tensor_model_parallel_rank() == 0:
+            seen = sums[1] > 0
+            self.client.report_loss(step, {int(i): float(sums[0, i] / sums[1, i]) for i in torch.nonzero(seen).view(-1)})
 
     # -- install / uninstall -------------------------------------------------------
     def install(self) -> Installation:
@@ -170,7 +199,7 @@ def _batch_already_broadcast(data_iterator: Any, *args: Any, **kwargs: Any) -> A
 
 def install(
     client: Any, *, num_model_chunks: int = 1, start_step: int | None = None, pp_rank: int | None = None,
-    pp_size: int | None = None, transform: Callable[[Any, Any], Any] | None = None,
+    pp_size: int | None = None, transform: Callable[[Any, Any], Any] | None = None, report_loss: bool = False,
 ) -> Installation:
     """Install the schedule hooks for this rank; returns the (reversible) installation.
 
@@ -178,4 +207,4 @@ def install(
     read from Megatron's `parallel_state` unless `pp_rank`/`pp_size` are given.
     """
     return Installation(client, num_model_chunks=num_model_chunks, start_step=start_step, pp_rank=pp_rank,
-                        pp_size=pp_size, transform=transform).install()
+                        pp_size=pp_size, transform=transform, report_loss=report_loss).install()

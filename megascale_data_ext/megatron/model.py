@@ -294,21 +294,28 @@ def _to_tensor(value: Any) -> torch.Tensor:
 
 
 def loss_func(
-    loss_mask: torch.Tensor, output_tensor: torch.Tensor
+    loss_mask: torch.Tensor, output_tensor: torch.Tensor, *, source_ids: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
     """Masked token-loss sum, Megatron-LM 0.16 style.
 
     Returns ``(loss_sum, num_tokens, {"lm loss": [loss_sum, num_tokens]})``: the schedule
     divides ``loss_sum`` by ``num_tokens`` and the number of microbatches before backward
     (``calculate_per_token_loss=False``); the report pair lets the caller form an exact
-    token-weighted mean over microbatches and DP ranks.
+    token-weighted mean over microbatches and DP ranks. Given per-token ``source_ids`` (feedback
+    mixing), the report also holds ``"source loss"``: ``[2, S]`` flattened, the loss sum and the
+    token count of each source present (S = highest source id + 1).
     """
     losses = output_tensor.view(-1).float()
     mask = loss_mask.reshape(-1).float()
     loss = torch.sum(losses * mask)
     num_tokens = mask.sum().detach().to(torch.int)
-    report = torch.cat([loss.detach().view(1), num_tokens.float().view(1)])
-    return loss, num_tokens, {"lm loss": report}
+    report = {"lm loss": torch.cat([loss.detach().view(1), num_tokens.float().view(1)])}
+    if source_ids is not None:
+        ids = source_ids.reshape(-1).long().clamp(min=0)  # padding (-1) has mask 0
+        per_loss = torch.bincount(ids, weights=(losses * mask).detach().double())
+        per_tokens = torch.bincount(ids, weights=mask.double())
+        report["source loss"] = torch.cat([per_loss, per_tokens])
+    return loss, num_tokens, report
 
 
 def forward_step(data_iterator: Iterator[Mapping[str, Any]] | None, model: torch.nn.Module) -> tuple[Any, Any]:
@@ -345,7 +352,9 @@ def forward_step(data_iterator: Iterator[Mapping[str, Any]] | None, model: torch
         attention_mask,
         labels=labels,
     )
-    return output, partial(loss_func, tensors.get("loss_mask"))
+    source_ids = batch.get("source_ids") if post_process else None
+    return output, partial(loss_func, tensors.get("loss_mask"),
+                           source_ids=None if source_ids is None else _to_tensor(source_ids))
 
 
 def _grad_norm(params: Sequence[torch.nn.Parameter]) -> float:

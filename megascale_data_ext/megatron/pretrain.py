@@ -167,7 +167,8 @@ class TrainingSession:
         from megascale_data_ext.megatron.model import train_step
 
         client, tcfg, m = self.client, self.cfg.train, self.service_cfg.num_microbatches
-        hooks = install(client, num_model_chunks=len(chunks), start_step=self.start, transform=transform)
+        hooks = install(client, num_model_chunks=len(chunks), start_step=self.start, transform=transform,
+                        report_loss=self.service_cfg.feedback_mixing)
         if self.load_dir:
             load_checkpoint(self.load_dir, self.start, chunks, optimizer, hooks)
         log: list[dict] = []

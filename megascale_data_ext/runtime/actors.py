@@ -4,7 +4,9 @@ Pull model (paper Sec. 3): a Client asks its Data Constructor, the constructor a
 Loaders, a loader asks the Planner for its plan, the Planner asks loaders for metadata.
 The Planner -> loader call happens while a loader may be waiting on the Planner, so loaders
 and constructors are threaded actors (``max_concurrency`` = `ACTOR_CONCURRENCY`): a loader's
-`summary_buffer` is served on another thread while its `fetch` waits. The Planner never
+`summary_buffer` is served on another thread while its `fetch` waits. The Planner is threaded
+too: with loss-driven mixing, planning a step waits for a trainer's `report_loss`, which must
+be served meanwhile (the Planner's lock serialises planning itself). The Planner never
 waits on a constructor, so the call graph has no cycle that can exhaust the thread pools.
 """
 
@@ -20,6 +22,7 @@ import ray
 from megascale_data_ext.runtime.config import ServiceConfig
 from megascale_data_ext.runtime.constructor import DataConstructor, EncoderRows, encoder_rows
 from megascale_data_ext.runtime.loader import SourceLoader
+from megascale_data_ext.runtime.metrics import record_plan, samples_in, service_metrics
 from megascale_data_ext.runtime.planner import Planner
 from megascale_data_ext.runtime.topology import ServiceTopology
 
@@ -27,7 +30,7 @@ ACTOR_CONCURRENCY = 16
 _log = logging.getLogger(__name__)
 
 
-@ray.remote(num_cpus=0)
+@ray.remote(num_cpus=0, max_concurrency=ACTOR_CONCURRENCY)
 class PlannerActor:
     """The Planner in its own process; holds handles to the loaders for `summary_buffer`."""
 
@@ -38,7 +41,7 @@ class PlannerActor:
         def summarize(source: int, start: int, count: int):
             return ray.get(self._loaders[source].summary_buffer.remote(start, count))
 
-        self.planner = Planner(config, topology, summarize)
+        self.planner = Planner(config, topology, summarize, on_planned=record_plan)
 
     def topology(self) -> ServiceTopology:
         """The service's topology, for clients that join by namespace alone."""
@@ -103,6 +106,8 @@ class SourceLoaderActor:
 
     def fetch(self, step: int, buckets: list[int]):
         out = self.loader.fetch(step, buckets)
+        samples, tokens, skipped = samples_in(out)
+        service_metrics().source_read(self.loader.spec.name, samples=samples, tokens=tokens, skipped=skipped)
         for ahead in range(max(step + 1, self._ahead_until + 1), step + 1 + self.read_ahead):
             self._ahead.put(ahead)
             self._ahead_until = ahead
@@ -156,6 +161,7 @@ class DataConstructorActor:
         if self._error is not None:
             raise self._error
         out = self.constructor.get(step, microbatch, rank)
+        service_metrics().buffered_steps(len(self.constructor._built), "+".join(map(str, self.constructor.buckets)))
         if step + self.prefetch_depth > self._target:
             self._target = step + self.prefetch_depth
             self._wake.set()

@@ -40,6 +40,7 @@ import torch.distributed as dist
 from megascale_data_ext.dataplane.cp_slicing import slice_for_cp
 from megascale_data_ext.errors import ConfigError, ResumeError
 from megascale_data_ext.runtime.constructor import EncoderImages
+from megascale_data_ext.runtime.metrics import service_metrics
 from megascale_data_ext.runtime.topology import ServiceTopology
 from megascale_data_ext.state import StateSchema
 
@@ -51,6 +52,7 @@ _DTYPES = {
     "attention_mask": torch.bool,
     "cu_seqlens": torch.int32,
     "max_seqlen": torch.int32,
+    "source_ids": torch.int32,
 }
 
 
@@ -63,6 +65,10 @@ class MicrobatchSource(Protocol):
 
     def get_encoder_images(self, step: int, rank: int) -> EncoderImages:
         """Rank `rank`'s encoder share of `step` from every constructor."""
+        ...
+
+    def report_loss(self, step: int, losses: dict[int, float]) -> None:
+        """Hand the Planner the per-source loss of `step` (loss-driven mixing)."""
         ...
 
 
@@ -155,7 +161,9 @@ class Client:
                               "nothing, or was given no source)")
         t0 = time.perf_counter()
         batch, info = self.source.get(step, microbatch, self.rank)
-        self.fetch_seconds.append(time.perf_counter() - t0)
+        seconds = time.perf_counter() - t0
+        self.fetch_seconds.append(seconds)
+        service_metrics().fetch_latency(seconds, self.rank)
         return batch, info
 
     def _broadcast(self, batch: dict[str, torch.Tensor] | None, info: dict | None):
@@ -247,6 +255,12 @@ class Client:
         out = self.source.get_encoder_images(step, self.rank)
         self.encoder_seconds.append(time.perf_counter() - t0)
         return out
+
+    def report_loss(self, step: int, losses: Mapping[int, float]) -> None:
+        """Report `step`'s per-source training loss to the Planner (feedback mixing)."""
+        if self.source is None:
+            raise ConfigError(f"rank {self.rank} has no source to report losses through")
+        self.source.report_loss(step, dict(losses))
 
     def drain(self) -> dict[str, list]:
         """The records since the last drain (``delivered``, ``fetch_seconds``, ``digests``), cleared."""

@@ -166,6 +166,11 @@ class ServiceConfig(BatchConfig):
     def source_names(self) -> list[str]:
         return [s.name for s in self.sources]
 
+    @property
+    def feedback_mixing(self) -> bool:
+        """Whether the mixture follows the trainer's per-source loss (a feedback schedule)."""
+        return self.mixing_config().get("type") == "feedback"
+
     def mixing_config(self) -> dict[str, Any]:
         if self.mixing is not None:
             return dict(self.mixing)

@@ -152,6 +152,7 @@ class DataConstructor:
         self.pad_id = pad_id
         self.image_token_id = image_token_id
         self.decode = decode
+        self.split_loss = config.feedback_mixing  # per-token source ids so the loss splits per source
         self.layout = topology.layout
         self.fetchers = {b: topology.fetchers(b) for b in self.buckets}
         self.get_encoder_plan = get_encoder_plan
@@ -196,6 +197,7 @@ class DataConstructor:
                     with_attention_mask=self.config.with_attention_mask,
                     pad_to_multiple_of=mult,
                     variable_length=True,
+                    source_ids=[r.source for r in refs if (r.source, r.position) in pool] if self.split_loss else None,
                 )
                 built.batches[(b, j)] = batch
                 delivered = [(r.source, r.position, r.index) for r in refs if (r.source, r.position) in pool]

@@ -17,6 +17,7 @@ from megascale_data_ext.dataplane.placetree import ClientPlaceTree
 from megascale_data_ext.runtime.config import ServiceConfig
 from megascale_data_ext.runtime.constructor import DataConstructor, EncoderImages, encoder_rows, merge_encoder_images
 from megascale_data_ext.runtime.loader import SourceLoader
+from megascale_data_ext.runtime.metrics import record_plan
 from megascale_data_ext.runtime.planner import Planner
 from megascale_data_ext.runtime.topology import ServiceTopology
 from megascale_data_ext.sources.tokenizer import load_tokenizer
@@ -37,7 +38,8 @@ class InProcessService:
         self.topology = topo = ServiceTopology.of(config, tree)
         self.tree = topo.tree
         self.loaders = [SourceLoader(i, s, seed=config.seed, shuffle=config.shuffle) for i, s in enumerate(config.sources)]
-        self.planner = Planner(config, topo, lambda s, start, n: self.loaders[s].summary_buffer(start, n))
+        self.planner = Planner(config, topo, lambda s, start, n: self.loaders[s].summary_buffer(start, n),
+                               on_planned=record_plan)
         for ld in self.loaders:
             ld.get_plan = self.planner.loader_plan
         tok = load_tokenizer(config.sources[0].tokenizer)
@@ -63,3 +65,7 @@ class InProcessService:
     def get_encoder_images(self, step: int, rank: int) -> EncoderImages:
         """Rank `rank`'s encoder share of `step`, gathered from every constructor."""
         return merge_encoder_images([c.get_encoder_images(step, rank) for c in self.constructors])
+
+    def report_loss(self, step: int, losses: dict[int, float]) -> None:
+        """Hand the Planner the per-source loss of `step` (loss-driven mixing)."""
+        self.planner.report_loss(step, losses)

@@ -9,16 +9,23 @@ step recomputes exactly the plans an uninterrupted run would have made.
 Replay mode (``config.replay_dir``): the plans `megascale-data plan` wrote are served instead
 of planned (`PlanStore`), refused if they were made under another config or layout.
 
-Checkpoint (`StateSchema` "planner", version 2): fingerprint = the config's stream-deciding
+Loss-driven mixing (a feedback schedule with ``delay`` d): the trainer reports each step's
+per-source loss (`report_loss`); planning step s first applies the reports of every step up
+to s - d, in order, waiting for one that has not arrived yet (a named PlanError after
+``report_timeout_s``). Plans therefore depend on the reports, never on prefetch timing.
+
+Checkpoint (`StateSchema` "planner", version 3): fingerprint = the config's stream-deciding
 fields (`ServiceConfig.fingerprint()`) plus the parallel layout; fields ``step`` (the next
-step to plan), ``cursors`` (next stream position per source) and ``mixer`` (the Mixer's own
-state). That is all: plans are recomputed from it.
+step to plan), ``cursors`` (next stream position per source), ``mixer`` (the Mixer's own
+state) and ``reports`` (loss reports received but not yet applied, ``[[step, [loss|None per
+source]], ...]``). That is all: plans are recomputed from it.
 """
 
 from __future__ import annotations
 
 import copy
 import threading
+import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -45,13 +52,19 @@ class Planner:
         config: The service config (sources, batch shape, strategy, mixing).
         topology: The service topology (its tree is the mesh plans are made for).
         summarize: ``(source_id, start_position, count) -> SourceSummary`` — asks a loader.
-        keep: How many planned steps to keep cached behind the newest one.
+        keep: How many planned steps (and their states) to keep behind the newest one: enough for
+            the constructors' prefetch and a checkpoint of the step the trainer is at (a
+            4,096-GPU plan is ~30 MiB, see `megascale-data simulate`).
+        report_timeout_s: Longest wait for a loss report a feedback schedule needs.
+        on_planned: Called with each newly planned (or replayed) step and its planning seconds
+            (metrics: `runtime.metrics.record_plan`); it must not raise.
     """
 
-    STATE = StateSchema("planner", 2, ("step", "cursors", "mixer"),
+    STATE = StateSchema("planner", 3, ("step", "cursors", "mixer", "reports"),
                         hint="resume with the data config and parallel layout of the saved run")
 
-    def __init__(self, config: ServiceConfig, topology: ServiceTopology, summarize: Summarize, *, keep: int = 64):
+    def __init__(self, config: ServiceConfig, topology: ServiceTopology, summarize: Summarize, *, keep: int = 16,
+                 report_timeout_s: float = 600.0, on_planned: Callable[[StepPlan, float], None] | None = None):
         self.config = config
         self.topology = topology
         self.tree = topology.tree
@@ -65,6 +78,10 @@ class Planner:
         self.next_step = 0
         self.cursors = np.zeros(len(names), dtype=np.int64)
         self.plans: dict[int, StepPlan] = {}
+        self.report_timeout_s = report_timeout_s
+        self.on_planned = on_planned
+        self._reports: dict[int, list[float | None]] = {}  # per-source loss by reported step
+        self._reports_cv = threading.Condition()  # not self._lock: a report arrives while planning waits
         self.replay = PlanStore(config.replay_dir) if config.replay_dir else None
         if self.replay is not None:
             self.replay.check(self.fingerprint())
@@ -76,14 +93,63 @@ class Planner:
         """What a saved state must have been planned with: the stream-deciding config and the layout."""
         return {**self.config.fingerprint(), "world": self.tree.layout()}
 
-    def _snapshot(self) -> dict[str, Any]:
-        return self.STATE.stamp(self.fingerprint(), step=self.next_step, cursors=self.cursors.tolist(),
-                                mixer=copy.deepcopy(self.mixer.state_dict()))
+    def _snapshot(self) -> tuple[dict[str, Any], int]:
+        """The state before the next step, without its reports, and the last report step applied."""
+        state = {"step": self.next_step, "cursors": self.cursors.tolist(),
+                 "mixer": copy.deepcopy(self.mixer.state_dict())}
+        return state, self._applied_through()
+
+    def _stamp(self, snapshot: tuple[dict[str, Any], int]) -> dict[str, Any]:
+        """A snapshot with the reports received after what it had applied (and before its step)."""
+        state, applied = snapshot
+        with self._reports_cv:
+            reports = [[k, self._reports[k]] for k in sorted(self._reports) if applied < k < state["step"]]
+        return self.STATE.stamp(self.fingerprint(), reports=reports, **state)
+
+    # -- loss-driven mixing --------------------------------------------------------
+    @property
+    def report_delay(self) -> int | None:
+        """d of a feedback schedule (step k's loss shapes step k + d); None for static schedules."""
+        schedule = self.mixer.schedule
+        return getattr(schedule, "delay", None) if hasattr(schedule, "report_loss") else None
+
+    def _applied_through(self) -> int:
+        last = getattr(self.mixer.schedule, "last_step", None)
+        return -1 if last is None else int(last)
+
+    def _await_reports(self, step: int) -> None:
+        """Wait until every report planning `step` needs (steps up to ``step - delay``) has arrived."""
+        delay = self.report_delay
+        if delay is None:
+            return
+        for k in range(self._applied_through() + 1, step - delay + 1):
+            with self._reports_cv:
+                if not self._reports_cv.wait_for(lambda k=k: k in self._reports, timeout=self.report_timeout_s):
+                    raise PlanError(
+                        f"planning step {step} needs the per-source loss of step {k} (feedback mixing, delay {delay}) "
+                        f"but none arrived within {self.report_timeout_s:g} s: the trainer must report every step "
+                        "(hooks: install(client, report_loss=True)), or use a static mixing schedule")
+
+    def _apply_reports(self, step: int) -> None:
+        """Fold in the reports of steps up to ``step - delay``, in step order."""
+        delay = self.report_delay
+        if delay is None:
+            return
+        self._await_reports(step)  # present already when called from plan(); waits otherwise
+        for k in range(self._applied_through() + 1, step - delay + 1):
+            with self._reports_cv:
+                values = self._reports[k]
+            self.mixer.schedule.report_loss(k, {i: v for i, v in enumerate(values) if v is not None})
+        with self._reports_cv:
+            for old in [k for k in self._reports if k < step - delay - self.keep]:
+                del self._reports[old]
 
     def _plan_next(self) -> StepPlan:
         step = self.next_step
         self._states[step] = self._snapshot()
+        t0 = time.perf_counter()
         plan = self._replayed(step) if self.replay is not None else self._planned(step)
+        seconds = time.perf_counter() - t0
         if plan.fetch_ranks != tuple(self.topology.fetch_ranks()):
             raise PlanError(f"step {step}: the plan's fetching ranks {list(plan.fetch_ranks)} (broadcast_at "
                             f"{list(plan.broadcast_dims)}) differ from the runtime's {self.topology.fetch_ranks()} "
@@ -92,6 +158,8 @@ class Planner:
         self.cursors += plan.counts_per_source()
         self.plans[step] = plan
         self.next_step = step + 1
+        if self.on_planned is not None:
+            self.on_planned(plan, seconds)
         for old in [s for s in self.plans if s < step - self.keep]:
             self.plans.pop(old, None)
             self._states.pop(old, None)
@@ -99,6 +167,7 @@ class Planner:
 
     def _planned(self, step: int) -> StepPlan:
         """Plan `step` live: buffer summaries -> mix -> strategy (deferring what does not fit)."""
+        self._apply_reports(step)
         window = self.config.buffer_size
         summaries = [self.summarize(s, int(self.cursors[s]), window) for s in range(len(self.cursors))]
         buffer = BufferSummary.of(summaries)
@@ -140,37 +209,64 @@ class Planner:
         raise CapacityError(f"step {step}: not even one sample fits {capacity} tokens of microbatches")
 
     def plan(self, step: int) -> StepPlan:
-        with self._lock:
-            if step in self.plans:
-                return self.plans[step]
-            if step < self.next_step:
-                raise ResumeError(f"plan for step {step} was dropped (planner is at step {self.next_step}); keep={self.keep}")
-            while self.next_step <= step:
-                self._plan_next()
-            return self.plans[step]
+        """The plan of `step`, planning the steps before it first (in order).
+
+        A feedback schedule's missing loss reports are awaited *outside* the planning lock, so
+        planned steps stay available to every constructor while a later step waits.
+        """
+        while True:
+            with self._lock:
+                if step in self.plans:
+                    return self.plans[step]
+                if step < self.next_step:
+                    raise ResumeError(f"plan for step {step} was dropped (planner is at step {self.next_step}); "
+                                      f"keep={self.keep}")
+                target = self.next_step
+            self._await_reports(target)
+            with self._lock:
+                if self.next_step == target:
+                    self._plan_next()
 
     def loader_plan(self, step: int, source: int) -> LoaderPlan:
         return self.plan(step).loader_do_plan(source)
 
     def report_loss(self, step: int, losses: Mapping[int | str, float]) -> None:
-        """Feed per-source loss to a feedback mixing schedule (no-op for static schedules)."""
-        report = getattr(self.mixer.schedule, "report_loss", None)
-        if report is not None:
-            with self._lock:
-                report(step, losses)
+        """Record the trainer's per-source loss of `step` (by source index or name); a feedback
+        schedule applies it when step + delay is planned. No-op for static schedules.
+
+        Raises:
+            PlanError: an unknown source, or a second, different report for the same step.
+        """
+        if self.report_delay is None:
+            return
+        names = self.config.source_names
+        values: list[float | None] = [None] * len(names)
+        for key, loss in losses.items():
+            i = names.index(key) if isinstance(key, str) and key in names else key
+            if not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < len(names):
+                raise PlanError(f"report_loss(step {step}): unknown source {key!r}; use an index in "
+                                f"[0, {len(names)}) or one of {names}")
+            values[i] = float(loss)
+        with self._reports_cv:
+            if self._reports.get(step, values) != values:
+                raise PlanError(f"step {step}'s loss was reported twice with different values "
+                                f"({self._reports[step]} vs {values})")
+            self._reports[step] = values
+            self._reports_cv.notify_all()
 
     # -- state ---------------------------------------------------------------------
     def state_dict(self, step: int | None = None) -> dict[str, Any]:
         """The planner state *before* planning `step` (default: the next unplanned step)."""
         with self._lock:
             if step is None or step == self.next_step:
-                return self._snapshot()
+                return self._stamp(self._snapshot())
             if step in self._states:
-                return copy.deepcopy(self._states[step])
-            if step > self.next_step:
-                self.plan(step - 1)
-                return self._snapshot()
-            raise ResumeError(f"state for step {step} is no longer kept (planner at {self.next_step}, keep={self.keep})")
+                return self._stamp(copy.deepcopy(self._states[step]))
+            if step < self.next_step:
+                raise ResumeError(f"state for step {step} is no longer kept (planner at {self.next_step}, "
+                                  f"keep={self.keep})")
+        self.plan(step - 1)  # a future step: plan up to it first (without holding the lock)
+        return self.state_dict(step)
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continue planning at the saved step; refuses another config, layout or version (ResumeError)."""
@@ -182,5 +278,7 @@ class Planner:
             self.next_step = int(fields["step"])
             self.cursors = np.asarray(fields["cursors"], dtype=np.int64)
             self.mixer.load_state_dict(fields["mixer"])
+            with self._reports_cv:
+                self._reports = {int(k): list(v) for k, v in fields["reports"]}
             self.plans.clear()
             self._states.clear()

@@ -20,7 +20,10 @@ def join_ray(address: str | None, namespace: str) -> None:
     """Join the service's Ray cluster once per process (no-op when already joined)."""
     import ray
 
+    from megascale_data_ext.runtime.ray_address import check_reachable
+
     if not ray.is_initialized():
+        check_reachable(address)
         ray.init(address=address, namespace=namespace, log_to_driver=False, configure_logging=False)
 
 
@@ -60,6 +63,14 @@ class RemoteConstructors:
 
         handle = self._handle(self.topology.constructor_of_rank(rank))
         return ray.get(handle.get.remote(step, microbatch, rank))
+
+    def report_loss(self, step: int, losses: dict[int, float]) -> None:
+        """Hand the Planner the per-source loss of `step` (loss-driven mixing)."""
+        import ray
+
+        join_ray(self.address, self.topology.namespace)
+        planner = ray.get_actor(PLANNER_NAME, namespace=self.topology.namespace)
+        ray.get(planner.report_loss.remote(step, losses))
 
     def get_encoder_images(self, step: int, rank: int) -> EncoderImages:
         import ray

@@ -18,6 +18,7 @@ from megascale_data_ext.dataplane.placetree import ClientPlaceTree
 from megascale_data_ext.runtime.actors import DataConstructorActor, PlannerActor, SourceLoaderActor
 from megascale_data_ext.runtime.config import ServiceConfig
 from megascale_data_ext.runtime.handles import ServiceHandles
+from megascale_data_ext.runtime.ray_address import check_reachable
 from megascale_data_ext.runtime.topology import PLANNER_NAME, ServiceTopology
 from megascale_data_ext.sources.tokenizer import load_tokenizer
 
@@ -66,6 +67,7 @@ class DataService:
         t0 = time.perf_counter()
         cfg, topo = self.config, self.topology
         if not ray.is_initialized():
+            check_reachable(cfg.ray.address)  # a named error in seconds, not ray.init retrying for minutes
             ray.init(**cfg.ray.init_kwargs(), include_dashboard=False, log_to_driver=True, configure_logging=False)
             self._owns_ray = True
         ns = topo.namespace

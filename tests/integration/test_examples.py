@@ -53,3 +53,24 @@ def test_gpt_example_pp4_middle_stages_train_with_document_masks(data_root, tmp_
     assert all(np.isfinite(s["loss"]) for s in logs[0])
     for rank in (1, 2):  # middle stages received one (mask-only) microbatch per schedule slot
         assert all(len(s["digests"]) == len(logs[0][i]["digests"]) for i, s in enumerate(logs[rank]))
+
+
+def test_loss_driven_mixing_end_to_end(data_root, tmp_path):
+    """Feedback mixing through the real example: the hooks report each step's per-source loss
+    from the last pipeline stage, and the Planner applies step k's report exactly at k + delay."""
+    ckpt = tmp_path / "ckpt"
+    logs = run_example(data_root, tmp_path / "fb", "parallel.tensor_model_parallel_size=1",
+                       "parallel.pipeline_model_parallel_size=2", "data.samples_per_step=16", "train.train_iters=4",
+                       "data.mixing.type=feedback", "+data.mixing.params.base_weights=[1,1,1,1]",
+                       "+data.mixing.params.delay=2", "+data.mixing.params.lr=0.5", f"train.save={ckpt}",
+                       "train.save_interval=4")
+    assert all(np.isfinite(s["loss"]) for s in logs[0])
+    import json
+
+    state = json.loads((ckpt / "step_0000004" / "data_state.json").read_text())
+    schedule = state["mixer"]["schedule"]
+    assert schedule["last_step"] == 1 and schedule["num_reports"] == 2  # steps 0, 1 applied (planning 2, 3)
+    assert [k for k, _ in state["reports"]] == [2, 3]  # reported, to be applied when planning steps 4 and 5
+    for _, losses in state["reports"]:
+        assert any(v is not None and 0 < v < 20 for v in losses)
+    assert schedule["weights"] != [0.25] * 4  # the mixture moved with the reported losses

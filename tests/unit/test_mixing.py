@@ -130,7 +130,8 @@ def test_build_schedule_from_plain_dicts() -> None:
         {"type": "piecewise", "boundaries": [0, 10], "weights": [[1.0, 0.0, 0.0], [1.0, 1.0, 1.0]], "unit": "step",
          "steps_per_epoch": None},
         {"type": "ramp", "start": [1.0, 0.0, 0.0], "end": [1.0, 1.0, 1.0], "warmup_steps": 8, "start_step": 2},
-        {"type": "feedback", "base_weights": [1.0, 1.0, 2.0], "lr": 0.5, "smoothing": 0.8, "min_weight": 0.05},
+        {"type": "feedback", "base_weights": [1.0, 1.0, 2.0], "lr": 0.5, "smoothing": 0.8, "min_weight": 0.05,
+         "delay": 2},
     ]
     for config in configs:
         schedule = build_schedule(config, source_names=NAMES)

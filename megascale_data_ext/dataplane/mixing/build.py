@@ -23,7 +23,7 @@ _SPECS: dict[ScheduleType, tuple[Callable[..., MixingSchedule], tuple[str, ...],
     ScheduleType.CONSTANT: (ConstantSchedule, ("weights",), ()),
     ScheduleType.PIECEWISE: (PiecewiseSchedule, ("boundaries", "weights"), ("unit", "steps_per_epoch")),
     ScheduleType.RAMP: (LinearRampSchedule, ("start", "end", "warmup_steps"), ("start_step",)),
-    ScheduleType.FEEDBACK: (FeedbackSchedule, ("base_weights",), ("lr", "smoothing", "min_weight")),
+    ScheduleType.FEEDBACK: (FeedbackSchedule, ("base_weights",), ("lr", "smoothing", "min_weight", "delay")),
 }
 _WEIGHT_KEYS = ("weights", "start", "end", "base_weights")
 

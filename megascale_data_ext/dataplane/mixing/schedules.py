@@ -247,13 +247,16 @@ class FeedbackSchedule(_Schedule):
 
     ``weights(step)`` returns the mixture after the latest report: the single Planner actor
     sequences reports and plans, so the same reports in the same order give the same weights.
+    ``delay`` is the d of "step k's report is applied exactly when planning step k + d": the
+    Planner waits for that report, so a run (and a resume) is reproducible whatever the
+    prefetch timing; pick d > the prefetch depth so planning never waits on the trainer.
 
     Checkpoint schema: ``{"version", "config", "ema": [float|None], "weights": [float],
     "last_step": int|None, "num_reports": int, "num_ignored": int}``.
     """
 
-    __slots__ = ("_base", "_ema", "_raw", "_w", "last_step", "lr", "min_weight", "num_ignored", "num_reports",
-                 "smoothing")
+    __slots__ = ("_base", "_ema", "_raw", "_w", "delay", "last_step", "lr", "min_weight", "num_ignored",
+                 "num_reports", "smoothing")
     STATE = StateSchema("mixing_schedule", 2, ("ema", "weights", "last_step", "num_reports", "num_ignored"),
                         hint=_HINT)
 
@@ -264,11 +267,14 @@ class FeedbackSchedule(_Schedule):
         lr: float = 1.0,
         smoothing: float = 0.9,
         min_weight: float = 0.0,
+        delay: int = 3,
         source_names: Sequence[str] | None = None,
     ) -> None:
         self.source_names = names_tuple(source_names)
         problems: list[str] = []
         base = check_weights("base_weights", base_weights, self.source_names, problems)
+        if not is_count(delay) or delay < 1:
+            problems.append(f"`delay` must be an integer >= 1 (step k's loss is applied at step k + delay), got {delay!r}")
         if not (isinstance(lr, (int, float)) and math.isfinite(lr) and lr >= 0):
             problems.append(f"`lr` must be a finite number >= 0, got {lr!r}")
         if not (isinstance(smoothing, (int, float)) and 0 <= smoothing < 1):
@@ -282,7 +288,7 @@ class FeedbackSchedule(_Schedule):
             problems.append(f"`min_weight` must be a number >= 0, got {min_weight!r}")
         raise_problems(problems, "feedback mixing schedule")
         self._raw, self._base = [float(x) for x in base_weights], base
-        self.lr, self.smoothing, self.min_weight = float(lr), float(smoothing), float(min_weight)
+        self.lr, self.smoothing, self.min_weight, self.delay = float(lr), float(smoothing), float(min_weight), delay
         self._ema = np.full(base.size, np.nan)
         self._w = self._floor(base.copy())
         self.last_step: int | None = None
@@ -341,7 +347,7 @@ class FeedbackSchedule(_Schedule):
 
     def to_config(self) -> dict[str, Any]:
         return {"type": ScheduleType.FEEDBACK.value, "base_weights": list(self._raw), "lr": self.lr,
-                "smoothing": self.smoothing, "min_weight": self.min_weight}
+                "smoothing": self.smoothing, "min_weight": self.min_weight, "delay": self.delay}
 
     def state_dict(self) -> dict[str, Any]:
         return self.STATE.stamp(self.to_config(), ema=[None if np.isnan(x) else float(x) for x in self._ema],
