@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from megascale_data_ext.commands.info import add_config_arguments, fail, load_data_config
+from megascale_data_ext.commands._config_args import add_config_arguments, fail, load_data_config
 from megascale_data_ext.errors import MegascaleDataError
 
 NAME = "heatmap"

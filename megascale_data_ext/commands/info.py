@@ -6,8 +6,8 @@ patches, the mixing weight and its share, and the expected samples and epochs ov
 ``--steps`` steps (``samples_per_step`` x the schedule's share, summed over the steps, / rows;
 with ``overflow: defer`` ``samples_per_step`` is a maximum, so these are upper bounds).
 
-The config is given like a training run's (this module also holds the config arguments the
-``lint`` and ``heatmap`` commands share): Hydra overrides on the package's ``conf/train_gpt.yaml``
+The config is given like a training run's (`commands._config_args`, shared with ``lint``,
+``heatmap`` and ``plan``): Hydra overrides on the package's ``conf/train_gpt.yaml``
 (``sources=demo_vlm data.data_root=/data data.samples_per_step=64``), another config by
 ``--config-dir``/``--config-name``, or a YAML file first (a Hydra config with ``defaults`` is
 composed from its directory; a plain one is read as it is, a ``data`` node or a whole config).
@@ -18,60 +18,15 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import sys
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from megascale_data_ext.commands._config_args import add_config_arguments, fail, load_data_config
 from megascale_data_ext.errors import MegascaleDataError
 
 NAME = "info"
 HELP = "Rows, tokens, images and expected epochs per source of a data config (Hydra overrides or a YAML file)."
-
-
-# -- the config arguments info, lint and heatmap share -----------------------------------
-def add_config_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("config", nargs="*", metavar="CONFIG.yaml|OVERRIDE",
-                        help="a config YAML file and/or Hydra overrides (key=value, group=option), e.g. "
-                             "sources=demo_text data.data_root=demo_data")
-    parser.add_argument("--config-dir", default=None, metavar="DIR",
-                        help="Hydra config directory (default: the package's conf/)")
-    parser.add_argument("--config-name", default=None, metavar="NAME", help="config to compose (default: train_gpt)")
-
-
-def compose_from_args(args: argparse.Namespace) -> Any:
-    """The composed (not yet validated) config the arguments name."""
-    from omegaconf import OmegaConf
-
-    from megascale_data_ext.config import compose_config
-    from megascale_data_ext.errors import ConfigError
-
-    items = list(args.config)
-    if items and "=" not in items[0] and items[0].endswith((".yaml", ".yml")):
-        path = Path(items.pop(0))
-        if not path.is_file():
-            raise ConfigError(f"config file {str(path)!r} not found")
-        raw = OmegaConf.load(path)
-        if "defaults" in raw:
-            return compose_config(items, path.stem, config_dir=path.parent)
-        bad = [o for o in items if "=" not in o or o.startswith(("+", "~"))]
-        if bad:
-            raise ConfigError(f"{str(path)!r} has no `defaults`, so only key=value overrides apply; got {bad}")
-        return OmegaConf.merge(raw, OmegaConf.from_dotlist(items))
-    return compose_config(items, args.config_name or "train_gpt", config_dir=args.config_dir)
-
-
-def load_data_config(args: argparse.Namespace, *, check_paths: bool = True, context_parallel_size: int = 1) -> Any:
-    """The validated `MegascaleDataConfig` of the arguments (raises ConfigError listing problems)."""
-    from megascale_data_ext.config import load_config
-
-    return load_config(compose_from_args(args), check_paths=check_paths, context_parallel_size=context_parallel_size)
-
-
-def fail(exc: Exception) -> int:
-    print(f"error: {exc}", file=sys.stderr)
-    return 2
 
 
 # -- info ------------------------------------------------------------------------------

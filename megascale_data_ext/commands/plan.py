@@ -1,7 +1,8 @@
 """`megascale-data plan`: run the real Planner ahead of time and write its plans for replay mode.
 
-The training config (``conf/train_gpt.yaml`` by default, or ``--config-dir/--config-name``)
-gives the data node and the parallel layout; ``--world-size`` gives the number of ranks. A
+The training config (``conf/train_gpt.yaml`` with overrides by default, a YAML file, or
+``--config-dir/--config-name``; see `commands._config_args`) gives the data node and the
+parallel layout; ``--world-size`` gives the number of ranks. A
 service started with ``data.replay_dir=DIR`` then serves exactly these plans without planning.
 """
 
@@ -12,30 +13,34 @@ import sys
 import time
 from pathlib import Path
 
+from megascale_data_ext.commands._config_args import add_config_arguments, compose_from_args, fail
+from megascale_data_ext.errors import MegascaleDataError
+
 NAME = "plan"
 HELP = "Write the step plans of a training config to a directory (replay mode: data.replay_dir)."
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. sources=demo_text data.data_root=DIR")
+    add_config_arguments(parser)
     parser.add_argument("--steps", type=int, required=True, help="steps to plan (0 .. steps-1)")
     parser.add_argument("--out", type=Path, required=True, help="directory for manifest.json and step_*.npz")
     parser.add_argument("--world-size", type=int, required=True, help="trainer ranks (dp = world / (tp*cp*pp))")
-    parser.add_argument("--config-dir", type=Path, default=None, help="config directory (default: the package's conf/)")
-    parser.add_argument("--config-name", default="train_gpt", help="config to compose (default: train_gpt)")
 
 
 def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from megascale_data_ext.config import compose_config, load_config
+    from megascale_data_ext.config import load_config
     from megascale_data_ext.dataplane.placetree import ClientPlaceTree
     from megascale_data_ext.dataplane.plan_store import PlanStore
     from megascale_data_ext.runtime.inprocess import InProcessService
 
     if args.steps < 1:
         raise SystemExit("--steps must be >= 1")
-    cfg = compose_config(args.overrides, args.config_name, config_dir=args.config_dir)
+    try:
+        cfg = compose_from_args(args)
+    except MegascaleDataError as exc:
+        return fail(exc)
     par = cfg.parallel
     tp, pp = int(par.tensor_model_parallel_size), int(par.pipeline_model_parallel_size)
     cp, vpp = int(par.get("context_parallel_size", 1)), par.get("virtual_pipeline_model_parallel_size")
