@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Demo data (once), then VLM pretraining at TP1·PP2·DP2 on 4 CPU processes; extra args are Hydra overrides.
+# Demo data (once), then VLM pretraining at TP1·PP2·DP2 on 4 CPU processes; extra args are Hydra overrides
+# or flags (--config-dir DIR --config-name NAME; `python examples/pretrain_vlm.py --help` lists them).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}

@@ -25,7 +25,7 @@ def compose_from_args(args: argparse.Namespace) -> Any:
     """The composed (not yet validated) config the arguments name."""
     from omegaconf import OmegaConf
 
-    from megascale_data_ext.config import compose_config
+    from megascale_data_ext.config import compose_config, conf_dir
     from megascale_data_ext.errors import ConfigError
 
     items = list(args.config)
@@ -35,12 +35,13 @@ def compose_from_args(args: argparse.Namespace) -> Any:
             raise ConfigError(f"config file {str(path)!r} not found")
         raw = OmegaConf.load(path)
         if "defaults" in raw:
-            return compose_config(items, path.stem, config_dir=path.parent)
+            return compose_config(items, path.stem, config_dir=path.parent, search_path=[conf_dir()])
         bad = [o for o in items if "=" not in o or o.startswith(("+", "~"))]
         if bad:
             raise ConfigError(f"{str(path)!r} has no `defaults`, so only key=value overrides apply; got {bad}")
         return OmegaConf.merge(raw, OmegaConf.from_dotlist(items))
-    return compose_config(items, args.config_name or "train_gpt", config_dir=args.config_dir)
+    search = [conf_dir()] if args.config_dir is not None else []  # a user's dir can use the package groups
+    return compose_config(items, args.config_name or "train_gpt", config_dir=args.config_dir, search_path=search)
 
 
 def load_data_config(args: argparse.Namespace, *, check_paths: bool = True, context_parallel_size: int = 1) -> Any:

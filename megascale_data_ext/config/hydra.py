@@ -8,7 +8,8 @@ editable install (``pip install -e .``) needs nothing else; elsewhere set ``MEGA
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -38,13 +39,62 @@ def conf_dir() -> Path:
     return d
 
 
+@contextmanager
+def hydra_scope(
+    config_dir: str | os.PathLike[str] | None = None,
+    search_path: Sequence[str | os.PathLike[str]] = (),
+    *,
+    job_name: str = "megascale_data",
+) -> Iterator[None]:
+    """Initialise Hydra on ``config_dir`` (default :func:`conf_dir`), then ``search_path``.
+
+    ``config_dir`` is the primary config directory (searched first, like ``initialize_config_dir``);
+    each ``search_path`` directory follows in order, before the ConfigStore's structured configs,
+    so a user's own directory can pick ``data: megascale`` or ``strategy: llm_balance`` from the
+    package's ``conf/`` (given here) while its own files win. Runs in its own GlobalHydra scope,
+    restored afterwards, so it also works inside a running Hydra app or a test.
+
+    Raises:
+        ConfigError: a directory does not exist.
+    """
+    from hydra import version
+    from hydra._internal.hydra import Hydra
+    from hydra._internal.utils import create_config_search_path
+    from hydra.core.config_search_path import SearchPathQuery
+    from hydra.initialize import get_gh_backup, restore_gh_from_backup
+
+    dirs = [Path(config_dir).resolve() if config_dir is not None else conf_dir()]
+    dirs += [Path(d).resolve() for d in search_path]
+    missing = [str(d) for d in dirs if not d.is_dir()]
+    if missing:
+        raise ConfigError(f"config directory {missing[0]!r} does not exist")
+    backup = get_gh_backup()
+    try:
+        version.setbase("1.3")
+        csp = create_config_search_path(search_path_dir=str(dirs[0]))
+        for d in dirs[1:]:  # each one right before the ConfigStore, i.e. after the previous one
+            csp.prepend(provider="megascale", path=f"file://{d}", anchor=SearchPathQuery(provider="schema"))
+        Hydra.create_main_hydra2(task_name=job_name, config_search_path=csp)
+        yield
+    finally:
+        restore_gh_from_backup(backup)
+
+
 def compose_config(
-    overrides: Sequence[str] = (), config_name: str = "train_gpt", *, config_dir: str | os.PathLike[str] | None = None
+    overrides: Sequence[str] = (),
+    config_name: str = "train_gpt",
+    *,
+    config_dir: str | os.PathLike[str] | None = None,
+    search_path: Sequence[str | os.PathLike[str]] = (),
+    return_hydra_config: bool = False,
 ) -> DictConfig:
     """Compose ``config_name`` from the conf directory with command-line style overrides.
 
     Uses Hydra's compose API in its own GlobalHydra scope (restored afterwards), so it also
-    works inside a running Hydra app or a test.
+    works inside a running Hydra app or a test. ``search_path``: more config directories
+    searched after ``config_dir`` (see :func:`hydra_scope`), e.g. ``[conf_dir()]`` for a user's
+    own directory whose configs use the package's groups. ``return_hydra_config`` keeps the
+    ``hydra`` node.
 
     Raises:
         ConfigError: Hydra cannot compose (unknown group option, bad override syntax, a key
@@ -55,9 +105,14 @@ def compose_config(
     from omegaconf.errors import OmegaConfBaseException
 
     d = Path(config_dir).resolve() if config_dir is not None else conf_dir()
+    where = ", ".join(repr(str(p)) for p in (d, *search_path))
     try:
-        with initialize_config_dir(config_dir=str(d), version_base="1.3", job_name="megascale_data"):
-            return compose(config_name=config_name, overrides=list(overrides))
+        if not search_path:
+            with initialize_config_dir(config_dir=str(d), version_base="1.3", job_name="megascale_data"):
+                return compose(config_name=config_name, overrides=list(overrides),
+                               return_hydra_config=return_hydra_config)
+        with hydra_scope(d, search_path):
+            return compose(config_name=config_name, overrides=list(overrides), return_hydra_config=return_hydra_config)
     except (HydraException, OmegaConfBaseException) as e:
-        msg = f"cannot compose {config_name!r} from {str(d)!r} with overrides {list(overrides)}: {e}"
+        msg = f"cannot compose {config_name!r} from {where} with overrides {list(overrides)}: {e}"
         raise ConfigError(msg) from e

@@ -158,9 +158,16 @@ class DataConstructorActor:
                 return
 
     def get(self, step: int, microbatch: int, rank: int):
+        return self._deliver(step, lambda: self.constructor.get(step, microbatch, rank))
+
+    def get_step(self, step: int, rank: int):
+        """Every microbatch of `step` for `rank` in one reply (the client's step prefetch)."""
+        return self._deliver(step, lambda: self.constructor.get_step(step, rank))
+
+    def _deliver(self, step: int, take: Any) -> Any:
         if self._error is not None:
             raise self._error
-        out = self.constructor.get(step, microbatch, rank)
+        out = take()
         service_metrics().buffered_steps(len(self.constructor._built), "+".join(map(str, self.constructor.buckets)))
         if step + self.prefetch_depth > self._target:
             self._target = step + self.prefetch_depth

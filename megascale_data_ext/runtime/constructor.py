@@ -291,6 +291,10 @@ class DataConstructor:
             self._next_prefetch += 1
 
     # -- client interface ----------------------------------------------------------
+    def get_step(self, step: int, rank: int) -> list[tuple[dict[str, np.ndarray], dict[str, Any]]]:
+        """Every microbatch of `step` for client `rank`, in order: one call per step instead of m."""
+        return [self.get(step, j, rank) for j in range(self.config.num_microbatches)]
+
     def get(self, step: int, microbatch: int, rank: int) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
         """The microbatch `microbatch` of `step` as client `rank` needs it (CP slice, PP fields)."""
         bucket = self.layout.bucket_of_rank(rank)

@@ -36,17 +36,26 @@ def fetch_topology(address: str | None, namespace: str) -> ServiceTopology:
 
 
 class RemoteConstructors:
-    """`MicrobatchSource` over the service's constructor actors.
+    """`MicrobatchSource` over the service's constructor actors, a few steps ahead.
+
+    A fetching rank takes a whole step from its constructor in one call (`get_step`), and keeps
+    the calls of the next ``prefetch_steps`` steps in flight, so in steady state the trainer
+    finds its next step already in this node's object store (read zero-copy). Steps are asked
+    for in order, each once; a step behind the current one is refused by the constructor.
 
     Args:
         topology: The service's topology (from `ServiceHandles` or `fetch_topology`).
         address: Ray address to join; None when Ray is already initialised in this process.
+        prefetch_steps: Steps requested ahead of the one being consumed (0 = none).
     """
 
-    def __init__(self, topology: ServiceTopology, address: str | None = None) -> None:
+    def __init__(self, topology: ServiceTopology, address: str | None = None, *, prefetch_steps: int = 2) -> None:
         self.topology = topology
         self.address = address
+        self.prefetch_steps = prefetch_steps
         self._handles: dict[int, Any] = {}
+        self._pending: dict[tuple[int, int], Any] = {}  # (rank, step) -> ObjectRef of get_step
+        self._current: tuple[int, int, list] | None = None  # (rank, step, microbatches) being consumed
 
     def _handle(self, index: int) -> Any:
         handle = self._handles.get(index)
@@ -61,8 +70,16 @@ class RemoteConstructors:
     def get(self, step: int, microbatch: int, rank: int) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
         import ray
 
-        handle = self._handle(self.topology.constructor_of_rank(rank))
-        return ray.get(handle.get.remote(step, microbatch, rank))
+        if self._current is None or self._current[:2] != (rank, step):
+            handle = self._handle(self.topology.constructor_of_rank(rank))
+            for ahead in range(step, step + 1 + self.prefetch_steps):
+                if (rank, ahead) not in self._pending:
+                    self._pending[(rank, ahead)] = handle.get_step.remote(ahead, rank)
+            ref = self._pending.pop((rank, step))
+            for stale in [k for k in self._pending if k[0] == rank and k[1] < step]:
+                del self._pending[stale]  # skipped steps: their microbatches stay with the constructor
+            self._current = (rank, step, ray.get(ref))
+        return self._current[2][microbatch]
 
     def report_loss(self, step: int, losses: dict[int, float]) -> None:
         """Hand the Planner the per-source loss of `step` (loss-driven mixing)."""

@@ -1,0 +1,182 @@
+"""The examples' Hydra-style command line (megascale_data_ext/megatron/app.py): --help, --cfg job,
+a user's own --config-dir whose config uses the package's groups, trained for real under torchrun
+on the user's own JSONL sources, and a bad config value reported in one line, not a traceback flood."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from omegaconf import OmegaConf
+
+from megascale_data_ext.errors import ConfigError
+from megascale_data_ext.megatron import app
+from tests.dist import launch
+
+pytestmark = pytest.mark.slow
+
+REPO = launch.REPO_ROOT
+GPT = REPO / "examples" / "pretrain_gpt.py"
+VLM = REPO / "examples" / "pretrain_vlm.py"
+SOURCES = {"web": 40, "code": 24}  # the user's JSONL files and their line counts
+
+
+def cli(script: Path, *args: str, cwd: Path = REPO) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, str(script), *args], cwd=cwd, env=launch.torchrun_env(),
+                          capture_output=True, text=True, timeout=120)
+
+
+def write_user_config(root: Path, **layout: int) -> Path:
+    """A user's own directory: two JSONL sources and myconf/mytrain.yaml on the package's groups."""
+    rng = np.random.default_rng(0)
+    words = "the service packs documents of different lengths into balanced microbatches".split()
+    (root / "mydata").mkdir(parents=True, exist_ok=True)
+    for name, n in SOURCES.items():
+        lines = [json.dumps({"text": f"{name} {i}: " + " ".join(rng.choice(words, rng.integers(3, 60)))})
+                 for i in range(n)]
+        (root / "mydata" / f"{name}.jsonl").write_text("\n".join(lines) + "\n")
+    conf = root / "myconf"
+    conf.mkdir(exist_ok=True)
+    par = {"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 2, **layout}
+    (conf / "mytrain.yaml").write_text(f"""\
+defaults:
+  - data: megascale
+  - strategy: llm_balance
+  - ray: local
+  - _self_
+data:
+  data_root: {root / 'mydata'}
+  sources:
+    - {{name: web, format: jsonl, paths: [web.jsonl], weight: 2.0, truncate: true}}
+    - {{name: code, format: jsonl, paths: [code.jsonl], weight: 1.0, truncate: true}}
+  samples_per_step: 8
+  num_microbatches: 2
+  seq_length: 512
+  strategy:
+    args:
+      model: gpt-tiny
+  ray:
+    num_cpus: 2
+model:
+  num_layers: 2
+  hidden_size: 64
+  num_attention_heads: 4
+parallel:
+  tensor_model_parallel_size: {par['tensor_model_parallel_size']}
+  pipeline_model_parallel_size: {par['pipeline_model_parallel_size']}
+  context_parallel_size: 1
+  virtual_pipeline_model_parallel_size: null
+train:
+  train_iters: 2
+  lr: 1.0e-3
+  seed: 1234
+  save: null
+  save_interval: 0
+  load: null
+  log_dir: {root / 'logs'}
+  record_digests: false
+""")
+    return conf
+
+
+# -- fast: no torchrun ---------------------------------------------------------------------------
+
+def test_help_lists_the_config_groups_and_exits_0():
+    proc = cli(GPT, "--help")
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert "--config-dir" in out and "--config-name" in out and "--cfg" in out
+    strategy_line = next(line for line in out.splitlines() if line.strip().startswith("strategy:"))
+    for option in sorted(p.stem for p in (REPO / "conf" / "strategy").glob("*.yaml")):
+        assert option in strategy_line
+    assert "train_gpt (default)" in out
+
+
+def test_cfg_job_prints_the_composed_config_with_overrides_and_starts_nothing(tmp_path):
+    proc = cli(GPT, "data.seq_length=2048", "--cfg", "job", "strategy=vanilla", "+train.note=from-the-cli",
+               cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    cfg = OmegaConf.create(proc.stdout)
+    assert cfg.data.seq_length == 2048 and cfg.train.note == "from-the-cli"
+    assert cfg.data.strategy._target_.endswith(".Vanilla") and "hydra" not in cfg
+    assert not any(tmp_path.iterdir())  # nothing written, no Ray started
+    vlm = cli(VLM, "--cfg", "job", "--package", "data.strategy")
+    assert vlm.returncode == 0, vlm.stderr
+    assert OmegaConf.create(vlm.stdout).name == "vlm_balance"  # the VLM example composes conf/train_vlm.yaml
+
+
+def test_own_config_dir_uses_the_package_groups_and_its_own_files_win(tmp_path):
+    conf = write_user_config(tmp_path)
+    (conf / "ray").mkdir()
+    (conf / "ray" / "local.yaml").write_text("# @package data.ray\naddress: null\nnamespace: mine\n")
+    proc = cli(GPT, "--config-dir", str(conf), "--config-name", "mytrain", "--cfg", "job", "data.seq_length=256")
+    assert proc.returncode == 0, proc.stderr
+    cfg = OmegaConf.create(proc.stdout)
+    assert [s.name for s in cfg.data.sources] == ["web", "code"] and cfg.data.seq_length == 256
+    assert cfg.data.strategy._target_.endswith(".LLMBalance")  # from the package's conf/strategy
+    assert cfg.data.mixing.type == "constant"                    # from the package's conf/data/megascale.yaml
+    assert cfg.data.ray.namespace == "mine"                      # the user's ray/local.yaml wins
+    helped = cli(GPT, "--config-path", str(conf), "--help")
+    assert helped.returncode == 0 and "mytrain" in helped.stdout and str(conf) in helped.stdout
+    missing = cli(GPT, "--config-dir", str(tmp_path / "nope"), "--cfg", "job")
+    assert missing.returncode == 1 and "error: ConfigError" in missing.stderr and "nope" in missing.stderr
+
+
+@pytest.mark.filterwarnings("ignore:Unable to enable fault handler")  # capsys has no fileno
+def test_megascale_errors_are_one_line_and_go_to_torchruns_error_file(tmp_path, monkeypatch, capsys):
+    error_file = tmp_path / "error.json"
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
+
+    def train(cfg):
+        raise ConfigError(f"`data.seq_length`: bad {cfg.data.seq_length}")
+
+    assert app.run(train, ["data.seq_length=8"], config_name="train_gpt") == 1
+    err = capsys.readouterr().err
+    assert err.strip() == "error: ConfigError: `data.seq_length`: bad 8" and "Traceback" not in err
+    recorded = json.loads(error_file.read_text())["message"]
+    assert recorded["message"] == "ConfigError: `data.seq_length`: bad 8"
+    assert "py_callstack" not in recorded["extraInfo"]  # torchrun's summary then shows the message
+
+    def crash(cfg):
+        raise RuntimeError("not ours")
+
+    with pytest.raises(RuntimeError):  # anything else keeps its traceback (and torchrun's error file)
+        app.run(crash, [], config_name="train_gpt")
+    assert "py_callstack" in json.loads(error_file.read_text())["message"]["extraInfo"]
+
+
+# -- torchrun ------------------------------------------------------------------------------------
+
+def test_own_config_trains_under_torchrun_on_the_users_jsonl_sources(tmp_path):
+    conf = write_user_config(tmp_path)  # TP1 x PP2 on 2 processes
+    launch.run_torchrun(GPT, 2, ["--config-dir", str(conf), "--config-name", "mytrain"], timeout=400)
+    logs = {int(p.stem[4:]): json.loads(p.read_text()) for p in (tmp_path / "logs").glob("rank*.json")}
+    assert sorted(logs) == [0, 1]
+    seen = set()
+    for log in logs.values():
+        assert [s["step"] for s in log] == [0, 1]
+        assert all(np.isfinite(s["loss"]) for s in log)
+        for step in log:
+            for microbatch in step["samples"]:
+                for source, _position, index in microbatch:
+                    assert source in (0, 1) and 0 <= index < list(SOURCES.values())[source]
+                    seen.add(source)
+    assert seen == {0, 1}  # both of the user's sources were delivered
+    assert logs[0][0]["samples"] == logs[1][0]["samples"]  # first and last stage saw the same samples
+
+
+def test_bad_config_value_exits_nonzero_with_one_line_per_rank(tmp_path):
+    conf = write_user_config(tmp_path)
+    with pytest.raises(launch.TorchrunError) as err:
+        launch.run_torchrun(GPT, 2, ["--config-dir", str(conf), "--config-name", "mytrain", "data.seq_length=-1"],
+                            timeout=300)
+    out = err.value.output
+    assert err.value.returncode not in (0, None)
+    assert "error: ConfigError" in out and "`data.seq_length`" in out
+    assert 'megascale_data_ext/megatron/app.py", line' not in out  # no rank printed its traceback
+    assert out.count("Traceback (most recent call last)") <= 1     # torchrun's own launcher traceback only
+    assert not (tmp_path / "logs").exists()
