@@ -184,6 +184,7 @@ class TrainingSession:
                 fetch = records["fetch_seconds"]
                 entry = {"step": step, "loss": result["loss"], "num_tokens": result["num_tokens"], "seconds": dt,
                          "fetch_p50_ms": float(np.median(fetch)) * 1e3 if fetch else 0.0,
+                         "data_wait_ms": float(np.sum(fetch)) * 1e3,  # time this rank waited on the service
                          "digests": records["digests"],
                          "samples": [np.asarray(i["samples"]).tolist() for i in records["delivered"] if i is not None],
                          **extra}
@@ -205,7 +206,7 @@ class TrainingSession:
         s = self.plan(step).summary()
         print(f"step {step:4d} | loss {entry['loss']:.4f} | max/mean cost vanilla {s['vanilla_max_over_mean']:.3f} -> "
               f"{s['max_over_mean']:.3f} | {entry['num_tokens'] / entry['seconds']:,.0f} loss-tokens/s | "
-              f"fetch p50 {entry['fetch_p50_ms']:.1f} ms | {entry['seconds']:.2f} s", flush=True)
+              f"data wait {entry['data_wait_ms']:.1f} ms | {entry['seconds']:.2f} s", flush=True)
 
     def _stop(self) -> None:
         if self.service is not None:

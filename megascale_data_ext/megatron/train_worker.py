@@ -122,11 +122,11 @@ def main(argv: list[str] | None = None) -> int:
 
             s = ray.get(planner.plan_summary.remote(step))
             tps = result["num_tokens"] / dt if dt > 0 else 0.0
-            p50 = float(np.median(fetch)) * 1e3 if fetch else 0.0
+            wait = float(np.sum(fetch)) * 1e3  # rank 0's time waiting on the service this step
             print(
                 f"step {step:3d} | loss {result['loss']:.4f} | imbalance max/mean vanilla {s.get('vanilla_max_over_mean', float('nan')):.3f}"
                 f" -> balanced {s['max_over_mean']:.3f} | samples {s['samples']} tokens {s['tokens']}"
-                f" | {tps:,.0f} loss-tokens/s | fetch p50 {p50:.1f} ms | step {dt:.2f} s",
+                f" | {tps:,.0f} loss-tokens/s | data wait {wait:.1f} ms | step {dt:.2f} s",
                 flush=True,
             )
     args.out.mkdir(parents=True, exist_ok=True)
