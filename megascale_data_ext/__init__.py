@@ -68,7 +68,13 @@ if TYPE_CHECKING:  # static checkers and IDEs see real imports
     from megascale_data_ext.dataplane.mixing import Mixer, build_schedule
     from megascale_data_ext.dataplane.placetree import ClientPlaceTree
     from megascale_data_ext.dataplane.plan import StepPlan
-    from megascale_data_ext.dataplane.strategies import LLMBalance, Vanilla, VLMBalance, build_strategy, register_strategy
+    from megascale_data_ext.dataplane.strategies import (
+        LLMBalance,
+        Vanilla,
+        VLMBalance,
+        build_strategy,
+        register_strategy,
+    )
     from megascale_data_ext.errors import (
         CapacityError,
         ConfigError,

@@ -39,25 +39,20 @@ def parse_layout(text: str) -> dict[str, int]:
     """``"2,2,4"`` (tp,pp,dp) or ``"tp=2,cp=2,pp=1,dp=4"`` -> sizes for `ClientPlaceTree.from_sizes`."""
     from megascale_data_ext.errors import ConfigError
 
+    usage = f"--layout {text!r}: give tp,pp,dp (e.g. 2,2,4) or tp=..,cp=..,pp=..,dp=.."
     parts = [p.strip() for p in text.split(",") if p.strip()]
+    named = all("=" in p for p in parts)
+    if not parts or (not named and len(parts) != 3):
+        raise ConfigError(usage)
+    pairs = [p.split("=", 1) for p in parts] if named else list(zip(("tp", "pp", "dp"), parts, strict=True))
     try:
-        if all("=" in p for p in parts):
-            sizes = {k.strip(): int(v) for k, v in (p.split("=", 1) for p in parts)}
-            unknown = sorted(set(sizes) - {"tp", "cp", "pp", "dp"})
-            if unknown:
-                raise ConfigError(f"--layout {text!r}: unknown sizes {unknown}; use tp, cp, pp, dp")
-            return sizes
-        if len(parts) == 3:
-            return dict(zip(("tp", "pp", "dp"), map(int, parts), strict=True))
-    except ValueError:
-        pass
-    raise ConfigError(f"--layout {text!r}: give tp,pp,dp (e.g. 2,2,4) or tp=..,cp=..,pp=..,dp=..")
-
-
-def vanilla_bucket_costs(plan: Any) -> np.ndarray:
-    """Bucket costs of the plan's samples split Megatron-style (contiguous equal-count slices, row order)."""
-    n, k = plan.num_samples, plan.num_buckets
-    return np.bincount(np.arange(n) * k // max(n, 1), weights=plan.cost, minlength=k)
+        sizes = {k.strip(): int(v) for k, v in pairs}
+    except ValueError as exc:
+        raise ConfigError(f"{usage} ({exc})") from None
+    unknown = sorted(set(sizes) - {"tp", "cp", "pp", "dp"})
+    if unknown:
+        raise ConfigError(f"--layout {text!r}: unknown sizes {unknown}; use tp, cp, pp, dp")
+    return sizes
 
 
 def plan_costs(service_config: Any, sizes: dict[str, int], steps: int) -> dict[str, Any]:
@@ -69,7 +64,7 @@ def plan_costs(service_config: Any, sizes: dict[str, int], steps: int) -> dict[s
     try:
         for step in range(steps):
             plan = service.planner.plan(step)
-            vanilla.append(vanilla_bucket_costs(plan))
+            vanilla.append(plan.vanilla_bucket_costs())
             balanced.append(plan.bucket_costs())
             samples.append(plan.num_samples)
             summaries.append(plan.summary())

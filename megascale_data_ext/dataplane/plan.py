@@ -118,12 +118,16 @@ class StepPlan:
         mean = costs.mean() if costs.size else 0.0
         return float(costs.max() / mean) if mean > 0 else 1.0
 
-    def vanilla_imbalance(self) -> float:
-        """max/mean bucket cost had the same samples been split Megatron-style (contiguous, equal count)."""
+    def vanilla_bucket_costs(self) -> np.ndarray:
+        """Bucket costs had the same samples been split Megatron-style (contiguous, equal count)."""
         n, k = self.num_samples, self.num_buckets
-        if n == 0:
+        return np.bincount(np.arange(n) * k // max(n, 1), weights=self.cost, minlength=k)
+
+    def vanilla_imbalance(self) -> float:
+        """max/mean of `vanilla_bucket_costs` (1.0 for an empty step)."""
+        if self.num_samples == 0:
             return 1.0
-        costs = np.bincount(np.arange(n) * k // n, weights=self.cost, minlength=k)
+        costs = self.vanilla_bucket_costs()
         return float(costs.max() / costs.mean()) if costs.mean() > 0 else 1.0
 
     def loader_do_plan(self, source: int) -> LoaderPlan:

@@ -100,7 +100,8 @@ class PlanStore:
         """The plan of `step`; a step past the last one written is a named error."""
         if not 0 <= step < self.num_steps:
             raise ConfigError(f"replay of {str(self.directory)!r} has steps 0..{self.num_steps - 1}, step {step} was "
-                              f"asked: write more with `megascale-data plan ... --steps {step + 1}` or train fewer steps")
+                              f"asked: write more with `megascale-data plan ... --steps {step + 1}` "
+                              "or train fewer steps")
         with np.load(_step_file(self.directory, step), allow_pickle=False) as data:
             meta = json.loads(str(data["meta"]))
             arrays = {k: data[k] for k in data.files if k != "meta"}

@@ -143,8 +143,8 @@ class Installation:
                 sums[:, : v.shape[1]] += v
         dist.all_reduce(sums, group=ps.get_data_parallel_group(with_context_parallel=True))
         if ps.get_data_parallel_rank(with_context_parallel=True) == 0 and ps.get_tensor_model_parallel_rank() == 0:
-            seen = sums[1] > 0
-            self.client.report_loss(step, {int(i): float(sums[0, i] / sums[1, i]) for i in torch.nonzero(seen).view(-1)})
+            seen = torch.nonzero(sums[1] > 0).view(-1).tolist()
+            self.client.report_loss(step, {i: float(sums[0, i] / sums[1, i]) for i in seen})
 
     # -- install / uninstall -------------------------------------------------------
     def install(self) -> Installation:

@@ -54,6 +54,7 @@ class RemoteConstructors:
         self.address = address
         self.prefetch_steps = prefetch_steps
         self._handles: dict[int, Any] = {}
+        self._planner: Any = None  # resolved on the first loss report
         self._pending: dict[tuple[int, int], Any] = {}  # (rank, step) -> ObjectRef of get_step
         self._current: tuple[int, int, list] | None = None  # (rank, step, microbatches) being consumed
 
@@ -85,9 +86,10 @@ class RemoteConstructors:
         """Hand the Planner the per-source loss of `step` (loss-driven mixing)."""
         import ray
 
-        join_ray(self.address, self.topology.namespace)
-        planner = ray.get_actor(PLANNER_NAME, namespace=self.topology.namespace)
-        ray.get(planner.report_loss.remote(step, losses))
+        if self._planner is None:
+            join_ray(self.address, self.topology.namespace)
+            self._planner = ray.get_actor(PLANNER_NAME, namespace=self.topology.namespace)
+        ray.get(self._planner.report_loss.remote(step, losses))
 
     def get_encoder_images(self, step: int, rank: int) -> EncoderImages:
         import ray

@@ -46,6 +46,18 @@ def config(specs, namespace="t", **kw):
     return ServiceConfig(**base)
 
 
+def train_workers(handles, out, *args: str) -> dict[int, dict]:
+    """8 torchrun ranks of `megatron.train_worker` on the service; returns {rank: its log}."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=8",
+           "-m", "megascale_data_ext.megatron.train_worker", *args, "--seq-length", "1024",
+           "--vocab-size", str(ByteTokenizer().vocab_size), "--namespace", handles.namespace,
+           "--address", handles.address, "--record-digests", "--out", str(out)]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=540)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    return {json.loads(p.read_text())["rank"]: json.loads(p.read_text()) for p in out.glob("rank*.json")}
+
+
 def consume(service, tree, steps):
     out = {}
     for step in range(steps):
@@ -89,17 +101,10 @@ def test_torchrun_ranks_with_megatron_parallel_state_train_on_the_service(specs,
     handles = svc.start()
     steps = 3
     try:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=8",
-               "-m", "megascale_data_ext.megatron.train_worker", "--tp", "2", "--pp", "2", "--steps", str(steps),
-               "--num-microbatches", "4", "--seq-length", "1024", "--vocab-size", str(ByteTokenizer().vocab_size),
-               "--namespace", handles.namespace, "--address", handles.address, "--record-digests",
-               "--out", str(tmp_path)]
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=540)
-        assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+        logs = train_workers(handles, tmp_path, "--tp", "2", "--pp", "2", "--steps", str(steps),
+                             "--num-microbatches", "4")
     finally:
         svc.stop()
-    logs = {json.loads(p.read_text())["rank"]: json.loads(p.read_text()) for p in tmp_path.glob("rank*.json")}
     assert sorted(logs) == list(range(8))
     for rank, log in logs.items():
         c = tree.coords(rank)
@@ -150,17 +155,10 @@ def test_selective_broadcast_over_tp_and_cp_only_planned_ranks_fetch(specs, ray_
     steps = 2
     try:
         assert list(ray.get(svc.planner.plan.remote(0)).fetch_ranks) == handles.topology.fetch_ranks() == [0, 4]
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=8",
-               "-m", "megascale_data_ext.megatron.train_worker", "--tp", "2", "--cp", "2", "--steps", str(steps),
-               "--num-microbatches", "2", "--seq-length", "1024", "--vocab-size", str(ByteTokenizer().vocab_size),
-               "--namespace", handles.namespace, "--address", handles.address, "--record-digests",
-               "--out", str(tmp_path)]
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=540)
-        assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+        logs = train_workers(handles, tmp_path, "--tp", "2", "--cp", "2", "--steps", str(steps),
+                             "--num-microbatches", "2")
     finally:
         svc.stop()
-    logs = {json.loads(p.read_text())["rank"]: json.loads(p.read_text()) for p in tmp_path.glob("rank*.json")}
     assert sorted(logs) == list(range(8))
     fetched = sorted(r for r, log in logs.items() if any(s["fetch_ms"] for s in log["steps"]))
     assert fetched == [0, 4]

@@ -174,3 +174,15 @@ def test_heatmap_writes_a_png_of_the_real_plans(root, tmp_path, capsys):
     out = capsys.readouterr().out
     assert out.startswith("step  samples  vanilla max/mean  balanced max/mean")
     assert main(["heatmap", "--layout", "2,2", "--out", str(png)]) == 2
+
+
+def test_heatmap_layout_argument_is_parsed_or_named_as_wrong():
+    from megascale_data_ext.commands.heatmap import parse_layout
+    from megascale_data_ext.errors import ConfigError
+
+    assert parse_layout("2,2,4") == {"tp": 2, "pp": 2, "dp": 4}
+    assert parse_layout("tp=2, cp=2, dp=2") == {"tp": 2, "cp": 2, "dp": 2}
+    for bad, why in (("2,x,4", "invalid literal"), ("2,2", "give tp,pp,dp"), ("tp=2,zz=1", "unknown sizes"),
+                     ("", "give tp,pp,dp")):
+        with pytest.raises(ConfigError, match=why):
+            parse_layout(bad)

@@ -274,7 +274,8 @@ class FeedbackSchedule(_Schedule):
         problems: list[str] = []
         base = check_weights("base_weights", base_weights, self.source_names, problems)
         if not is_count(delay) or delay < 1:
-            problems.append(f"`delay` must be an integer >= 1 (step k's loss is applied at step k + delay), got {delay!r}")
+            problems.append(f"`delay` must be an integer >= 1 (step k's loss is applied at step k + delay), "
+                            f"got {delay!r}")
         if not (isinstance(lr, (int, float)) and math.isfinite(lr) and lr >= 0):
             problems.append(f"`lr` must be a finite number >= 0, got {lr!r}")
         if not (isinstance(smoothing, (int, float)) and 0 <= smoothing < 1):
