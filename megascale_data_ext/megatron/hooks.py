@@ -121,6 +121,12 @@ class Installation:
             self.steps_served += 1
             if self.report_loss:
                 self._report_source_loss(step, out)
+                # Every rank waits until the Planner holds this step's report: a checkpoint any
+                # rank takes next (the Planner's state) then includes it, so a resume never waits
+                # for a report the trainer already sent.
+                import torch.distributed as dist
+
+                dist.barrier()
             return out
 
         fed_by_service.__megascale_original__ = schedule  # type: ignore[attr-defined]
