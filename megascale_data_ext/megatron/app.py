@@ -20,7 +20,10 @@ Flags (everything else is a Hydra override: ``key=value``, ``+key=value``, ``~ke
 ``--help``
     Usage, the config groups and their options, the configs found, the search path.
 
-Training runs inside :func:`torch.distributed.elastic.multiprocessing.errors.record`, so torchrun
+Before torch or megatron-core is imported, :func:`~megascale_data_ext.megatron.preflight.preflight`
+checks the parallel layout against the launcher's ``WORLD_SIZE``, the whole ``data`` node and
+the Ray address, and reports every problem at once. Training then runs inside
+:func:`torch.distributed.elastic.multiprocessing.errors.record`, so torchrun
 prints the root cause of a failure (the first failing rank's error file). Our own
 :class:`~megascale_data_ext.errors.MegascaleDataError` (a bad config value, a missing source) is
 printed as one line ``error: <Type>: <message>`` per rank instead of a traceback, with exit code 1.
@@ -32,11 +35,13 @@ import argparse
 import json
 import os
 import sys
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from megascale_data_ext.errors import ConfigError, MegascaleDataError
+from megascale_data_ext.megatron.preflight import preflight
 
 TrainFn = Callable[[Any], "list[dict] | None"]
 
@@ -148,9 +153,18 @@ def run(train: TrainFn, argv: Sequence[str] | None = None, *, config_name: str, 
         if args.cfg:
             print(format_config(args, config_name), end="")
             return 0
+        # Everything knowable from the config and the launcher's environment, before any rank
+        # pays for importing torch and megatron-core.
+        cfg = compose(args, config_name)
+        preflight(cfg)
+    except MegascaleDataError as e:
+        write_error_file(e)
+        print(f"error: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        return 1
+    try:
         from torch.distributed.elastic.multiprocessing.errors import record
 
-        record(_compose_and_train, error_handler=_error_handler())(train, args, config_name)
+        record(_train, error_handler=_error_handler())(train, cfg)
         return 0
     except MegascaleDataError as e:  # record() already wrote it to torchrun's error file
         print(f"error: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
@@ -177,25 +191,31 @@ def format_config(args: argparse.Namespace, config_name: str) -> str:
         raise ConfigError(f"cannot print the composed config: {e}") from e
 
 
+def write_error_file(e: MegascaleDataError) -> None:
+    """Record one of our errors in torchrun's error file as its message (no traceback).
+
+    Without ``extraInfo.py_callstack`` torchrun's failure summary shows the message itself
+    instead of ``error_file: <N/A>`` under a ``ChildFailedError``. Needs no torch import.
+    """
+    file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not file:
+        return
+    info = {"timestamp": str(int(time.time()))}
+    Path(file).write_text(json.dumps({"message": {"message": f"{type(e).__name__}: {e}", "extraInfo": info}}))
+
+
 def _error_handler() -> Any:
     """torchrun's error-file writer, which records our own errors as their message (no traceback)."""
-    import time
-
     from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
     class MessageErrorHandler(ErrorHandler):
         def record_exception(self, e: BaseException) -> None:
-            file = os.environ.get("TORCHELASTIC_ERROR_FILE")
-            if not isinstance(e, MegascaleDataError) or not file:
+            if not isinstance(e, MegascaleDataError) or not os.environ.get("TORCHELASTIC_ERROR_FILE"):
                 return super().record_exception(e)
-            # without extraInfo.py_callstack torchrun's failure summary shows the message itself
-            info = {"timestamp": str(int(time.time()))}
-            data = {"message": {"message": f"{type(e).__name__}: {e}", "extraInfo": info}}
-            Path(file).write_text(json.dumps(data))
+            write_error_file(e)
 
     return MessageErrorHandler()
 
 
-def _compose_and_train(train: TrainFn, args: argparse.Namespace, config_name: str) -> None:
-    cfg = compose(args, config_name)
+def _train(train: TrainFn, cfg: Any) -> None:
     write_step_log(cfg, train(cfg))

@@ -134,19 +134,35 @@ def test_megascale_errors_are_one_line_and_go_to_torchruns_error_file(tmp_path, 
     def train(cfg):
         raise ConfigError(f"`data.seq_length`: bad {cfg.data.seq_length}")
 
-    assert app.run(train, ["data.seq_length=8"], config_name="train_gpt") == 1
+    one_rank = ["--config-dir", str(write_user_config(tmp_path, pipeline_model_parallel_size=1)),
+                "--config-name", "mytrain"]  # passes the preflight checks on one process
+    assert app.run(train, [*one_rank, "data.seq_length=64"], config_name="train_gpt") == 1
     err = capsys.readouterr().err
-    assert err.strip() == "error: ConfigError: `data.seq_length`: bad 8" and "Traceback" not in err
+    assert err.strip() == "error: ConfigError: `data.seq_length`: bad 64" and "Traceback" not in err
     recorded = json.loads(error_file.read_text())["message"]
-    assert recorded["message"] == "ConfigError: `data.seq_length`: bad 8"
+    assert recorded["message"] == "ConfigError: `data.seq_length`: bad 64"
     assert "py_callstack" not in recorded["extraInfo"]  # torchrun's summary then shows the message
 
     def crash(cfg):
         raise RuntimeError("not ours")
 
     with pytest.raises(RuntimeError):  # anything else keeps its traceback (and torchrun's error file)
-        app.run(crash, [], config_name="train_gpt")
+        app.run(crash, one_rank, config_name="train_gpt")
     assert "py_callstack" in json.loads(error_file.read_text())["message"]["extraInfo"]
+
+
+def test_a_bad_layout_is_reported_before_torch_or_megatron_is_imported(tmp_path):
+    conf = write_user_config(tmp_path, tensor_model_parallel_size=2)  # tp2 x pp2 on 3 ranks
+    env = {**launch.torchrun_env(), "WORLD_SIZE": "3", "RANK": "0", "TORCHELASTIC_ERROR_FILE": str(tmp_path / "e.json")}
+    proc = subprocess.run([sys.executable, "-X", "importtime", str(GPT), "--config-dir", str(conf),
+                           "--config-name", "mytrain"], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1
+    error = next(line for line in proc.stderr.splitlines() if line.startswith("error: "))
+    assert "world size 3 is not divisible by tp*pp*cp = 2*2*1 = 4" in error
+    assert "parallel.tensor_model_parallel_size" in error and "4 or 8" not in error  # 3 ranks: suggest 4
+    imported = {line.rsplit("|", 1)[-1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")}
+    assert "torch" not in imported and "megatron.core" not in imported and "ray" not in imported
+    assert "ParallelLayoutError" in json.loads((tmp_path / "e.json").read_text())["message"]["message"]
 
 
 # -- torchrun ------------------------------------------------------------------------------------
