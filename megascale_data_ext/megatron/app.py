@@ -36,6 +36,7 @@ import json
 import os
 import sys
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -161,6 +162,7 @@ def run(train: TrainFn, argv: Sequence[str] | None = None, *, config_name: str, 
         write_error_file(e)
         print(f"error: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
         return 1
+    quiet_other_ranks()
     try:
         from torch.distributed.elastic.multiprocessing.errors import record
 
@@ -189,6 +191,14 @@ def format_config(args: argparse.Namespace, config_name: str) -> str:
         return "null\n" if node is None else f"{node}\n"
     except OmegaConfBaseException as e:
         raise ConfigError(f"cannot print the composed config: {e}") from e
+
+
+def quiet_other_ranks() -> None:
+    """Rank 0 alone shows megatron-core's import-time fallback warnings (Apex / Transformer Engine
+    not installed); every rank printing the same six warnings buries the lines that matter."""
+    if os.environ.get("RANK", "0") != "0":
+        warnings.filterwarnings("ignore", message=r".*(Apex|Transformer Engine).* (is|are) not installed",
+                                category=UserWarning)
 
 
 def write_error_file(e: MegascaleDataError) -> None:
