@@ -15,10 +15,19 @@ HELP = (
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from megascale_data_ext.sources.tokenizer import tokenizer_types
+
     parser.add_argument("--input", nargs="+", required=True, metavar="PATH", help=".txt, .jsonl files or directories")
     parser.add_argument("--output", required=True, metavar="DIR", help="directory for the Parquet shards")
     parser.add_argument("--kind", choices=["text", "image-text"], default="text", help="payload columns to write")
-    parser.add_argument("--tokenizer", default=None, metavar="PATH", help="tokenizer.json (default: byte-level)")
+    # Megatron's preprocess_data.py spellings: --tokenizer-model / --vocab-file name the file.
+    parser.add_argument("--tokenizer", "--tokenizer-model", "--vocab-file", dest="tokenizer", default=None,
+                        metavar="PATH", help="tokenizer.json, SentencePiece .model or GPT-2 vocab.json "
+                        "(default: byte-level); a source's `tokenizer` key")
+    parser.add_argument("--tokenizer-type", default=None, choices=tokenizer_types(),
+                        help="Megatron's tokenizer type (default: from the file); a source's `tokenizer_type` key")
+    parser.add_argument("--merge-file", default=None, metavar="PATH",
+                        help="GPT2BPETokenizer merges.txt (default: beside the vocab file); a source's `merge_file`")
     parser.add_argument("--patch-size", type=int, default=16, help="ViT patch edge in pixels (default 16)")
     parser.add_argument("--max-image-patches", type=int, default=1024, help="patch cap per image (default 1024)")
     parser.add_argument("--row-group-rows", type=int, default=1024, help="rows per Parquet row group")
@@ -36,6 +45,8 @@ def run(args: argparse.Namespace) -> int:
             args.output,
             kind=args.kind,
             tokenizer=args.tokenizer,
+            tokenizer_type=args.tokenizer_type,
+            merge_file=args.merge_file,
             patch_size=args.patch_size,
             max_image_patches=args.max_image_patches,
             row_group_rows=args.row_group_rows,

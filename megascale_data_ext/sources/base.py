@@ -18,8 +18,12 @@ import numpy as np
 
 from megascale_data_ext.errors import ConfigError
 from megascale_data_ext.sources.formats import SourceFormat, source_formats
+from megascale_data_ext.sources.tokenizer import TokenizerType, tokenizer_types
 
 DecodeMode = Literal["loader", "constructor"]
+#: What opening a JSONL source does with rows it cannot use (invalid JSON, text not a string,
+#: a missing image file): refuse at start-up, or leave them out of the source and report them once.
+BadRowPolicy = Literal["error", "skip"]
 #: One thing wrong with a config value: ``(field name, message)``; a config re-addresses the field.
 FieldProblem = tuple[str, str]
 
@@ -86,7 +90,17 @@ class SourceSpec:
         tokens_column: Column holding pre-tokenized ids (used instead of ``text_column``).
         image_column: Column holding encoded image bytes (binary, list of binary, or struct
             with a ``bytes`` field); ``None`` for text-only sources.
-        tokenizer: Path to a Hugging Face ``tokenizer.json``; ``None`` = byte-level.
+        tokenizer: Tokenizer file as Megatron's ``--tokenizer-model`` / ``--vocab-file`` give it: a
+            Hugging Face ``tokenizer.json``, a SentencePiece ``.model``, GPT-2's ``vocab.json``, or a
+            directory holding one; ``None`` = the byte tokenizer (demos).
+        tokenizer_type: Megatron's ``--tokenizer-type`` (``HuggingFaceTokenizer``,
+            ``SentencePieceTokenizer``, ``GPT2BPETokenizer``, ``ByteTokenizer``); ``None`` = from
+            the ``tokenizer`` path.
+        merge_file: GPT-2 BPE ``merges.txt`` (Megatron's ``--merge-file``); ``None`` = beside the
+            vocab file (``gpt2-vocab.json`` → ``gpt2-merges.txt``); relative to the vocab's directory.
+        on_bad_rows: JSONL rows that cannot be used (invalid JSON, text not a string, missing image
+            file) are found when the source opens: ``"error"`` refuses to start and names them,
+            ``"skip"`` leaves them out of the source and reports them once.
         patch_size: ViT patch edge in pixels.
         max_image_patches: Cap on patches per image; larger images are downscaled.
         decode_images: ``"loader"`` decodes/patchifies in ``read()``; ``"constructor"`` returns
@@ -111,6 +125,9 @@ class SourceSpec:
     tokens_column: str | None = None
     image_column: str | None = None
     tokenizer: str | None = None
+    tokenizer_type: TokenizerType | None = None
+    merge_file: str | None = None
+    on_bad_rows: BadRowPolicy = "error"
     patch_size: int = 16
     max_image_patches: int = 1024
     decode_images: DecodeMode = "loader"
@@ -148,6 +165,11 @@ class SourceSpec:
         if not (v["weight"] >= 0):
             out.append(("weight", f"must be >= 0, got {v['weight']!r}"))
         out += [(key, f"must be >= 1, got {v[key]!r}") for key in ("patch_size", "max_image_patches") if v[key] < 1]
+        if v["tokenizer_type"] is not None and v["tokenizer_type"] not in tokenizer_types():
+            out.append(("tokenizer_type", f"must be one of {tokenizer_types()} (Megatron's --tokenizer-type names) "
+                                          f"or null, got {v['tokenizer_type']!r}"))
+        if v["on_bad_rows"] not in get_args(BadRowPolicy):
+            out.append(("on_bad_rows", f"must be one of {list(get_args(BadRowPolicy))}, got {v['on_bad_rows']!r}"))
         if v["decode_images"] not in get_args(DecodeMode):
             out.append(("decode_images", f"must be one of {list(get_args(DecodeMode))}, got {v['decode_images']!r}"))
         if v["max_tokens"] is not None and v["max_tokens"] < 2:

@@ -40,61 +40,74 @@ class PrepareResult:
 @dataclass(slots=True, kw_only=True)
 class _Row:
     where: str
+    nbytes: int = 0  # input bytes this row consumed: what the progress bar counts against its total
     text: str | None = None
     image_paths: list[str] = field(default_factory=list)
     error: str | None = None
 
 
 def _jsonl_rows(path: Path, kind: PreparedKind) -> Iterator[_Row]:
-    with open(path, encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, 1):
-            if not line.strip():
+    with open(path, "rb") as fh:
+        for lineno, raw in enumerate(fh, 1):
+            if not raw.strip():
+                yield _Row(where="", nbytes=len(raw), error=None, text=None)  # blank: progress only
                 continue
-            where = f"{path}:{lineno}"
+            where, n = f"{path}:{lineno}", len(raw)
             try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as exc:
-                yield _Row(where=where, error=f"invalid JSON: {exc}")
+                rec = json.loads(raw)
+            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+                yield _Row(where=where, nbytes=n, error=f"invalid JSON: {exc}")
                 continue
             if not isinstance(rec, dict) or not isinstance(rec.get("text"), str):
-                yield _Row(where=where, error='expected an object with a string "text" field')
+                yield _Row(where=where, nbytes=n, error='expected an object with a string "text" field')
                 continue
             images = rec.get("image") if kind == "image-text" else None
             items = [] if images is None else images if isinstance(images, list) else [images]
-            yield _Row(where=where, text=rec["text"], image_paths=[str(path.parent / p) for p in items])
+            yield _Row(where=where, nbytes=n, text=rec["text"], image_paths=[str(path.parent / p) for p in items])
 
 
-def _input_rows(inputs: Sequence[str], kind: PreparedKind, split_lines: bool) -> Iterator[_Row]:
+def _input_files(inputs: Sequence[str], kind: PreparedKind) -> list[Path]:
+    """The files ``inputs`` name, directories expanded as the module docstring says; fails fast."""
+    out: list[Path] = []
     for entry in inputs:
         path = Path(entry)
         if not path.exists():
-            raise SourceError(f"prepare: input {entry!r} not found")
+            raise SourceError(f"prepare: input {entry!r} not found; check the --input paths")
         if path.is_dir():
             if kind == "image-text":
                 images = sorted(p for p in path.rglob("*") if p.suffix.lower() in IMAGE_SUFFIXES)
                 if not images:
-                    raise SourceError(f"prepare: directory {entry!r} holds no images {IMAGE_SUFFIXES}")
-                for img in images:
-                    caption = img.with_suffix(".txt")
-                    text = caption.read_text(encoding="utf-8").strip() if caption.is_file() else ""
-                    yield _Row(where=str(img), text=text, image_paths=[str(img)])
+                    raise SourceError(f"prepare: directory {entry!r} holds no images {IMAGE_SUFFIXES}; "
+                                      "use --kind text for text files")
+                out.extend(images)
                 continue
             files = sorted(p for p in path.rglob("*") if p.suffix in (".txt", ".jsonl"))
             if not files:
                 raise SourceError(f"prepare: directory {entry!r} holds no .txt or .jsonl files")
-            yield from _input_rows([str(f) for f in files], kind, split_lines)
-        elif path.suffix == ".jsonl":
-            yield from _jsonl_rows(path, kind)
-        elif path.suffix == ".txt":
-            text = path.read_text(encoding="utf-8", errors="replace")
-            if split_lines:
-                for lineno, line in enumerate(text.splitlines(), 1):
-                    if line.strip():
-                        yield _Row(where=f"{path}:{lineno}", text=line)
-            else:
-                yield _Row(where=str(path), text=text)
+            out.extend(files)
+        elif path.suffix in (".jsonl", ".txt"):
+            out.append(path)
         else:
             raise SourceError(f"prepare: input {entry!r} is neither .txt, .jsonl nor a directory")
+    return out
+
+
+def _file_rows(path: Path, kind: PreparedKind, split_lines: bool) -> Iterator[_Row]:
+    if path.suffix.lower() in IMAGE_SUFFIXES:
+        caption = path.with_suffix(".txt")
+        text = caption.read_text(encoding="utf-8").strip() if caption.is_file() else ""
+        yield _Row(where=str(path), nbytes=path.stat().st_size, text=text, image_paths=[str(path)])
+    elif path.suffix == ".jsonl":
+        yield from _jsonl_rows(path, kind)
+    elif split_lines:
+        with open(path, "rb") as fh:
+            for lineno, raw in enumerate(fh, 1):
+                line = raw.decode("utf-8", errors="replace").rstrip("\r\n")
+                yield _Row(where=f"{path}:{lineno}" if line.strip() else "", nbytes=len(raw),
+                           text=line if line.strip() else None)
+    else:
+        data = path.read_bytes()
+        yield _Row(where=str(path), nbytes=len(data), text=data.decode("utf-8", errors="replace"))
 
 
 def prepare(
@@ -103,6 +116,8 @@ def prepare(
     *,
     kind: PreparedKind = "text",
     tokenizer: str | None = None,
+    tokenizer_type: str | None = None,
+    merge_file: str | None = None,
     patch_size: int = 16,
     max_image_patches: int = 1024,
     row_group_rows: int = 1024,
@@ -112,15 +127,20 @@ def prepare(
 ) -> PrepareResult:
     """Convert ``inputs`` into Parquet shards with cost columns under ``out_dir``.
 
+    ``tokenizer`` / ``tokenizer_type`` / ``merge_file`` are a source's keys of the same names
+    (Megatron's ``--tokenizer-model``/``--vocab-file``, ``--tokenizer-type``, ``--merge-file``):
+    a source configured with the same values plans from the written cost columns. The progress
+    bar counts input bytes against their total, so it shows an ETA.
+
     Raises:
-        ConfigError: Bad options (kind, sizes, tokenizer file).
+        ConfigError: Bad options (kind, sizes, tokenizer file or type).
         SourceError: An input is missing or of an unknown type, or no row could be written.
     """
     from tqdm import tqdm
 
     if not inputs:
         raise ConfigError("prepare: give at least one --input")
-    tok = load_tokenizer(tokenizer)
+    tok = load_tokenizer(tokenizer, tokenizer_type=tokenizer_type, merge_file=merge_file, key="--tokenizer")
     writer = PreparedParquetWriter(
         out_dir,
         kind=kind,
@@ -130,24 +150,33 @@ def prepare(
         row_group_rows=row_group_rows,
         rows_per_file=rows_per_file,
     )
+    files = _input_files(inputs, kind)
     result = PrepareResult(written=writer.summary)
-    bar = tqdm(desc="prepare", unit="rows", file=sys.stderr, disable=not progress, mininterval=0.5)
+    total = sum(f.stat().st_size for f in files)
+    bar = tqdm(desc="prepare", total=total, unit="B", unit_scale=True, file=sys.stderr, disable=not progress,
+               mininterval=0.5)
     try:
-        for row in _input_rows(inputs, kind, split_lines):
-            bar.update(1)
-            if row.error is not None:
-                result.skipped.append((row.where, row.error))
-                continue
-            try:
-                images = [Path(p).read_bytes() for p in row.image_paths]
-                writer.add(row.text or "", images)
-            except (OSError, SampleError) as exc:
-                result.skipped.append((row.where, str(exc)))
+        for path in files:
+            bar.set_postfix_str(f"{writer.summary.rows} rows, {path.name}", refresh=False)
+            for row in _file_rows(path, kind, split_lines):
+                bar.update(row.nbytes)
+                if row.error is not None:
+                    result.skipped.append((row.where, row.error))
+                    continue
+                if row.text is None:  # blank line
+                    continue
+                try:
+                    images = [Path(p).read_bytes() for p in row.image_paths]
+                    writer.add(row.text, images)
+                except (OSError, SampleError) as exc:
+                    result.skipped.append((row.where, str(exc)))
     finally:
         bar.close()
         writer.close()
     if result.written.rows == 0:
-        raise SourceError(f"prepare: no rows written from {list(inputs)} ({len(result.skipped)} skipped)")
+        first = "; ".join(f"{where}: {why}" for where, why in result.skipped[:3])
+        raise SourceError(f"prepare: no rows written from {list(inputs)} ({len(result.skipped)} rows skipped"
+                          + (f", first: {first}" if first else "") + "); give inputs with usable text")
     return result
 
 

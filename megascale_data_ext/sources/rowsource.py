@@ -25,7 +25,7 @@ from megascale_data_ext.sources.base import (
     check_indices,
     take_metadata,
 )
-from megascale_data_ext.sources.tokenizer import Tokenizer
+from megascale_data_ext.sources.tokenizer import Tokenizer, load_tokenizer
 from megascale_data_ext.sources.transforms import RawSample, SampleTransform
 
 _GLOB_CHARS = frozenset("*?[")
@@ -66,7 +66,8 @@ class RowSource(ABC):
     def __init__(self, spec: SourceSpec, *, tokenizer: Tokenizer | None = None) -> None:
         self.spec = spec
         self.name = spec.name
-        self._transform = SampleTransform(spec, tokenizer)
+        # The spec's whole tokenizer setting (type, merges), named by its config key on error.
+        self._transform = SampleTransform(spec, tokenizer if tokenizer is not None else load_tokenizer(spec))
         self._meta: dict[str, np.ndarray] | None = None
 
     @property
