@@ -14,7 +14,8 @@ Models:
     * `TokenCost` — cost = tokens (the "balance tokens" baseline).
 
 `get_cost_model(name_or_callable, kind=...)` resolves a name ("tokens", a preset such as "llama-12b",
-or "vit:<preset>") or a `TransformerConfig`, or passes a callable through; the strategies
+"vit:<preset>", or "calibrated:<path>" for a fit saved by `megascale-data profile --model`, see
+`calibration.py`) or a `TransformerConfig`, or passes a callable through; the strategies
 resolve their models through it. `register_cost_model` adds names, `cost_model_names` lists them.
 """
 
@@ -27,6 +28,7 @@ from typing import Protocol, runtime_checkable
 
 import numpy as np
 
+from megascale_data_ext.dataplane.calibration import load_calibration
 from megascale_data_ext.errors import ConfigError
 
 __all__ = [
@@ -251,6 +253,9 @@ def segment_sum(values: np.ndarray, offsets: np.ndarray) -> np.ndarray:
     return csum[offsets[1:]] - csum[offsets[:-1]]
 
 
+#: `get_cost_model("calibrated:<path>")` loads a `CalibratedCost` fitted to measured step times.
+CALIBRATED_PREFIX = "calibrated:"
+
 CostFactory = Callable[[], Callable[[np.ndarray], np.ndarray]]
 _REGISTRY: dict[str, CostFactory] = {"tokens": TokenCost}
 
@@ -268,13 +273,14 @@ def get_cost_model(
     """Resolve a cost model: the one path from a name or config to a cost callable.
 
     Accepts a callable (returned as is), a `TransformerConfig`, a registered name ("tokens"),
-    a preset name ("llama-12b"), or "vit:<preset>" to force the encoder model. A config or
+    a preset name ("llama-12b"), "vit:<preset>" to force the encoder model, or
+    "calibrated:<path>" for a `CalibratedCost` (seconds, not FLOPs) loaded from a saved fit. A config or
     preset is costed by `kind` (`TransformerCost` for a backbone, `ViTCost` for an encoder);
     without one, presets starting with "vit" get `ViTCost` and all others `TransformerCost`.
 
     Raises:
-        ConfigError: an unknown name (the message lists the known ones) or a value that is
-            neither a name, a config nor a callable.
+        ConfigError: an unknown name (the message lists the known ones), a value that is
+            neither a name, a config nor a callable, or a calibration file that is missing or invalid.
     """
     if isinstance(name_or_callable, TransformerConfig):
         return (kind or TransformerCost)(name_or_callable)
@@ -283,6 +289,12 @@ def get_cost_model(
     if not isinstance(name_or_callable, str):
         raise ConfigError(f"cost model must be a name or a callable, got {type(name_or_callable).__name__}")
     key = name_or_callable.strip().lower()
+    if key.startswith(CALIBRATED_PREFIX):  # the path keeps its case
+        path = name_or_callable.strip()[len(CALIBRATED_PREFIX):]
+        if not path:
+            raise ConfigError(f"cost model {name_or_callable!r} names no file; use 'calibrated:<path to the JSON "
+                              "written by `megascale-data profile --model`>'")
+        return load_calibration(path)
     if key in _REGISTRY:
         return _REGISTRY[key]()
     if key.startswith("vit:"):
@@ -293,8 +305,8 @@ def get_cost_model(
 
 
 def cost_model_names() -> list[str]:
-    """The names `get_cost_model` accepts: registered names, presets and "vit:<preset>"."""
-    return sorted(_REGISTRY) + sorted(_PRESETS) + ["vit:<preset>"]
+    """The names `get_cost_model` accepts: registered names, presets, "vit:<preset>", "calibrated:<path>"."""
+    return sorted(_REGISTRY) + sorted(_PRESETS) + ["vit:<preset>", f"{CALIBRATED_PREFIX}<path>"]
 
 
 def replace_config(config: TransformerConfig, **changes: object) -> TransformerConfig:
