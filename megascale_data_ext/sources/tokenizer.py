@@ -326,16 +326,17 @@ def load_tokenizer(
         spec = path
         key = f"sources.{spec.name}.tokenizer"
         path, tokenizer_type, merge_file = spec.tokenizer, spec.tokenizer_type, spec.merge_file
+    type_key = f"{key}-type" if key.startswith("--") else f"{key}_type"  # flag or config key
     if tokenizer_type is not None and tokenizer_type not in tokenizer_types():
-        raise ConfigError(f"`{key}_type` must be one of {tokenizer_types()} (Megatron's --tokenizer-type names), "
+        raise ConfigError(f"`{type_key}` must be one of {tokenizer_types()} (Megatron's --tokenizer-type names), "
                           f"got {tokenizer_type!r}")
     if tokenizer_type == "ByteTokenizer" or (tokenizer_type is None and path is None):
         if path is not None:
-            raise ConfigError(f"`{key}` is {str(path)!r} but `{key}_type` is ByteTokenizer, which reads no file; "
+            raise ConfigError(f"`{key}` is {str(path)!r} but `{type_key}` is ByteTokenizer, which reads no file; "
                               "drop one of them")
         return ByteTokenizer()
     if path is None:
-        raise ConfigError(f"`{key}_type` is {tokenizer_type} but `{key}` is not set; give the tokenizer's file")
+        raise ConfigError(f"`{type_key}` is {tokenizer_type} but `{key}` is not set; give the tokenizer's file")
     kind = tokenizer_type or infer_tokenizer_type(path)
     if kind == "SentencePieceTokenizer":
         return SentencePieceTokenizer(path, key=key)
