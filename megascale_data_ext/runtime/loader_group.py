@@ -1,0 +1,191 @@
+"""Loader groups: one loader actor serving several sources, or shards of a source.
+
+One actor per source costs one Python process (interpreter, numpy, pyarrow: ~80 MiB) per
+source; the partitioner (`dataplane.partitioner`) instead packs many small sources into one
+actor (source parallel) and splits heavy ones into data-parallel shards. A `LoaderGroup`
+hosts one `SourceLoader` per member and dispatches every call by source id.
+
+Shards: member ``ShardRef(source, k, n)`` serves the stream positions ``p`` with
+``p % n == k`` of its source's plans. The Planner plans the whole source as before; each
+shard keeps its residue class of the plan, so the n shards of a step are disjoint and
+together are the plan: resharding at a step boundary loses and repeats nothing, and a
+sample is the same sample (position -> index is a pure function of seed and epoch)
+whichever shard reads it.
+
+Workers: ``workers`` threads read ahead the next steps' plans of every member (worker
+parallel: worker i starts step s + i while the constructors consume step s), so a costly
+transform has ``workers`` steps of time to finish.
+
+Thread contract: as `SourceLoader`; the Ray façade is threaded (``max_concurrency``) because
+a member's `fetch` may wait on the Planner while the Planner asks for `summary_buffer`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+import ray
+
+from megascale_data_ext.dataplane.partitioner import ShardRef
+from megascale_data_ext.dataplane.plan import LoaderPlan
+from megascale_data_ext.errors import SourceError
+from megascale_data_ext.runtime.loader import SourceLoader
+from megascale_data_ext.sources.base import SourceSpec
+
+__all__ = ["GROUP_CONCURRENCY", "LoaderGroup", "LoaderGroupActor", "merge_fetches", "positions_of", "shard_of_plan"]
+
+GROUP_CONCURRENCY = 16
+_log = logging.getLogger(__name__)
+GetPlan = Callable[[int, int], LoaderPlan]
+
+
+def shard_of_plan(plan: LoaderPlan, shard: int, num_shards: int) -> LoaderPlan:
+    """The part of `plan` that shard `shard` of `num_shards` serves: positions p with p % n == shard."""
+    if num_shards == 1:
+        return plan
+    keep = plan.positions % num_shards == shard
+    return LoaderPlan(step=plan.step, source=plan.source, positions=plan.positions[keep],
+                      indices=plan.indices[keep], bucket=plan.bucket[keep])
+
+
+class LoaderGroup:
+    """Several sources (or shards of sources) behind one loader's interface.
+
+    Args:
+        members: ``(ShardRef, SourceSpec)`` per hosted source; a source at most once.
+        seed: Seeds the per-epoch shuffles (the same for every shard of a source).
+        shuffle: Shuffle sample order per epoch.
+        workers: Read-ahead threads (worker parallelism for costly transforms).
+        read_ahead: Steps each fetch schedules ahead (default: `workers`).
+        get_plan: ``(step, source) -> LoaderPlan`` of the whole source (the Planner).
+
+    Checkpoint: ``{"members": {source: SourceLoader state}}`` (each member's own schema).
+    """
+
+    def __init__(self, members: Sequence[tuple[ShardRef, SourceSpec]], *, seed: int, shuffle: bool = True,
+                 workers: int = 1, read_ahead: int | None = None, get_plan: GetPlan | None = None) -> None:
+        seen = [ref.source for ref, _ in members]
+        if len(set(seen)) != len(seen):
+            raise ValueError(f"a loader group hosts a source at most once, got sources {seen}")
+        self.refs: dict[int, ShardRef] = {ref.source: ref for ref, _ in members}
+        self.loaders: dict[int, SourceLoader] = {
+            ref.source: SourceLoader(ref.source, spec, seed=seed, shuffle=shuffle) for ref, spec in members
+        }
+        self.workers = max(1, int(workers))
+        self.read_ahead = self.workers if read_ahead is None else read_ahead
+        self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="loader-worker")
+        self._ahead_until: dict[int, int] = {s: -1 for s in self.loaders}
+        self.set_get_plan(get_plan)
+
+    def set_get_plan(self, get_plan: GetPlan | None) -> None:
+        """Give every member the Planner's plans, cut to its shard."""
+        for s, loader in self.loaders.items():
+            ref = self.refs[s]
+            loader.get_plan = None if get_plan is None else (
+                lambda step, source, _r=ref: shard_of_plan(get_plan(step, source), _r.shard, _r.num_shards))
+
+    def _member(self, source: int) -> SourceLoader:
+        loader = self.loaders.get(source)
+        if loader is None:
+            raise SourceError(f"this loader group serves sources {sorted(self.loaders)}, not source {source}; "
+                              f"route the call by the autoscaler's layout")
+        return loader
+
+    def size(self, source: int) -> int:
+        return self._member(source).size
+
+    def summary_buffer(self, source: int, start: int, count: int):
+        """Metadata of the whole source's stream (every shard has all of it: it is metadata only)."""
+        return self._member(source).summary_buffer(start, count)
+
+    def execute(self, source: int, plan: LoaderPlan) -> None:
+        """Push mode: stage `plan` (the whole source's) cut to this member's shard."""
+        ref = self.refs[source]
+        self._member(source).execute(shard_of_plan(plan, ref.shard, ref.num_shards))
+
+    def fetch(self, source: int, step: int, buckets: list[int]) -> dict[str, list]:
+        """This member's samples of `step` for `buckets`; schedules read-ahead on the worker threads."""
+        loader = self._member(source)
+        out = loader.fetch(step, buckets)
+        first = max(step + 1, self._ahead_until[source] + 1)
+        for ahead in range(first, step + 1 + self.read_ahead):
+            self._pool.submit(self._read_ahead, loader, ahead)
+            self._ahead_until[source] = ahead
+        return out
+
+    @staticmethod
+    def _read_ahead(loader: SourceLoader, step: int) -> None:
+        try:
+            loader.read_ahead(step)
+        except Exception as exc:  # the constructor's own fetch raises it again, with its context
+            _log.warning("read-ahead of step %d for source %r failed: %s", step, loader.spec.name, exc)
+
+    def stats(self) -> dict[int, dict[str, int]]:
+        return {s: {**ld.stats(), "shard": self.refs[s].shard, "num_shards": self.refs[s].num_shards}
+                for s, ld in self.loaders.items()}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"members": {str(s): ld.state_dict() for s, ld in self.loaders.items()}}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        for s, sub in state["members"].items():
+            self._member(int(s)).load_state_dict(sub)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        for ld in self.loaders.values():
+            ld.close()
+
+
+@ray.remote(num_cpus=0, max_concurrency=GROUP_CONCURRENCY)
+class LoaderGroupActor:
+    """A `LoaderGroup` in its own process; plans come from the Planner actor (`set_planner`)."""
+
+    def __init__(self, members: list[tuple[ShardRef, SourceSpec]], seed: int, shuffle: bool, workers: int = 1):
+        self.group = LoaderGroup(members, seed=seed, shuffle=shuffle, workers=workers)
+
+    def set_planner(self, planner: Any) -> None:
+        self.group.set_get_plan(lambda step, source: ray.get(planner.loader_plan.remote(step, source)))
+
+    def ready(self) -> dict[str, Any]:
+        """Where the actor runs and what it serves (placement checks and readiness)."""
+        ctx = ray.get_runtime_context()
+        return {"node_id": ctx.get_node_id(), "sources": sorted(self.group.loaders), "pid": os.getpid()}
+
+    def size(self, source: int) -> int:
+        return self.group.size(source)
+
+    def summary_buffer(self, source: int, start: int, count: int):
+        return self.group.summary_buffer(source, start, count)
+
+    def execute(self, source: int, plan: LoaderPlan) -> None:
+        self.group.execute(source, plan)
+
+    def fetch(self, source: int, step: int, buckets: list[int]):
+        return self.group.fetch(source, step, buckets)
+
+    def stats(self) -> dict:
+        return self.group.stats()
+
+    def state_dict(self) -> dict:
+        return self.group.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.group.load_state_dict(state)
+
+
+def merge_fetches(parts: Sequence[Mapping[str, list]]) -> dict[str, list]:
+    """One source's fetch result from its shards' results (disjoint positions), in position order."""
+    samples = sorted((x for p in parts for x in p["samples"]), key=lambda x: (x[0], x[1]))
+    skipped = sorted((x for p in parts for x in p["skipped"]), key=lambda x: (x[0], x[1]))
+    return {"samples": samples, "skipped": skipped}
+
+
+def positions_of(result: Mapping[str, list]) -> np.ndarray:
+    """Stream positions in a fetch result (delivered and skipped): the accounting unit."""
+    return np.asarray([p for _, p, _ in result["samples"]] + [p for _, p, _ in result["skipped"]], dtype=np.int64)

@@ -1,0 +1,142 @@
+"""The AutoScaler on real Ray: a source's weight ramps up and down, its loader shards are created
+and reclaimed, and every sample is delivered exactly once and equals a run that never rescaled;
+loaders and constructors placed on the nodes of a 3-node local cluster."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+
+import numpy as np
+import pytest
+import ray
+
+from megascale_data_ext.dataplane.partitioner import MiB, PartitionLimits, partition
+from megascale_data_ext.dataplane.placetree import ClientPlaceTree
+from megascale_data_ext.dataplane.profiles import SourceProfile
+from megascale_data_ext.dataplane.scaling import ScalingConfig
+from megascale_data_ext.runtime.autoscaler import RoutedFetch, ScalingPlannerActor
+from megascale_data_ext.runtime.config import RayConfig, ServiceConfig
+from megascale_data_ext.runtime.constructor import DataConstructor
+from megascale_data_ext.runtime.inprocess import InProcessService
+from megascale_data_ext.runtime.loader_group import LoaderGroupActor
+from megascale_data_ext.runtime.topology import ServiceTopology
+from megascale_data_ext.sources.demo_data import make_demo_data
+
+pytestmark = pytest.mark.slow
+STEPS = 20
+
+
+@pytest.fixture(scope="module")
+def specs(tmp_path_factory):
+    out = make_demo_data(tmp_path_factory.mktemp("demo"), seed=3, rows=160, text_sources=3, image_sources=0,
+                         megatron_source=False)
+    return [dataclasses.replace(s, truncate=True, max_tokens=2048) for s in out]
+
+
+def ramp_config(specs) -> ServiceConfig:
+    # source 0: 1/9 of the mixture, then 8/10 from step 4, back to 1/9 from step 12
+    mixing = {"type": "piecewise", "boundaries": [0, 4, 12], "weights": [[1, 4, 4], [8, 1, 1], [1, 4, 4]]}
+    return ServiceConfig(sources=specs, seed=7, samples_per_step=16, num_microbatches=2, seq_length=2048,
+                         strategy="vanilla", buffer_size=64, mixing=mixing, prefetch=1, ray=RayConfig(namespace="as"))
+
+
+def test_ramp_creates_and_reclaims_shards_and_delivers_every_sample_once(specs):
+    cfg = ramp_config(specs)
+    tree = ClientPlaceTree.from_sizes(dp=2)
+    topo = ServiceTopology.of(cfg, tree)
+    reference = InProcessService(cfg, tree)  # the same stream, never rescaled
+    ray.init(num_cpus=2, include_dashboard=False, configure_logging=False, log_to_driver=False)
+    try:
+        scaling = ScalingConfig(capacity=(0.3, 1.0, 1.0), window=2, patience=1, max_shards=3)
+        planner = ScalingPlannerActor.remote(cfg, topo, scaling, interval_steps=2, lead_steps=1,
+                                             groups=[[1, 2]])
+        delivered: Counter = Counter()
+        route = RoutedFetch(lambda step, s: ray.get(planner.route.remote(step, s)))
+
+        def fetch(s, step, buckets):
+            out = route(s, step, buckets)
+            delivered.update((s, p) for _, p, _ in out["samples"] + out["skipped"])
+            return out
+
+        con = DataConstructor(list(range(tree.dp)), cfg, topo,
+                              get_plan=lambda step, b: ray.get(planner.constructor_plan.remote(step, b)),
+                              fetch=fetch, pad_id=reference.constructors[0].pad_id, image_token_id=None)
+        live, planned = [], Counter()
+        for step in range(STEPS):
+            for s in range(3):
+                planned.update((s, int(p)) for p in reference.planner.loader_plan(step, s).positions)
+            for rank in topo.fetchers(0) + topo.fetchers(1):
+                got = con.get_step(step, rank)
+                want = reference.constructor_of(rank).get_step(step, rank)
+                for (b1, _), (b2, _) in zip(got, want, strict=True):
+                    assert np.array_equal(b1["tokens"], b2["tokens"]), f"step {step} rank {rank} differs"
+            ray.get(planner.release.remote(step))
+            live.append(ray.get(planner.live_actors.remote()))
+        events = ray.get(planner.events.remote())
+        # exactly once: every planned (source, position) of every step, none twice
+        assert max(delivered.values()) == 1 and set(delivered) == set(planned)
+        created = [e for e in events if e["event"] == "created" and e["source"] == 0]
+        assert max(e["new"] for e in created) == 3  # 0.8 of the mixture / 0.3 per shard
+        assert any(e["new"] < e["old"] for e in created), events  # scaled back down
+        assert any(e["event"] == "reclaimed" for e in events)
+        assert max(live) > 2 and live[-1] == 2, live  # grew with the ramp, back to the shared group + one
+    finally:
+        ray.shutdown()
+
+
+def test_loaders_and_constructor_sidecars_land_on_their_nodes(specs):
+    from ray.cluster_utils import Cluster
+
+    from megascale_data_ext.runtime.actors import DataConstructorActor, PlannerActor
+    from megascale_data_ext.runtime.placement import ClusterNodes, Placement
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+    for i in range(3):
+        cluster.add_node(num_cpus=2, resources={f"msd_node:trainer-{i}": 1, "trainer": 1})
+    ray.init(address=cluster.address, include_dashboard=False, configure_logging=False, log_to_driver=False)
+    try:
+        cluster.wait_for_nodes()
+        nodes = ClusterNodes.discover()
+        trainers = [f"trainer-{i}" for i in range(3)]
+        assert set(trainers) <= set(nodes.ids)
+        place = Placement(nodes, trainers, ranks_per_node=1)
+        # partition the 3 sources onto the trainer nodes: a tight actor cap spreads them
+        profs = [SourceProfile(name=s.name, fingerprint="x", num_samples=160, samples_profiled=8, latency_s=1e-3,
+                               access_state_bytes=40 * MiB, bytes_per_sample=MiB, throughput=1e3) for s in specs]
+        trainer_res = [n for n in nodes.resources if n.name in trainers]
+        plan = partition(profs, [1, 1, 1], trainer_res,
+                         PartitionLimits(samples_per_step=16, step_seconds=1.0, actor_memory_bytes=160 * MiB,
+                                         actor_base_bytes=80 * MiB))
+        assert len({a.node for a in plan.assignments}) >= 2
+        cfg = ramp_config(specs)
+        groups = [LoaderGroupActor.options(**place.loader(a)).remote(
+            [(sh, specs[sh.source]) for sh in a.shards], cfg.seed, cfg.shuffle, a.workers) for a in plan.assignments]
+        where = ray.get([g.ready.remote() for g in groups])
+        assert [w["node_id"] for w in where] == [nodes.node_id(a.node) for a in plan.assignments]
+        # a constructor sidecar beside its ranks; the planner anywhere; one step through them
+        tree = ClientPlaceTree.from_sizes(dp=3)
+        cfg = ServiceConfig(sources=specs[:1], seed=1, samples_per_step=6, num_microbatches=1, seq_length=2048,
+                            strategy="vanilla", buffer_size=16, constructor_group=3, prefetch=1)
+        topo = ServiceTopology.of(cfg, tree)
+        from megascale_data_ext.runtime.actors import SourceLoaderActor
+
+        loader = SourceLoaderActor.options(**place._on("trainer-2")).remote(0, specs[0], cfg.seed, cfg.shuffle)
+        planner = PlannerActor.options(**place.planner()).remote(cfg, topo, [loader])
+        ray.get(loader.set_planner.remote(planner))
+        ranks = place.constructor_ranks(topo)[0]
+        con = DataConstructorActor.options(**place.constructor([1])).remote(
+            list(topo.constructor_groups[0]), cfg, topo, planner, [loader], 0, None)
+        assert ranks == [0, 1, 2]
+        batch = ray.get(con.get_step.remote(0, 1))
+        assert len(batch) == 1 and batch[0][0]["tokens"].size > 0
+        from ray.util.state import list_actors
+
+        by_class = {}
+        for a in list_actors(filters=[("state", "=", "ALIVE")]):
+            by_class.setdefault(a.class_name, []).append(a.node_id)
+        assert by_class["DataConstructorActor"] == [nodes.node_id("trainer-1")]
+        assert by_class["SourceLoaderActor"] == [nodes.node_id("trainer-2")]
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
