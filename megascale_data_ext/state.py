@@ -31,6 +31,24 @@ __all__ = ["Stateful", "StateSchema", "plain"]
 
 _META = ("kind", "version", "fingerprint")
 
+#: Where the fingerprint keys the service stamps are set, so a refused resume names the key to fix.
+_CONFIG_KEYS = {
+    **{k: f"data.{k}" for k in ("seed", "samples_per_step", "num_microbatches", "seq_length", "shuffle", "overflow",
+                                "tokens_per_step", "split_documents", "sources", "strategy", "mixing")},
+    "mix_mode": "data.mixing.mode",
+    "world": "the parallel layout (tensor/context/pipeline/data-parallel sizes)",
+}
+_FRESH = "to start a new data stream instead, restore the model checkpoint without loading this data state"
+
+
+def _fix(key: str, saved: Any) -> str:
+    """What to do about one changed fingerprint key: set its config key back to the saved value."""
+    where = _CONFIG_KEYS.get(key)
+    if key == "world":
+        return f"relaunch with {where} of the saved run"
+    value = f"{saved!r}" if isinstance(saved, (str, int, float, bool)) or saved is None else "the saved value"
+    return f"set `{where}` back to {value}" if where else f"set it back to {value}"
+
 
 @runtime_checkable
 class Stateful(Protocol):
@@ -70,7 +88,7 @@ class StateSchema:
     kind: str
     version: int
     fields: tuple[str, ...]
-    hint: str = "resume with the settings the state was saved with, or start the data stream afresh"
+    hint: str = "resume with the settings the state was saved with"
 
     def stamp(self, fingerprint: Mapping[str, Any] | None = None, **values: Any) -> dict[str, Any]:
         """The state: ``kind``, ``version``, ``fingerprint`` and exactly the declared fields."""
@@ -107,7 +125,9 @@ class StateSchema:
             saved, now = plain(state.get("fingerprint") or {}), plain(dict(fingerprint or {}))
             for key in sorted(set(saved) | set(now)):
                 if saved.get(key) != now.get(key):
-                    problems.append(f"`{key}` changed: saved {saved.get(key)!r}, now {now.get(key)!r}")
+                    problems.append(f"`{key}` changed: saved {saved.get(key)!r}, now {now.get(key)!r} "
+                                    f"({_fix(key, saved.get(key))} to continue the saved stream)")
         if problems:
-            raise ResumeError(f"cannot resume the {self.kind} state: " + "; ".join(problems) + f" ({self.hint})")
+            raise ResumeError(f"cannot resume the {self.kind} state: " + "; ".join(problems)
+                              + f". What to do: {self.hint}; {_FRESH}")
         return plain({k: state[k] for k in self.fields})

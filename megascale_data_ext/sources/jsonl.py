@@ -1,37 +1,45 @@
 """JSON Lines sources: one object per line, ``text`` plus optional image file path(s).
 
 Meant for small corpora and quick experiments (``prepare`` turns them into Parquet with cost
-columns for real runs): opening scans each file once for line offsets, ``metadata()`` has to
-parse every line, ``read()`` seeks straight to the planned lines. Image paths are relative to
-the JSONL file's directory.
+columns for real runs). Opening parses every line once and checks what can be checked
+without tokenizing: valid JSON, an object, a string text field, image files that exist. A bad
+row is thus found at start-up, not hours later when it is first sampled: the source refuses
+to open (``on_bad_rows: error``, naming each row) or leaves it out and reports it once
+(``on_bad_rows: skip``). ``read()`` seeks straight to the planned lines. Image paths are
+relative to the JSONL file's directory.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 from contextlib import ExitStack
-from typing import BinaryIO
+from dataclasses import dataclass
+from typing import Any, BinaryIO
 
 import numpy as np
 
 from megascale_data_ext.errors import SampleError, SourceError
 from megascale_data_ext.sources.base import SourceSpec, make_metadata
-from megascale_data_ext.sources.rowsource import RowSource, resolve_files
+from megascale_data_ext.sources.rowsource import RowSource, empty_source_error, resolve_files
 from megascale_data_ext.sources.tokenizer import Tokenizer
 from megascale_data_ext.sources.transforms import RawSample
 
+_log = logging.getLogger(__name__)
+_SHOWN = 5  # bad rows spelled out in a message; the rest are counted
 
-def line_offsets(path: str) -> np.ndarray:
-    """Byte offsets of the non-blank lines of ``path`` (one scan, no parsing)."""
-    offsets = []
-    pos = 0
-    with open(path, "rb") as fh:
-        for line in fh:
-            if line.strip():
-                offsets.append(pos)
-            pos += len(line)
-    return np.asarray(offsets, dtype=np.int64)
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BadRow:
+    """A JSONL line the source cannot use: where it is (``line`` is 1-based) and why."""
+
+    path: str
+    line: int
+    reason: str
+
+    def __str__(self) -> str:
+        return f"{self.path} line {self.line}: {self.reason}"
 
 
 def image_paths(record: dict, field: str | None, base_dir: str) -> list[str]:
@@ -43,16 +51,82 @@ def image_paths(record: dict, field: str | None, base_dir: str) -> list[str]:
     return [p if os.path.isabs(p) else os.path.join(base_dir, p) for p in items]
 
 
+def row_problem(record: Any, spec: SourceSpec, base_dir: str) -> str | None:
+    """Why a parsed line cannot be a sample of ``spec`` (``None``: it can)."""
+    if not isinstance(record, dict):
+        return f"the line is a JSON {type(record).__name__}, expected an object"
+    text = record.get(spec.text_column)
+    if not isinstance(text, str):
+        got = "missing" if spec.text_column not in record else f"a {type(text).__name__}"
+        return f"field {spec.text_column!r} (`text_column`) is {got}, expected a string"
+    if spec.image_column is not None and record.get(spec.image_column) is not None:
+        value = record[spec.image_column]
+        items = value if isinstance(value, list) else [value]
+        if not all(isinstance(p, str) for p in items):
+            return f"field {spec.image_column!r} (`image_column`) must be a path or a list of paths, got {value!r}"
+        missing = [p for p in image_paths(record, spec.image_column, base_dir) if not os.path.isfile(p)]
+        if missing:
+            return f"image file {missing[0]!r} not found"
+    return None
+
+
+def scan_jsonl(path: str, spec: SourceSpec) -> tuple[np.ndarray, np.ndarray, list[BadRow]]:
+    """One pass over ``path``: byte offsets and 1-based line numbers of the usable lines, and the bad ones.
+
+    Blank lines are neither samples nor bad.
+    """
+    offsets, lines, bad = [], [], []
+    base, pos = os.path.dirname(path), 0
+    with open(path, "rb") as fh:
+        for lineno, raw in enumerate(fh, 1):
+            if raw.strip():
+                try:
+                    problem = row_problem(json.loads(raw), spec, base)
+                except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+                    problem = f"invalid JSON ({exc})"
+                if problem is None:
+                    offsets.append(pos)
+                    lines.append(lineno)
+                else:
+                    bad.append(BadRow(path=path, line=lineno, reason=problem))
+            pos += len(raw)
+    return np.asarray(offsets, dtype=np.int64), np.asarray(lines, dtype=np.int64), bad
+
+
+def describe_bad_rows(bad: list[BadRow]) -> str:
+    """The first few bad rows spelled out, the rest counted."""
+    text = "; ".join(str(b) for b in bad[:_SHOWN])
+    return text + (f"; ... and {len(bad) - _SHOWN} more" if len(bad) > _SHOWN else "")
+
+
 class JsonlSource(RowSource):
-    """Lines of one or more ``.jsonl`` files as samples, in file then line order."""
+    """The usable lines of one or more ``.jsonl`` files as samples, in file then line order.
+
+    Attributes:
+        bad_rows: Lines left out under ``on_bad_rows: skip`` (reported once, when opening).
+    """
 
     def __init__(self, spec: SourceSpec, *, tokenizer: Tokenizer | None = None) -> None:
         super().__init__(spec, tokenizer=tokenizer)
         self.paths = resolve_files(spec.name, spec.paths, suffixes=(".jsonl", ".json"))
-        self._offsets = [line_offsets(p) for p in self.paths]
+        scans = [scan_jsonl(p, spec) for p in self.paths]
+        self._offsets = [s[0] for s in scans]
+        self._lines = [s[1] for s in scans]
+        self.bad_rows: list[BadRow] = [b for s in scans for b in s[2]]
         self._start = np.concatenate([[0], np.cumsum([len(o) for o in self._offsets], dtype=np.int64)])
+        key = f"sources.{spec.name}.on_bad_rows"
+        if self.bad_rows and spec.on_bad_rows == "error":
+            raise SourceError(
+                f"source {self.name!r}: {len(self.bad_rows)} bad row(s) found when opening it: "
+                f"{describe_bad_rows(self.bad_rows)}. Fix or delete those lines, or set `{key}: skip` to leave "
+                "them out of the source"
+            )
         if len(self) == 0:
-            raise SourceError(f"source {self.name!r} is empty: no lines in {self.paths[:3]}")
+            why = f" (all {len(self.bad_rows)} rows are bad: {describe_bad_rows(self.bad_rows)})" if self.bad_rows else ""
+            raise empty_source_error(self.name, f"no usable lines in {self.paths[:3]}{why}")
+        if self.bad_rows:
+            _log.warning("source %r: left out %d bad row(s) (`%s: skip`): %s", self.name, len(self.bad_rows), key,
+                         describe_bad_rows(self.bad_rows))
 
     def __len__(self) -> int:
         return int(self._start[-1])
@@ -61,11 +135,16 @@ class JsonlSource(RowSource):
         fh.seek(int(self._offsets[f_i][line]))
         try:
             record = json.loads(fh.readline())
-        except json.JSONDecodeError as exc:
+        except json.JSONDecodeError as exc:  # the file changed since it was opened
             raise SampleError(f"invalid JSON: {exc}") from exc
         if not isinstance(record, dict):
             raise SampleError(f"line is a JSON {type(record).__name__}, expected an object")
         return record
+
+    def where(self, index: int) -> str:
+        """``file line N`` of sample ``index`` (for messages)."""
+        f_i = int(np.searchsorted(self._start, index, side="right") - 1)
+        return f"{self.paths[f_i]} line {int(self._lines[f_i][index - int(self._start[f_i])])}"
 
     def _compute_metadata(self) -> dict[str, np.ndarray]:
         spec, tf = self.spec, self._transform
@@ -78,7 +157,7 @@ class JsonlSource(RowSource):
                     try:
                         record = self._record(fh, f_i, line)
                     except SampleError:
-                        texts.append(None)  # read() skips it; counts as EOD only here
+                        texts.append(None)  # changed since opening; read() skips it
                         patches.append([])
                         continue
                     texts.append(record.get(spec.text_column))
@@ -102,7 +181,7 @@ class JsonlSource(RowSource):
                 path, line = self.paths[f_i], index - int(self._start[f_i])
                 if f_i not in handles:
                     handles[f_i] = stack.enter_context(open(path, "rb"))
-                raw = RawSample(index=index, path=path, row=line)
+                raw = RawSample(index=index, path=path, row=int(self._lines[f_i][line]) - 1)
                 try:
                     record = self._record(handles[f_i], f_i, line)
                     raw.text = record.get(spec.text_column)

@@ -56,6 +56,12 @@ def resolve_files(source: str, paths: Sequence[str], *, suffixes: tuple[str, ...
     return list(dict.fromkeys(out))
 
 
+def empty_source_error(source: str, detail: str) -> SourceError:
+    """The one wording of "this source has no samples": what was found, and the two fixes."""
+    return SourceError(f"source {source!r} is empty: {detail}; point `sources.{source}.paths` at data, or remove "
+                       f"the source from `sources`")
+
+
 class RowSource(ABC):
     """Base of the concrete sources; owned by one thread (a Source Loader actor).
 
@@ -89,13 +95,49 @@ class RowSource(ABC):
     def _raw_rows(self, indices: np.ndarray) -> list[RawSample]:
         """Untransformed rows for valid ``indices``, in the same order."""
 
+    def where(self, index: int) -> str | None:
+        """Where sample ``index`` lives (file and row) for messages; ``None`` when the format cannot say."""
+        return None
+
     def metadata(self, indices: np.ndarray | None = None) -> dict[str, np.ndarray]:
-        """Cost columns (``text_tokens``, ``num_images``, ragged image patches); never payloads."""
+        """Cost columns (``text_tokens``, ``num_images``, ragged image patches); never payloads.
+
+        Raises:
+            SourceError: Samples longer than ``max_tokens`` without ``truncate``, more than
+                ``max_bad_fraction`` allows (see :meth:`_check_lengths`).
+        """
         if self._meta is None:
-            self._meta = self._compute_metadata()
+            self._meta = self._check_lengths(self._compute_metadata())
         if indices is not None:
             indices = check_indices(self.name, indices, len(self))
         return take_metadata(self._meta, indices)
+
+    def _check_lengths(self, meta: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Refuse over-long samples now, from the cost columns, rather than in the balancer mid-run.
+
+        A sample longer than ``max_tokens`` (the context, ``data.seq_length``, unless set lower)
+        fits no microbatch. Without ``truncate`` ``read()`` skips it as bad; within the
+        ``max_bad_fraction`` budget its cost is capped at ``max_tokens`` so the Planner can still
+        place it (and ``read()`` reports it skipped), beyond it the source refuses to start.
+        """
+        spec, tokens = self.spec, meta["text_tokens"]
+        if spec.max_tokens is None or spec.truncate:
+            return meta
+        over = np.flatnonzero(tokens > spec.max_tokens)
+        if over.size == 0:
+            return meta
+        if over.size > spec.max_bad_fraction * len(tokens):
+            longest = int(over[np.argmax(tokens[over])])
+            where = self.where(longest)
+            key = f"sources.{self.name}"
+            raise SourceError(
+                f"source {self.name!r}: {over.size} of {len(tokens)} samples are longer than the "
+                f"{spec.max_tokens}-token limit (`{key}.max_tokens`, which defaults to `data.seq_length`); the "
+                f"longest has {int(tokens[longest])} tokens (sample {longest}{', ' + where if where else ''}). "
+                f"Set `{key}.truncate: true` to cut samples to the limit, raise `data.seq_length`, or let them be "
+                f"skipped with `{key}.max_bad_fraction: {over.size / len(tokens):.3g}` or more"
+            )
+        return {**meta, "text_tokens": np.minimum(tokens, spec.max_tokens)}
 
     def read_report(self, indices: Sequence[int] | np.ndarray) -> ReadResult:
         """Transformed samples for ``indices`` plus the ones skipped as bad (exact accounting).

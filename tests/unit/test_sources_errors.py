@@ -102,14 +102,38 @@ def test_skip_and_count_within_tolerance(tmp_path):
         src.read([2])  # the same bad row again: 3 > 0.25 * 9
 
 
-def test_too_long_sample_without_truncation(tmp_path):
+def test_too_long_sample_within_tolerance_is_planned_capped_and_skipped(tmp_path):
     pq.write_table(pa.table({"text": ["short", "x" * 50, "ok"]}), tmp_path / "t.parquet")
     src = open_source(_spec(tmp_path / "t.parquet", max_tokens=16, max_bad_fraction=0.5))
-    assert src.metadata()["text_tokens"].tolist() == [6, 51, 3]  # true length: the planner can see it
+    assert src.metadata()["text_tokens"].tolist() == [6, 16, 3]  # capped: the planner can place it
     report = src.read_report([0, 1, 2])
     assert [s.index for s in report.samples] == [0, 2]
     (skip,) = report.skipped
     assert "51 tokens > max_tokens=16" in skip.reason and "truncate=true" in skip.reason and skip.row == 1
+
+
+def test_too_long_sample_refused_at_metadata_naming_the_keys(tmp_path):
+    pq.write_table(pa.table({"text": ["short", "x" * 50, "ok"]}), tmp_path / "t.parquet")
+    src = open_source(_spec(tmp_path / "t.parquet", max_tokens=16))
+    with pytest.raises(SourceError) as err:
+        src.metadata()
+    assert str(err.value) == (
+        "source 'src': 1 of 3 samples are longer than the 16-token limit (`sources.src.max_tokens`, which defaults "
+        "to `data.seq_length`); the longest has 51 tokens (sample 1). Set `sources.src.truncate: true` to cut "
+        "samples to the limit, raise `data.seq_length`, or let them be skipped with "
+        "`sources.src.max_bad_fraction: 0.333` or more"
+    )
+
+
+def test_balancer_over_cap_error_names_seq_length_and_truncate():
+    from megascale_data_ext.dataplane.balancers import partition
+    from megascale_data_ext.errors import PlanError
+
+    with pytest.raises(PlanError) as err:
+        partition(np.ones(3), 2, tokens=np.array([10, 300, 10]), cap=256)
+    msg = str(err.value)
+    assert "item 1 has 300 tokens but the per-bin token cap is 256" in msg
+    assert "`data.seq_length`" in msg and "set `truncate: true` on its source" in msg
 
 
 def test_null_text_is_a_bad_sample(tmp_path):
@@ -161,3 +185,17 @@ def test_spec_problems_are_structured():
     ]
     with pytest.raises(ConfigError, match=r"`sources\.s\.weight` must be >= 0, got -1\.0"):
         SourceSpec(**values)
+
+
+def test_resume_under_changed_config_says_what_to_do(tmp_path):
+    from megascale_data_ext.errors import ResumeError
+    from megascale_data_ext.runtime.loader import SourceLoader
+
+    spec = _spec(_good(tmp_path))
+    state = SourceLoader(0, spec, seed=3).state_dict()
+    with pytest.raises(ResumeError) as err:
+        SourceLoader(0, spec, seed=4).load_state_dict(state)
+    msg = str(err.value)
+    assert "`seed` changed: saved 3, now 4 (set `data.seed` back to 3 to continue the saved stream)" in msg
+    assert msg.endswith("What to do: resume over the same files with the same seed and shuffle; to start a new data "
+                        "stream instead, restore the model checkpoint without loading this data state")

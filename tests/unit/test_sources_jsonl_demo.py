@@ -2,47 +2,110 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
+import logging
 
 import numpy as np
 import pyarrow.parquet as pq
+import pytest
 
+from megascale_data_ext.errors import SourceError
 from megascale_data_ext.sources import ByteTokenizer, JsonlSource, SourceSpec, make_demo_data, open_source
 from megascale_data_ext.sources.images import header_patch_count, synthetic_jpeg
 
 
-def test_jsonl_text_and_images(tmp_path):
+def _write_jsonl(tmp_path, lines) -> str:
+    path = tmp_path / "d.jsonl"
+    path.write_text("\n".join(x if isinstance(x, str) else json.dumps(x) for x in lines) + "\n\n")
+    return str(path)
+
+
+def _mixed_lines(tmp_path):
     (tmp_path / "imgs").mkdir()
     (tmp_path / "imgs" / "a.jpg").write_bytes(synthetic_jpeg(64, 200, seed=1))
     (tmp_path / "imgs" / "b.jpg").write_bytes(synthetic_jpeg(300, 40, seed=2))
-    lines = [
+    return _write_jsonl(tmp_path, [
         {"text": "plain text"},
         {"text": "one image", "image": "imgs/a.jpg"},
         "{broken json",
         {"text": "two images", "image": ["imgs/a.jpg", "imgs/b.jpg"]},
+        {"text": 17},
         {"text": "missing image", "image": "imgs/zzz.jpg"},
-    ]
-    (tmp_path / "d.jsonl").write_text("\n".join(x if isinstance(x, str) else json.dumps(x) for x in lines) + "\n\n")
-    spec = SourceSpec(
-        name="j", format="jsonl", paths=[str(tmp_path / "d.jsonl")], image_column="image", max_bad_fraction=0.5
-    )
-    src = open_source(spec)
-    assert isinstance(src, JsonlSource) and len(src) == 5
+        "",
+        {"caption": "no text field"},
+    ])
+
+
+def test_jsonl_bad_rows_refused_at_open_each_named_once(tmp_path):
+    path = _mixed_lines(tmp_path)
+    spec = SourceSpec(name="j", format="jsonl", paths=[path], image_column="image", max_bad_fraction=0.5)
+    with pytest.raises(SourceError) as err:
+        open_source(spec)
+    msg = str(err.value)
+    assert msg.startswith("source 'j': 4 bad row(s) found when opening it: ")
+    assert f"{path} line 3: invalid JSON (" in msg
+    assert f"{path} line 5: field 'text' (`text_column`) is a int, expected a string" in msg
+    assert f"{path} line 6: image file '{tmp_path}/imgs/zzz.jpg' not found" in msg
+    assert f"{path} line 8: field 'text' (`text_column`) is missing, expected a string" in msg
+    assert "Fix or delete those lines, or set `sources.j.on_bad_rows: skip`" in msg
+    assert [msg.count(f"line {n}:") for n in (3, 5, 6, 8)] == [1, 1, 1, 1]  # counted once each
+
+
+def test_jsonl_skip_leaves_bad_rows_out_and_reports_them_once(tmp_path, caplog):
+    path = _mixed_lines(tmp_path)
+    spec = SourceSpec(name="j", format="jsonl", paths=[path], image_column="image", on_bad_rows="skip")
+    with caplog.at_level(logging.WARNING, logger="megascale_data_ext.sources.jsonl"):
+        src = open_source(spec)
+    assert isinstance(src, JsonlSource) and len(src) == 3
+    assert [(b.line, b.reason.split(" (")[0]) for b in src.bad_rows] == [
+        (3, "invalid JSON"), (5, "field 'text'"), (6, f"image file '{tmp_path}/imgs/zzz.jpg' not found"),
+        (8, "field 'text'")]
+    (record,) = [r for r in caplog.records if "left out 4 bad row(s)" in r.getMessage()]
+    assert "`sources.j.on_bad_rows: skip`" in record.getMessage()
     meta = src.metadata()
     a, b = (header_patch_count((tmp_path / "imgs" / n).read_bytes()) for n in ("a.jpg", "b.jpg"))
-    assert meta["num_images"].tolist() == [0, 1, 0, 2, 1]
-    assert meta["image_patch_counts"].tolist() == [a, a, b, 0]
-    report = src.read_report(np.arange(5))
-    assert [s.index for s in report.samples] == [0, 1, 3]
-    assert [(s.index, s.row) for s in report.skipped] == [(2, 2), (4, 4)]
-    assert "invalid JSON" in report.skipped[0].reason and "zzz.jpg" in report.skipped[1].reason
+    assert meta["num_images"].tolist() == [0, 1, 2]
+    assert meta["image_patch_counts"].tolist() == [a, a, b]
+    report = src.read_report(np.arange(3))
+    assert [s.index for s in report.samples] == [0, 1, 2] and report.skipped == [] and src.bad_samples == []
     for s in report.samples:
         assert len(s.tokens) == meta["text_tokens"][s.index]
         assert [im.shape[0] for im in s.images] == meta["image_patch_counts"][
             meta["image_offsets"][s.index] : meta["image_offsets"][s.index + 1]
         ].tolist()
     assert ByteTokenizer().decode(report.samples[2].tokens[:-1]) == "two images"
+    assert src.where(2) == f"{path} line 4"
+
+
+def test_jsonl_all_rows_bad_or_blank_is_an_empty_source(tmp_path):
+    spec = SourceSpec(name="j", format="jsonl", paths=[_write_jsonl(tmp_path, ["[1, 2]", "nope"])], on_bad_rows="skip")
+    with pytest.raises(SourceError) as err:
+        open_source(spec)
+    msg = str(err.value)
+    assert "source 'j' is empty: no usable lines in" in msg and "(all 2 rows are bad: " in msg
+    assert "line 1: the line is a JSON list, expected an object" in msg
+    assert "point `sources.j.paths` at data, or remove the source from `sources`" in msg
+
+
+def test_jsonl_over_long_sample_refused_when_planning_starts(tmp_path):
+    """The loader reads metadata when it starts: an over-long row fails there, naming keys and line."""
+    from megascale_data_ext.runtime.loader import SourceLoader
+
+    path = _write_jsonl(tmp_path, [{"text": "short"}, {"text": "x" * 40}, {"text": "y" * 30}])
+    spec = SourceSpec(name="web", format="jsonl", paths=[path], max_tokens=16)
+    with pytest.raises(SourceError) as err:
+        SourceLoader(0, spec, seed=0)
+    msg = str(err.value)
+    assert "source 'web': 2 of 3 samples are longer than the 16-token limit (`sources.web.max_tokens`, which " \
+           "defaults to `data.seq_length`)" in msg
+    assert f"the longest has 41 tokens (sample 1, {path} line 2)" in msg
+    assert "Set `sources.web.truncate: true`" in msg and "raise `data.seq_length`" in msg
+    assert "`sources.web.max_bad_fraction: 0.667` or more" in msg
+    cut = open_source(dataclasses.replace(spec, truncate=True))
+    assert cut.metadata()["text_tokens"].tolist() == [6, 16, 16]
+    assert [len(s.tokens) for s in cut.read([0, 1, 2])] == [6, 16, 16]
 
 
 def _digest(root) -> str:

@@ -57,8 +57,9 @@ def no_room(i: int, tokens: np.ndarray | None, bins: Bins) -> PlanError:
     cap = None if bins.cap is None else float(bins.cap.max())
     if tokens is not None and cap is not None and tokens[i] > cap:
         return PlanError(
-            f"item {i} has {int(tokens[i])} tokens but the per-bin token cap is {cap:g}: raise the cap "
-            f"(context length / micro-batch token budget), or truncate or split that sample before balancing"
+            f"item {i} has {int(tokens[i])} tokens but the per-bin token cap is {cap:g} (a microbatch's context, "
+            f"`data.seq_length`, unless the strategy's `cap` is set): set `truncate: true` on its source to cut "
+            f"samples to the context, or raise the cap (`data.seq_length`)"
         )
     used = "" if bins.tok is None else f" (bins hold {int(bins.tok.sum())} tokens, cap {cap:g} each)"
     return CapacityError(
