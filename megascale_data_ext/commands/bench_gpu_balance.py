@@ -1,0 +1,299 @@
+"""`megascale-data bench gpu-balance`: does cost balancing buy measured step time on a GPU?
+
+`bench balance` predicts speedups from a cost model; this command measures them. For each
+workload (long-short, navit, coyo) and token cap, one global batch filling `--fill` of
+DP × m × cap tokens is split over `--dp` simulated DP ranks twice: vanilla (Megatron's
+order, contiguous equal-count slices, no cap) and balanced (`--method` at the interleaved
+level under the cap, as `LLMBalance`). Every rank's microbatches then run forward + backward
+serially on the one local device through the project's own GPT (`megatron/model.py`), timed
+with CUDA events on a GPU (bf16 autocast) and `time.perf_counter` on CPU (fp32). With
+synchronous DP the slowest rank sets the step, so
+
+    speedup_measured  = max vanilla rank time / max balanced rank time
+    speedup_predicted = the same ratio of the cost model's rank predictions
+
+The cost model is the FLOPs model of the timed shape, or a calibrated fit (`--calibration`,
+written by `megascale-data profile --model`) with its fixed per-microbatch term. Every
+microbatch timed here is also a calibration observation: the run ends by fitting one to its
+own timings (in-sample) and shows the speedups that fit predicts next to the FLOPs ones.
+
+With no CUDA device the command runs a tiny CPU shape as a smoke test and says so; peak
+memory is then not measured (null), and the per-document vs dense memory comparison of one
+`--memory-pack`-token pack is reported as not measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from megascale_data_ext.commands import _profile_model as pm
+from megascale_data_ext.dataplane.balancers import BalanceResult, balance_step, balancer_names
+from megascale_data_ext.dataplane.calibration import CalibratedCost, fit_calibration, load_calibration
+from megascale_data_ext.dataplane.costs import TransformerCost
+from megascale_data_ext.dataplane.workloads import fill_workload, workload_names
+from megascale_data_ext.errors import ConfigError
+
+NAME = "bench gpu-balance"
+HELP = ("Measured (CUDA events) vs predicted step speedup of cost balancing over vanilla, "
+        "simulated DP ranks on one GPU (tiny CPU smoke shape without CUDA).")
+
+Rank = list[list[int]]  # one rank's microbatches, each a list of document lengths
+
+
+@dataclass(slots=True, kw_only=True)
+class Row:
+    """One workload × cap: predicted and measured rank times of vanilla and balanced splits."""
+
+    workload: str
+    dp: int
+    cap: int
+    microbatches: int
+    samples: int
+    tokens: int
+    speedup_measured: float
+    speedup_predicted: float
+    predicted_by: str
+    speedup_predicted_flops: float
+    max_over_mean_measured: float
+    vanilla_max_over_mean_measured: float
+    rank_ms_vanilla: list[float]
+    rank_ms_balanced: list[float]
+    max_microbatch_tokens_vanilla: int
+    max_microbatch_tokens_balanced: int
+    peak_mem_gb: float | None
+    speedup_predicted_fitted: float | None = None
+    _ranks: dict[str, list[Rank]] = field(default_factory=dict, repr=False)
+    _mb_seconds: dict[str, list[list[float]]] = field(default_factory=dict, repr=False)
+
+    def public(self) -> dict[str, Any]:
+        return {k: v for k, v in asdict(self).items() if not k.startswith("_")}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", type=Path, help="write the rows (and the run's device/shape) as JSON here")
+    parser.add_argument("--dp", type=int, default=4, help="simulated DP ranks (default 4)")
+    parser.add_argument("--caps", type=int, nargs="+", default=None,
+                        help="token caps = context, one row per workload and cap (default 8192 on CUDA, 256 on CPU)")
+    parser.add_argument("--workloads", nargs="+", default=None, choices=workload_names(),
+                        help="workloads (default: all)")
+    parser.add_argument("--microbatches", type=int, default=4, help="microbatches per rank m (default 4)")
+    parser.add_argument("--fill", type=float, default=0.9, help="fraction of DP×m×cap the batch fills (0.9)")
+    parser.add_argument("--method", default="kk", choices=balancer_names(), help="balancer (default kk)")
+    parser.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
+    parser.add_argument("--repeats", type=int, default=None, help="timed runs per rank, median kept "
+                                                                    "(default 3 on CUDA, 1 on CPU)")
+    parser.add_argument("--calibration", type=Path, help="a fit from `megascale-data profile --model`: predict "
+                                                         "and balance with it instead of the FLOPs model")
+    parser.add_argument("--hidden", type=int, help="GPT hidden size (default 2048 on CUDA, 64 on CPU)")
+    parser.add_argument("--layers", type=int, help="GPT layers (default 8 on CUDA, 2 on CPU)")
+    parser.add_argument("--heads", type=int, help="attention heads (default 16 on CUDA, 4 on CPU)")
+    parser.add_argument("--vocab", type=int, help="vocabulary (default 32000 on CUDA, 128 on CPU)")
+    parser.add_argument("--attention", default="auto",
+                        help="GPTModelConfig.attention: auto (per-document: te with Transformer Engine on CUDA, "
+                             "else flex), te, flex or dense (default auto)")
+    parser.add_argument("--memory-pack", type=int, default=8192,
+                        help="tokens of the pack whose peak memory is compared per-document vs dense (CUDA only; "
+                             "0 skips it)")
+    parser.add_argument("--device", choices=("cuda", "cpu"), default=None, help="default: cuda when available")
+
+
+def _check(args: argparse.Namespace, caps: list[int]) -> None:
+    problems = [f"--{k} must be >= 1, got {v}" for k, v in (("dp", args.dp), ("microbatches", args.microbatches))
+                if v < 1]
+    problems += [f"--caps must be >= 16 tokens, got {c}" for c in caps if c < 16]
+    if not 0 < args.fill <= 1:
+        problems.append(f"--fill must be in (0, 1], got {args.fill}")
+    if args.repeats is not None and args.repeats < 1:
+        problems.append(f"--repeats must be >= 1, got {args.repeats}")
+    if args.device == "cuda" and not pm.cuda_available():
+        problems.append("--device cuda: torch sees no CUDA device on this machine; drop --device to run the CPU smoke")
+    if problems:
+        raise ConfigError("bench gpu-balance: " + "; ".join(problems))
+
+
+def _ranks(res: BalanceResult, lens: np.ndarray, dp: int, m: int) -> list[Rank]:
+    """Each rank's non-empty microbatches as document lengths, in delivery order."""
+    out = []
+    for r in range(dp):
+        mbs = [lens[res.members(r, j)].astype(int).tolist() for j in range(m)]
+        out.append([mb for mb in mbs if mb])
+    return out
+
+
+def _flops_rank(ranks: list[Rank], cost: TransformerCost) -> np.ndarray:
+    return np.array([sum(float(cost(np.asarray(mb)).sum()) for mb in rank) for rank in ranks])
+
+
+def _predicted(ranks: list[Rank], model: CalibratedCost | TransformerCost) -> np.ndarray:
+    if isinstance(model, CalibratedCost):
+        return np.array([model.predict([rank])[0] if rank else 0.0 for rank in ranks])
+    return _flops_rank(ranks, model)
+
+
+def _ratio(vanilla: np.ndarray, balanced: np.ndarray) -> float:
+    return float(vanilla.max() / balanced.max()) if balanced.max() > 0 else float("nan")
+
+
+def plan_row(name: str, *, dp: int, m: int, cap: int, fill: float, seed: int, method: str,
+             cost: CalibratedCost | TransformerCost) -> tuple[dict[str, list[Rank]], int, int]:
+    """The vanilla and balanced splits of one global batch: ({variant: ranks}, samples, tokens)."""
+    wl = fill_workload(name, int(fill * dp * m * cap), seed=seed, context=cap)
+    lens = wl.seq_lens()
+    costs = cost(lens)
+    vanilla = balance_step(costs, tokens=lens, num_buckets=dp, num_microbatches=m, method="greedy", level="none")
+    balanced = balance_step(costs, tokens=lens, num_buckets=dp, num_microbatches=m, cap=cap, method=method,
+                            level="interleaved")
+    return ({"vanilla": _ranks(vanilla, lens, dp, m), "balanced": _ranks(balanced, lens, dp, m)},
+            wl.num_samples, int(lens.sum()))
+
+
+def _measure(timer: pm.ModelTimer, ranks: list[Rank], repeats: int) -> tuple[np.ndarray, list[list[float]]]:
+    """Median seconds per rank over `repeats` serial runs, and each microbatch's median seconds."""
+    per_mb = []
+    for rank in ranks:
+        runs = [timer.time_rank(rank) for _ in range(repeats)] if rank else [[]]
+        per_mb.append([statistics.median(run[j] for run in runs) for j in range(len(rank))])
+    return np.array([sum(mbs) for mbs in per_mb]), per_mb
+
+
+def _memory_rows(shape: pm.ModelShape, tokens: int) -> list[dict[str, Any]]:
+    """Peak memory of one `tokens`-token pack of 32 documents, per-document vs dense (CUDA only)."""
+    docs = max(1, min(32, tokens))
+    pack = [tokens // docs + (1 if i < tokens % docs else 0) for i in range(docs)]
+    per_doc = pm.per_document_backend(shape.device)
+    kinds = [per_doc or "per-document", "dense"]
+
+    def unmeasured(kind: str, note: str) -> dict[str, Any]:
+        return {"attention": kind, "tokens": tokens, "docs": docs, "peak_mem_gb": None, "ms": None, "note": note}
+
+    if not shape.device.startswith("cuda"):
+        return [unmeasured(k, "not measured (no CUDA device: CPU smoke run)") for k in kinds]
+    import torch
+
+    rows = [] if per_doc else [unmeasured("per-document", "not measured: megatron/model.py offers no per-document "
+                                                          "attention")]
+    for kind in kinds[0 if per_doc else 1:]:
+        timer = pm.ModelTimer(pm.ModelShape(**{**asdict(shape), "attention": kind, "seq": max(shape.seq, tokens)}))
+        timer.time_rank([pack])  # warm-up
+        timer.reset_peak_memory()
+        ms = timer.time_rank([pack])[0] * 1e3
+        rows.append({"attention": kind, "tokens": tokens, "docs": docs, "peak_mem_gb": timer.peak_memory_gb(),
+                     "ms": ms, "note": "torch.cuda.max_memory_allocated over one forward+backward"})
+        del timer
+        gc.collect()
+        torch.cuda.empty_cache()
+    return rows
+
+
+def _self_fit(rows: list[Row], shape: pm.ModelShape) -> dict[str, Any] | None:
+    """Fit a calibration to every microbatch timed in this run; set each row's fitted prediction."""
+    obs = [[mb] for row in rows for v in ("vanilla", "balanced") for rank in row._ranks[v] for mb in rank]
+    secs = [s for row in rows for v in ("vanilla", "balanced") for rank in row._mb_seconds[v] for s in rank]
+    try:
+        model, report = fit_calibration(obs, secs, fitted_for=shape.fitted_for())
+    except ConfigError as exc:  # too few or too uniform microbatches (e.g. one tiny row)
+        return {"error": str(exc)}
+    for row in rows:
+        row.speedup_predicted_fitted = _ratio(_predicted(row._ranks["vanilla"], model),
+                                              _predicted(row._ranks["balanced"], model))
+    return {**model.to_dict(), "report": report.to_dict()}
+
+
+def format_table(rows: list[Row]) -> str:
+    head = ["workload", "DP", "cap", "samples", "speedup measured", "predicted", "predicted (FLOPs)",
+            "predicted (self-fit)", "max/mean measured (vanilla → balanced)", "max MB tokens (vanilla / balanced)",
+            "peak GB"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        fitted = "n/a" if r.speedup_predicted_fitted is None else f"{r.speedup_predicted_fitted:.3f}×"
+        lines.append("| " + " | ".join([
+            r.workload, str(r.dp), str(r.cap), str(r.samples), f"{r.speedup_measured:.3f}×",
+            f"{r.speedup_predicted:.3f}× ({r.predicted_by})", f"{r.speedup_predicted_flops:.3f}×", fitted,
+            f"{r.vanilla_max_over_mean_measured:.3f} → {r.max_over_mean_measured:.3f}",
+            f"{r.max_microbatch_tokens_vanilla} / {r.max_microbatch_tokens_balanced}",
+            "null (CPU)" if r.peak_mem_gb is None else f"{r.peak_mem_gb:.2f}",
+        ]) + " |")
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    device = args.device or ("cuda" if pm.cuda_available() else "cpu")
+    cuda = device == "cuda"
+    caps = args.caps or ([8192] if cuda else [pm.CPU_SMOKE["seq"]])
+    _check(args, caps)
+    repeats = args.repeats or (3 if cuda else 1)
+    workloads = args.workloads or workload_names()
+    calibration = load_calibration(args.calibration) if args.calibration else None
+    shape = pm.resolve_shape(hidden=args.hidden, layers=args.layers, heads=args.heads, vocab=args.vocab,
+                             seq=max(caps), attention=args.attention, device=device)
+    flops = TransformerCost(shape.cost_config())
+    cost = calibration or flops
+    predicted_by = f"calibrated:{args.calibration}" if calibration else "flops"
+    if calibration is not None:
+        for problem in calibration.mismatches(device=shape.device, hidden=shape.hidden, layers=shape.layers,
+                                              attention=shape.attention, dtype=shape.dtype):
+            print(f"warning: --calibration {args.calibration}: {problem}", file=sys.stderr)
+
+    plans = [(name, cap, *plan_row(name, dp=args.dp, m=args.microbatches, cap=cap, fill=args.fill, seed=args.seed,
+                                   method=args.method, cost=cost))
+             for name in workloads for cap in caps]
+    longest = max(sum(mb) for _, _, ranks, _, _ in plans for v in ranks.values() for rank in v for mb in rank)
+    shape.seq = max(shape.seq, longest)  # vanilla microbatches are uncapped
+    kind = "" if cuda else " — CPU smoke test (tiny shape; not a GPU measurement)"
+    print(f"bench gpu-balance on {shape.describe()}{kind}; DP {args.dp} × m {args.microbatches}, fill {args.fill}, "
+          f"balancer {args.method} interleaved, {repeats} timed run(s) per rank, "
+          f"{'CUDA events' if cuda else 'time.perf_counter'}")
+    rows: list[Row] = []
+    with pm.single_process_megatron():
+        timer = pm.ModelTimer(shape)
+        timer.time_rank([[min(longest, max(caps))]])  # warm-up: kernels, allocator
+        for name, cap, ranks, samples, tokens in plans:
+            timer.reset_peak_memory()
+            measured = {v: _measure(timer, ranks[v], repeats) for v in ("vanilla", "balanced")}
+            peak = timer.peak_memory_gb()
+            van, bal = measured["vanilla"][0], measured["balanced"][0]
+            rows.append(Row(
+                workload=name, dp=args.dp, cap=cap, microbatches=args.microbatches, samples=samples, tokens=tokens,
+                speedup_measured=_ratio(van, bal),
+                speedup_predicted=_ratio(_predicted(ranks["vanilla"], cost), _predicted(ranks["balanced"], cost)),
+                predicted_by=predicted_by,
+                speedup_predicted_flops=_ratio(_flops_rank(ranks["vanilla"], flops), _flops_rank(ranks["balanced"], flops)),
+                max_over_mean_measured=float(bal.max() / bal.mean()),
+                vanilla_max_over_mean_measured=float(van.max() / van.mean()),
+                rank_ms_vanilla=(van * 1e3).round(3).tolist(), rank_ms_balanced=(bal * 1e3).round(3).tolist(),
+                max_microbatch_tokens_vanilla=max(sum(mb) for rank in ranks["vanilla"] for mb in rank),
+                max_microbatch_tokens_balanced=max(sum(mb) for rank in ranks["balanced"] for mb in rank),
+                peak_mem_gb=peak, _ranks=ranks, _mb_seconds={v: measured[v][1] for v in measured},
+            ))
+        del timer
+        self_fit = _self_fit(rows, shape)
+        memory = _memory_rows(shape, args.memory_pack) if args.memory_pack > 0 else []
+    print(format_table(rows))
+    if self_fit and "report" in self_fit:
+        rep, co = self_fit["report"], self_fit["coefficients"]
+        print(f"\nself-fit over {rep['observations']} timed microbatches: fixed {co['fixed_s'] * 1e3:.3f} ms, "
+              f"Pearson r {rep['pearson_r'] if rep['pearson_r'] is None else round(rep['pearson_r'], 4)}, "
+              f"mean |error| {rep['mean_abs_pct_error']:.1f}% (in-sample)")
+    for mem in memory:
+        gb = mem["note"] if mem["peak_mem_gb"] is None else f"{mem['peak_mem_gb']:.2f} GB, {mem['ms']:.1f} ms"
+        print(f"peak memory, {mem['tokens']}-token pack of {mem['docs']} documents, {mem['attention']}: {gb}")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({
+            "device": shape.device, "device_name": pm.device_name(shape.device), "smoke": not cuda,
+            "shape": asdict(shape), "timing": "cuda events" if cuda else "time.perf_counter",
+            "peak_mem_source": "torch.cuda.max_memory_allocated" if cuda else "null: not measured on CPU",
+            "fill": args.fill, "seed": args.seed, "method": args.method, "repeats": repeats,
+            "calibration": str(args.calibration) if args.calibration else None,
+            "rows": [r.public() for r in rows], "self_fit": self_fit, "memory": memory,
+        }, indent=1))
+    return 0

@@ -1,0 +1,95 @@
+"""`bench gpu-balance` and `profile --model` on CPU: the real megatron GPT timed at a tiny shape.
+
+One module-scoped run of each command (the model build dominates); the tests read its JSON,
+its saved calibration and its output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import numpy as np
+import pytest
+
+from megascale_data_ext.cli import main
+from megascale_data_ext.commands import _profile_model as pm
+from megascale_data_ext.commands import bench_gpu_balance as gb
+from megascale_data_ext.dataplane.calibration import load_calibration
+from megascale_data_ext.dataplane.costs import TransformerCost
+from megascale_data_ext.errors import ConfigError
+
+ROW_FIELDS = {"workload", "dp", "cap", "speedup_measured", "speedup_predicted", "max_over_mean_measured",
+              "peak_mem_gb", "speedup_predicted_flops", "speedup_predicted_fitted", "rank_ms_vanilla",
+              "rank_ms_balanced", "predicted_by"}
+pytestmark = pytest.mark.skipif(pm.cuda_available(), reason="the CPU smoke shape; a GPU runs the full bench")
+
+
+@pytest.fixture(scope="module")
+def calibration(tmp_path_factory) -> tuple:
+    out = tmp_path_factory.mktemp("profile") / "run" / "model_calibration.json"
+    parser = argparse.ArgumentParser()
+    pm.add_model_arguments(parser)
+    args = parser.parse_args(["--model", "--model-seq", "128", "--model-repeats", "1", "--model-out", str(out)])
+    assert pm.run_model_profile(args) == 0
+    return out
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory, calibration) -> tuple[dict, str]:
+    path = tmp_path_factory.mktemp("gpu-balance") / "rows.json"
+    argv = ["bench", "gpu-balance", "--json", str(path), "--dp", "2", "--microbatches", "2", "--caps", "128",
+            "--workloads", "long-short", "navit", "--calibration", str(calibration)]
+    assert main(argv) == 0
+    return json.loads(path.read_text()), str(calibration)
+
+
+def test_cpu_smoke_writes_every_row_field(smoke, capsys) -> None:
+    data, calibration = smoke
+    assert data["smoke"] is True and data["device"] == "cpu" and data["timing"] == "time.perf_counter"
+    assert data["shape"]["hidden"] == pm.CPU_SMOKE["hidden"] and data["shape"]["attention"] == pm.resolve_attention_choice("auto", device="cpu")
+    assert [(r["workload"], r["dp"], r["cap"]) for r in data["rows"]] == [("long-short", 2, 128), ("navit", 2, 128)]
+    for row in data["rows"]:
+        assert ROW_FIELDS <= set(row)
+        assert row["peak_mem_gb"] is None  # CPU: not measured, never invented
+        assert row["predicted_by"] == f"calibrated:{calibration}"
+        assert row["speedup_measured"] > 0 and row["speedup_predicted"] > 0 and row["max_over_mean_measured"] >= 1.0
+        assert len(row["rank_ms_vanilla"]) == len(row["rank_ms_balanced"]) == 2
+        assert row["max_microbatch_tokens_balanced"] <= 128  # balanced microbatches respect the cap
+        # Measured ratios are the recorded rank times' ratios, not a separate number.
+        assert row["speedup_measured"] == pytest.approx(max(row["rank_ms_vanilla"]) / max(row["rank_ms_balanced"]),
+                                                        rel=1e-3)
+    assert [m["attention"] for m in data["memory"]] == [pm.per_document_backend("cpu") or "per-document", "dense"]
+    assert all(m["peak_mem_gb"] is None and "not measured" in m["note"] for m in data["memory"])
+    assert data["self_fit"]["report"]["observations"] >= 4
+
+
+def test_flops_prediction_matches_the_cost_model_on_the_planned_split() -> None:
+    shape = pm.resolve_shape(hidden=None, layers=None, heads=None, vocab=None, seq=128, device="cpu")
+    cost = TransformerCost(shape.cost_config())
+    ranks, samples, tokens = gb.plan_row("long-short", dp=2, m=2, cap=128, fill=0.9, seed=0, method="kk", cost=cost)
+    flat = sorted(d for v in ("vanilla", "balanced") for rank in ranks[v] for mb in rank for d in mb)
+    assert len(flat) == 2 * samples and sum(flat) == 2 * tokens  # both splits hold the whole batch once
+    vanilla = [sum(float(cost(np.array(mb)).sum()) for mb in rank) for rank in ranks["vanilla"]]
+    balanced = [sum(float(cost(np.array(mb)).sum()) for mb in rank) for rank in ranks["balanced"]]
+    assert max(balanced) <= max(vanilla)
+    assert gb._ratio(gb._flops_rank(ranks["vanilla"], cost), gb._flops_rank(ranks["balanced"], cost)) == \
+        pytest.approx(max(vanilla) / max(balanced))
+
+
+def test_profile_saves_a_fit_of_the_timed_packs(calibration, capsys) -> None:
+    model = load_calibration(calibration)
+    assert model.fitted_for["device"] == "cpu" and model.fitted_for["hidden"] == pm.CPU_SMOKE["hidden"]
+    assert model.fit["observations"] == len(pm.profile_packs(128))
+    assert model.microbatch_seconds([128]) > 0
+    packs = pm.profile_packs(128)
+    assert {sum(p) for p in packs} == {16, 32, 64, 128} and {len(p) for p in packs} >= {1, 4, 16}
+
+
+def test_bad_flags_name_the_flag(tmp_path) -> None:
+    with pytest.raises(ConfigError, match=r"--dp must be >= 1, got 0.*--caps must be >= 16 tokens, got 8"):
+        main(["bench", "gpu-balance", "--dp", "0", "--caps", "8"])
+    with pytest.raises(ConfigError, match=r"calibration file .*nope\.json.* does not exist"):
+        main(["bench", "gpu-balance", "--calibration", str(tmp_path / "nope.json")])
+    with pytest.raises(ConfigError, match="--model-hidden must be >= 1"):
+        pm.resolve_shape(hidden=0, layers=None, heads=None, vocab=None, seq=None, device="cpu")
