@@ -1,8 +1,9 @@
 """Hydra wiring: where the YAML group lives, composing it, and the schema in the ConfigStore.
 
-The YAML lives in ``conf/`` at the repository root, found from this package's location, so an
-editable install (``pip install -e .``) needs nothing else; elsewhere set ``MEGASCALE_CONF_DIR``
-(or ``config_dir``). Own ``@hydra.main`` apps add :func:`conf_dir` to ``hydra.searchpath``.
+The YAML ships inside the package as ``megascale_data_ext/conf`` (in the repository a link to the
+top-level ``conf/``, in a wheel real files), so an editable and a wheel install find it alike;
+``MEGASCALE_CONF_DIR`` (or ``config_dir``) points elsewhere. Own ``@hydra.main`` apps add
+:func:`conf_dir` to ``hydra.searchpath``.
 """
 
 from __future__ import annotations
@@ -30,12 +31,14 @@ def register_configs() -> None:
 
 
 def conf_dir() -> Path:
-    """The YAML config directory: ``$MEGASCALE_CONF_DIR``, else ``conf/`` next to the package."""
+    """The YAML config directory: ``$MEGASCALE_CONF_DIR``, else the package's own ``conf/``."""
     env = os.environ.get(CONF_DIR_ENV)
-    d = Path(env) if env else Path(__file__).resolve().parents[2] / "conf"
+    d = Path(env) if env else Path(__file__).resolve().parents[1] / "conf"
     if not (d / "data" / "megascale.yaml").is_file():
-        raise ConfigError(f"no Hydra config group at {str(d)!r} (expected data/megascale.yaml); install the "
-                          f"package editable (`pip install -e .`) or set {CONF_DIR_ENV} to the repository's conf/")
+        where = f"${CONF_DIR_ENV}={env!r}" if env else "the installed package"
+        raise ConfigError(f"no Hydra config group at {str(d)!r} (from {where}; expected data/megascale.yaml): "
+                          f"point {CONF_DIR_ENV} at a directory holding data/megascale.yaml (the repository's "
+                          "conf/), or unset it and reinstall the package (`pip install -e .` or its wheel)")
     return d
 
 
