@@ -8,82 +8,190 @@ and constructors are threaded actors (``max_concurrency`` = `ACTOR_CONCURRENCY`)
 too: with loss-driven mixing, planning a step waits for a trainer's `report_loss`, which must
 be served meanwhile (the Planner's lock serialises planning itself). The Planner never
 waits on a constructor, so the call graph has no cycle that can exhaust the thread pools.
+
+Failures (`runtime.faults`, paper Sec. 6): every actor may be restarted by Ray. The Planner
+writes its state after each planned step and a restarted one restores it (re-planning older
+steps from their saved states on demand); its calls are idempotent, so Ray re-runs calls in
+flight. Loaders and constructors are called through `LoaderFailover` / the client's retries
+instead, which know which calls can be re-issued. Each actor's ``crash`` is a SIGKILL it
+sends itself (fault injection).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import queue
+import signal
 import threading
+from collections import OrderedDict
 from typing import Any
 
 import ray
 
+from megascale_data_ext.errors import ResumeError
+from megascale_data_ext.runtime.checkpoints import LoaderSnapshots, PlannerCheckpoints
 from megascale_data_ext.runtime.config import ServiceConfig
 from megascale_data_ext.runtime.constructor import DataConstructor, EncoderRows, encoder_rows
+from megascale_data_ext.runtime.elastic import reshard_planner_state
+from megascale_data_ext.runtime.failover import LoaderFailover, missing_buckets, read_buckets
+from megascale_data_ext.runtime.faults import FaultToleranceConfig
 from megascale_data_ext.runtime.loader import SourceLoader
 from megascale_data_ext.runtime.metrics import record_plan, samples_in, service_metrics
 from megascale_data_ext.runtime.planner import Planner
-from megascale_data_ext.runtime.topology import ServiceTopology
+from megascale_data_ext.runtime.topology import PLANNER_NAME, ServiceTopology
 
 ACTOR_CONCURRENCY = 16
+_NO_FAULT_TOLERANCE = FaultToleranceConfig(restart=False)
 _log = logging.getLogger(__name__)
+
+
+def _reconstructed() -> bool:
+    """Whether Ray restarted this actor after a failure (its __init__ runs again)."""
+    return bool(ray.get_runtime_context().was_current_actor_reconstructed)
+
+
+def _crash() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 @ray.remote(num_cpus=0, max_concurrency=ACTOR_CONCURRENCY)
 class PlannerActor:
-    """The Planner in its own process; holds handles to the loaders for `summary_buffer`."""
+    """The Planner in its own process; holds handles to the loaders for `summary_buffer`.
 
-    def __init__(self, config: ServiceConfig, topology: ServiceTopology, loader_handles: list[Any]):
-        self._loaders = loader_handles
+    With a checkpoint directory, the state before every planned step is written there
+    (`PlannerCheckpoints`); a restarted actor loads the newest, and a request for an older
+    step (a constructor rebuilding) rewinds to that step's saved state and re-plans.
+    """
+
+    def __init__(self, config: ServiceConfig, topology: ServiceTopology, loader_handles: list[Any],
+                 ft: FaultToleranceConfig | None = None, checkpoint_dir: str | None = None,
+                 shadow_handles: list[Any] | None = None):
         self._topology = topology
+        self.ft = ft or _NO_FAULT_TOLERANCE
+        self._loaders = LoaderFailover(loader_handles, shadow_handles, self.ft)
+        self.checkpoints = PlannerCheckpoints(checkpoint_dir, self.ft.checkpoint_keep) if checkpoint_dir else None
+        self.planner = Planner(config, topology, self._loaders.summary, on_planned=self._on_planned)
+        self.restored_from: int | None = None
+        self.rewinds = 0
+        if self.checkpoints is not None:
+            state = self.checkpoints.latest() if _reconstructed() else None
+            if state is not None:
+                self.planner.load_state_dict(state)
+                self.restored_from = int(state["step"])
+                _log.warning("planner restarted: restored its state before step %d", self.restored_from)
+            else:
+                self.checkpoints.save(self.planner.state_dict())
 
-        def summarize(source: int, start: int, count: int):
-            return ray.get(self._loaders[source].summary_buffer.remote(start, count))
+    def _on_planned(self, plan: Any, seconds: float) -> None:
+        record_plan(plan, seconds)
+        if self.checkpoints is not None:  # under the planner's lock: the state right after this step
+            self.checkpoints.save(self.planner.state_dict())
 
-        self.planner = Planner(config, topology, summarize, on_planned=record_plan)
+    def _plan(self, step: int):
+        try:
+            return self.planner.plan(step)
+        except ResumeError:
+            state = self.checkpoints.at(step) if self.checkpoints is not None else None
+            if state is None:
+                raise
+            self.planner.load_state_dict(state)  # deterministic: re-planning gives the same plans
+            self.rewinds += 1
+            return self.planner.plan(step)
 
     def topology(self) -> ServiceTopology:
         """The service's topology, for clients that join by namespace alone."""
         return self._topology
 
+    def fault_tolerance(self) -> FaultToleranceConfig:
+        """The service's fault-tolerance settings, for clients (retries, prefetch)."""
+        return self.ft
+
     def plan(self, step: int):
-        return self.planner.plan(step)
+        return self._plan(step)
 
     def loader_plan(self, step: int, source: int):
-        return self.planner.loader_plan(step, source)
+        return self._plan(step).loader_do_plan(source)
 
     def constructor_plan(self, step: int, bucket: int):
-        return self.planner.plan(step).constructor_do_plan(bucket)
+        return self._plan(step).constructor_do_plan(bucket)
 
     def encoder_plan(self, step: int, buckets: list[int]) -> EncoderRows | None:
         """The EncoderPlan rows (images, their (source, position), encoder rank) of `buckets`' samples."""
-        return encoder_rows(self.planner.plan(step), buckets)
+        return encoder_rows(self._plan(step), buckets)
 
     def plan_summary(self, step: int) -> dict:
-        return self.planner.plan(step).summary()
+        return self._plan(step).summary()
 
     def state_dict(self, step: int | None = None) -> dict:
-        return self.planner.state_dict(step)
+        try:
+            return self.planner.state_dict(step)
+        except ResumeError:
+            state = self.checkpoints.at(step) if self.checkpoints is not None and step is not None else None
+            if state is None:
+                raise
+            return state
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict, reshard: bool = False) -> None:
+        """Continue at the saved step; `reshard` accepts a state saved under another parallel layout."""
+        if reshard:
+            state = reshard_planner_state(state, self.planner.fingerprint())
         self.planner.load_state_dict(state)
+        if self.checkpoints is not None:
+            self.checkpoints.clear()
+            self.checkpoints.save(self.planner.state_dict())
 
     def report_loss(self, step: int, losses: dict) -> None:
         self.planner.report_loss(step, losses)
 
+    def stats(self) -> dict:
+        return {"next_step": self.planner.next_step, "restored_from": self.restored_from, "rewinds": self.rewinds,
+                "failovers": self._loaders.failovers}
+
+    @ray.method(max_task_retries=0)  # never re-run on the restarted actor
+    def crash(self) -> None:
+        _crash()
+
 
 @ray.remote(num_cpus=0, max_concurrency=ACTOR_CONCURRENCY)
 class SourceLoaderActor:
-    """A Source Loader; its plans come from the Planner actor (set after creation)."""
+    """A Source Loader; its plans come from the Planner actor (set after creation, or looked up
+    by name in `namespace` after a restart).
 
-    def __init__(self, source_id: int, spec: Any, seed: int, shuffle: bool, read_ahead: int = 1):
-        self.loader = SourceLoader(source_id, spec, seed=seed, shuffle=shuffle)
-        self._planner = None
-        self.read_ahead = read_ahead
+    A primary reads ahead and stages steps; a ``shadow`` (warm standby: source open, metadata
+    loaded) serves only `fetch_direct`. A primary with `snapshots` writes its state every
+    ``every`` steps and a restarted one restores it; steps since then replay from their plans.
+    """
+
+    def __init__(self, source_id: int, spec: Any, seed: int, shuffle: bool, read_ahead: int = 1, *,
+                 namespace: str | None = None, snapshot_dir: str | None = None, snapshot_every: int = 16,
+                 shadow: bool = False):
+        self.loader = SourceLoader(source_id, spec, seed=seed, shuffle=shuffle, get_plan=self._get_plan)
+        self._namespace = namespace
+        self._planner: Any = None
+        self._plans: OrderedDict[int, Any] = OrderedDict()  # step -> LoaderPlan (immutable), bounded
+        self._plans_lock = threading.Lock()
+        self.shadow = shadow
+        self.read_ahead = 0 if shadow else read_ahead
+        self.rereads = 0
+        self.snapshots = LoaderSnapshots(snapshot_dir, snapshot_every) if snapshot_dir and not shadow else None
+        self._snapshot_step = -snapshot_every
+        self.restored_step: int | None = None
+        if self.snapshots is not None and _reconstructed():
+            got = self.snapshots.load(source_id)
+            if got is not None:
+                self._snapshot_step, state = got
+                self.loader.load_state_dict(state)
+                self.restored_step = self._snapshot_step
         self._ahead: queue.SimpleQueue[int] = queue.SimpleQueue()
         self._ahead_until = -1
-        threading.Thread(target=self._read_ahead_loop, daemon=True, name="read-ahead").start()
+        if self.read_ahead:
+            threading.Thread(target=self._read_ahead_loop, daemon=True, name="read-ahead").start()
 
     def _read_ahead_loop(self) -> None:
         """Refill from storage in the background: read the next planned steps before they are asked for."""
@@ -94,9 +202,21 @@ class SourceLoaderActor:
             except Exception as exc:  # the constructor's own fetch raises it again, with its context
                 _log.warning("read-ahead of step %d for source %r failed: %s", step, self.loader.spec.name, exc)
 
+    def _get_plan(self, step: int, source: int):
+        with self._plans_lock:
+            plan = self._plans.get(step)
+        if plan is None:
+            if self._planner is None:
+                self._planner = ray.get_actor(PLANNER_NAME, namespace=self._namespace)
+            plan = ray.get(self._planner.loader_plan.remote(step, source))
+            with self._plans_lock:
+                self._plans[step] = plan
+                while len(self._plans) > 64:
+                    self._plans.popitem(last=False)
+        return plan
+
     def set_planner(self, planner: Any) -> None:
         self._planner = planner
-        self.loader.get_plan = lambda step, source: ray.get(planner.loader_plan.remote(step, source))
 
     def size(self) -> int:
         return self.loader.size
@@ -105,16 +225,40 @@ class SourceLoaderActor:
         return self.loader.summary_buffer(start, count)
 
     def fetch(self, step: int, buckets: list[int]):
+        """Pop `buckets`' staged samples of `step`; buckets popped before (by a dead instance, or
+        for a constructor that died before building) are read again from the plan."""
         out = self.loader.fetch(step, buckets)
-        samples, tokens, skipped = samples_in(out)
-        service_metrics().source_read(self.loader.spec.name, samples=samples, tokens=tokens, skipped=skipped)
+        missing = missing_buckets(self._get_plan(step, self.loader.source_id), buckets, out)
+        if missing:
+            extra = read_buckets(self.loader, self._get_plan(step, self.loader.source_id), missing)
+            out = {k: out[k] + extra[k] for k in out}
+            self.rereads += len(missing)
+        self._served(out)
         for ahead in range(max(step + 1, self._ahead_until + 1), step + 1 + self.read_ahead):
             self._ahead.put(ahead)
             self._ahead_until = ahead
+        if self.snapshots is not None and self.snapshots.due(step, self._snapshot_step):
+            self._snapshot_step = step
+            self.snapshots.save(self.loader.source_id, step, self.loader.state_dict())
         return out
 
+    def fetch_direct(self, step: int, buckets: list[int]):
+        """Read exactly `buckets`' samples of `step` from its plan, staging nothing (shadows, failover)."""
+        out = read_buckets(self.loader, self._get_plan(step, self.loader.source_id), buckets)
+        self._served(out)
+        return out
+
+    def _served(self, out: dict) -> None:
+        samples, tokens, skipped = samples_in(out)
+        service_metrics().source_read(self.loader.spec.name, samples=samples, tokens=tokens, skipped=skipped)
+
     def stats(self) -> dict:
-        return self.loader.stats()
+        return {**self.loader.stats(), "rereads": self.rereads, "restored_step": self.restored_step,
+                "shadow": self.shadow}
+
+    def rss_bytes(self) -> int:
+        """This process's resident memory (what a shadow costs)."""
+        return _rss_bytes()
 
     def state_dict(self) -> dict:
         return self.loader.state_dict()
@@ -122,40 +266,64 @@ class SourceLoaderActor:
     def load_state_dict(self, state: dict) -> None:
         self.loader.load_state_dict(state)
 
+    @ray.method(max_task_retries=0)  # never re-run on the restarted actor
+    def crash(self) -> None:
+        _crash()
+
 
 @ray.remote(num_cpus=0, max_concurrency=ACTOR_CONCURRENCY)
 class DataConstructorActor:
-    """A Data Constructor with a background prefetch thread `prefetch` steps ahead."""
+    """A Data Constructor with a background prefetch thread `prefetch` steps ahead.
+
+    A prefetch failure is logged and retried with backoff, never latched: a client's request
+    builds (or fails) its own step. A constructor Ray restarted starts prefetching at the first
+    step a client asks for and rebuilds steps from their plans (loaders re-read what the dead
+    instance had taken); steps it built that no client takes any more are dropped.
+    """
 
     def __init__(self, buckets: list[int], config: ServiceConfig, topology: ServiceTopology, planner: Any,
-                 loaders: list[Any], pad_id: int, image_token_id: int | None, start_step: int = 0):
+                 loaders: list[Any], pad_id: int, image_token_id: int | None, start_step: int = 0,
+                 ft: FaultToleranceConfig | None = None, shadows: list[Any] | None = None):
+        self.ft = ft or _NO_FAULT_TOLERANCE
+        self._loaders = LoaderFailover(loaders, shadows, self.ft)
         self.constructor = DataConstructor(
             buckets,
             config,
             topology,
             get_plan=lambda step, b: ray.get(planner.constructor_plan.remote(step, b)),
-            fetch=lambda s, step, bs: ray.get(loaders[s].fetch.remote(step, bs)),
+            fetch=self._loaders.fetch,
             pad_id=pad_id,
             image_token_id=image_token_id,
             get_encoder_plan=lambda step, bs: ray.get(planner.encoder_plan.remote(step, bs)),
         )
+        self.restarted = _reconstructed()
         self.constructor._next_prefetch = start_step
         self.prefetch_depth = config.prefetch
+        self.horizon = 2 * (config.prefetch + self.ft.client_prefetch) + 4
         self._wake = threading.Event()
-        self._target = start_step + self.prefetch_depth - 1
-        self._error: BaseException | None = None
+        self._target: int | None = None if self.restarted else start_step + self.prefetch_depth - 1
+        self._newest = start_step
+        self.prefetch_errors = 0
+        self.dropped_steps = 0
         threading.Thread(target=self._prefetch_loop, daemon=True, name="prefetch").start()
         self._wake.set()
 
     def _prefetch_loop(self) -> None:
+        failures = 0
         while True:
-            self._wake.wait()
+            self._wake.wait(timeout=min(0.1 * 2 ** failures, 5.0) if failures else None)
             self._wake.clear()
+            target = self._target
+            if target is None:  # restarted: wait for the first client request
+                continue
             try:
-                self.constructor.prefetch(self._target)
-            except BaseException as exc:  # surfaced to the next client call
-                self._error = exc
-                return
+                self.constructor.prefetch(target)
+                failures = 0
+            except Exception as exc:  # retried; the client's own request reports a lasting failure
+                failures += 1
+                self.prefetch_errors += 1
+                _log.warning("constructor %s: prefetch up to step %d failed (attempt %d): %s",
+                             self.constructor.buckets, target, failures, exc)
 
     def get(self, step: int, microbatch: int, rank: int):
         return self._deliver(step, lambda: self.constructor.get(step, microbatch, rank))
@@ -165,20 +333,25 @@ class DataConstructorActor:
         return self._deliver(step, lambda: self.constructor.get_step(step, rank))
 
     def _deliver(self, step: int, take: Any) -> Any:
-        if self._error is not None:
-            raise self._error
-        out = take()
-        service_metrics().buffered_steps(len(self.constructor._built), "+".join(map(str, self.constructor.buckets)))
-        if step + self.prefetch_depth > self._target:
+        self.constructor._next_prefetch = max(self.constructor._next_prefetch, step)
+        if step > self._newest:
+            self._newest = step
+            self.dropped_steps += self.constructor.discard_before(step - self.horizon)
+        if self._target is None or step + self.prefetch_depth > self._target:
             self._target = step + self.prefetch_depth
             self._wake.set()
+        out = take()
+        service_metrics().buffered_steps(self.constructor.buffered_steps(), "+".join(map(str, self.constructor.buckets)))
         return out
 
     def get_encoder_images(self, step: int, rank: int):
         """This constructor's images that global rank `rank` encodes at `step` (hybrid strategies)."""
-        if self._error is not None:
-            raise self._error
         return self.constructor.get_encoder_images(step, rank)
 
     def stats(self) -> dict:
-        return self.constructor.stats()
+        return {**self.constructor.stats(), "restarted": self.restarted, "prefetch_errors": self.prefetch_errors,
+                "dropped_steps": self.dropped_steps, "failovers": self._loaders.failovers}
+
+    @ray.method(max_task_retries=0)  # never re-run on the restarted actor
+    def crash(self) -> None:
+        _crash()

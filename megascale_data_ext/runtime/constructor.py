@@ -31,7 +31,7 @@ import numpy as np
 
 from megascale_data_ext.dataplane.cp_slicing import slice_for_cp
 from megascale_data_ext.dataplane.microbatch import fields_for_stage
-from megascale_data_ext.dataplane.packing import pack_microbatch
+from megascale_data_ext.dataplane.packing import pack_microbatch, span_view
 from megascale_data_ext.dataplane.plan import ConstructorPlan, StepPlan
 from megascale_data_ext.errors import PlanError
 from megascale_data_ext.runtime.config import ServiceConfig
@@ -188,7 +188,9 @@ class DataConstructor:
         built = _BuiltStep(batches={}, info={})
         for b, plan in plans.items():
             for j, refs in enumerate(plan.microbatches):
-                samples = [pool[(r.source, r.position)] for r in refs if (r.source, r.position) in pool]
+                refs = [r for r in refs if (r.source, r.position) in pool]
+                samples = [span_view(pool[(r.source, r.position)], r.start, r.stop,
+                                     name=f"step {step} source {r.source} position {r.position}") for r in refs]
                 batch = pack_microbatch(
                     samples,
                     seq_length=_packed_length(plan.cap, self.config.seq_length, samples, mult),
@@ -197,10 +199,10 @@ class DataConstructor:
                     with_attention_mask=self.config.with_attention_mask,
                     pad_to_multiple_of=mult,
                     variable_length=True,
-                    source_ids=[r.source for r in refs if (r.source, r.position) in pool] if self.split_loss else None,
+                    source_ids=[r.source for r in refs] if self.split_loss else None,
                 )
                 built.batches[(b, j)] = batch
-                delivered = [(r.source, r.position, r.index) for r in refs if (r.source, r.position) in pool]
+                delivered = [(r.source, r.position, r.index) for r in refs]
                 built.info[(b, j)] = {
                     "step": step,
                     "bucket": b,
@@ -208,6 +210,9 @@ class DataConstructor:
                     "samples": np.asarray(delivered, dtype=np.int64).reshape(-1, 3),
                     "tokens": int(batch["num_tokens"][0]),
                 }
+                if any(r.stop is not None for r in refs):  # token mode: which token span of each sample
+                    built.info[(b, j)]["spans"] = np.asarray(
+                        [(r.source, r.position, r.start, r.stop) for r in refs], dtype=np.int64).reshape(-1, 4)
                 if self.image_token_id is not None:  # packing order of `images`: samples, then their images
                     built.info[(b, j)]["image_keys"] = np.asarray(
                         [(s, p, k) for (s, p, _i), x in zip(delivered, samples, strict=True)
@@ -314,6 +319,20 @@ class DataConstructor:
                 self._built.pop(step, None)
                 self._delivered.append(step)
         return batch, info
+
+    def buffered_steps(self) -> int:
+        """Steps built and not yet taken by every fetching client."""
+        return len(self._built)
+
+    def discard_before(self, step: int) -> int:
+        """Drop built steps before `step` that some client will never take (its request went to a
+        constructor that died, and was re-sent to a restarted one); returns how many were dropped.
+        A dropped step asked for again is rebuilt from its plan."""
+        with self._lock:
+            old = [s for s in self._built if s < step]
+            for s in old:
+                del self._built[s]
+        return len(old)
 
     def stats(self) -> dict[str, Any]:
         return {"built_steps": self.built_steps, "build_seconds": list(self.build_seconds),

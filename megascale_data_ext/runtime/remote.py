@@ -4,16 +4,24 @@ The trainer-side `Client` asks a `MicrobatchSource` for microbatches; this is th
 through Ray (`InProcessService` is the one without). Ray is joined lazily, on the first call,
 so ranks that never fetch never connect; actor handles are resolved by the names the
 `ServiceTopology` gives.
+
+Failures: a step's request to a constructor that died (or stopped answering) is re-sent to the
+constructor Ray restarted, found again by name, within bounded retries and a recovery
+deadline (`FaultToleranceConfig`, asked of the Planner); the restarted constructor rebuilds the
+step from its plan. Past the budget the client raises `ServiceUnavailableError` naming the
+constructor. The first fetching rank also fires the fault-injection schedule, if any.
 """
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import numpy as np
 
 from megascale_data_ext.runtime.constructor import EncoderImages, merge_encoder_images
-from megascale_data_ext.runtime.topology import PLANNER_NAME, ServiceTopology
+from megascale_data_ext.runtime.faults import FaultInjector, FaultToleranceConfig, ServiceUnavailableError
+from megascale_data_ext.runtime.topology import PLANNER_NAME, ServiceTopology, shadow_loader_name
 
 
 def join_ray(address: str | None, namespace: str) -> None:
@@ -35,6 +43,22 @@ def fetch_topology(address: str | None, namespace: str) -> ServiceTopology:
     return ray.get(ray.get_actor(PLANNER_NAME, namespace=namespace).topology.remote())
 
 
+def actor_crasher(topology: ServiceTopology, *, shadows: bool = False) -> Any:
+    """``(component, index) -> None`` that makes the named actor SIGKILL itself (fault injection)."""
+    import ray
+
+    def crash(component: str, index: int) -> None:
+        if component == "planner":
+            name = PLANNER_NAME
+        elif component == "loader":
+            name = shadow_loader_name(index) if shadows else topology.loader_names()[index]
+        else:
+            name = topology.constructor_names()[index]
+        ray.get_actor(name, namespace=topology.namespace).crash.remote()
+
+    return crash
+
+
 class RemoteConstructors:
     """`MicrobatchSource` over the service's constructor actors, a few steps ahead.
 
@@ -46,49 +70,131 @@ class RemoteConstructors:
     Args:
         topology: The service's topology (from `ServiceHandles` or `fetch_topology`).
         address: Ray address to join; None when Ray is already initialised in this process.
-        prefetch_steps: Steps requested ahead of the one being consumed (0 = none).
+        prefetch_steps: Steps requested ahead of the one being consumed (0 = none; None = the
+            service's ``fault_tolerance.client_prefetch``).
+        fault_tolerance: Retry budget and timeouts; None = the service's (asked of the Planner).
     """
 
-    def __init__(self, topology: ServiceTopology, address: str | None = None, *, prefetch_steps: int = 2) -> None:
+    def __init__(self, topology: ServiceTopology, address: str | None = None, *, prefetch_steps: int | None = None,
+                 fault_tolerance: FaultToleranceConfig | None = None) -> None:
         self.topology = topology
         self.address = address
-        self.prefetch_steps = prefetch_steps
+        self._prefetch_steps = prefetch_steps
+        self.ft = fault_tolerance
         self._handles: dict[int, Any] = {}
-        self._planner: Any = None  # resolved on the first loss report
+        self._planner: Any = None
         self._pending: dict[tuple[int, int], Any] = {}  # (rank, step) -> ObjectRef of get_step
         self._current: tuple[int, int, list] | None = None  # (rank, step, microbatches) being consumed
+        self.injector: FaultInjector | None = None
+        self.recoveries: list[dict[str, Any]] = []  # one per re-sent request: step, constructor, seconds, error
 
-    def _handle(self, index: int) -> Any:
-        handle = self._handles.get(index)
+    # -- joining -------------------------------------------------------------------
+    def _join(self) -> None:
+        import ray
+
+        if self.ft is not None and self._planner is not None:
+            return
+        join_ray(self.address, self.topology.namespace)
+        self._planner = ray.get_actor(PLANNER_NAME, namespace=self.topology.namespace)
+        if self.ft is None:
+            self.ft = ray.get(self._planner.fault_tolerance.remote())
+        specs = self.ft.schedule()
+        fetch_ranks = self.topology.fetch_ranks()
+        if specs and self.injector is None:
+            self.injector = FaultInjector(specs, actor_crasher(self.topology))
+            self._injecting_rank = fetch_ranks[0]
+
+    @property
+    def prefetch_steps(self) -> int:
+        if self._prefetch_steps is None:
+            self._join()
+            self._prefetch_steps = self.ft.client_prefetch
+        return self._prefetch_steps
+
+    def _handle(self, index: int, *, fresh: bool = False) -> Any:
+        handle = None if fresh else self._handles.get(index)
         if handle is None:
             import ray
 
-            join_ray(self.address, self.topology.namespace)
+            self._join()
             name = self.topology.constructor_names()[index]
             handle = self._handles[index] = ray.get_actor(name, namespace=self.topology.namespace)
         return handle
 
+    # -- delivery ------------------------------------------------------------------
     def get(self, step: int, microbatch: int, rank: int) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
-        import ray
-
         if self._current is None or self._current[:2] != (rank, step):
-            handle = self._handle(self.topology.constructor_of_rank(rank))
+            self._join()
+            if self.injector is not None and rank == self._injecting_rank:
+                self.injector.on_step(step)
+            index = self.topology.constructor_of_rank(rank)
+            handle = self._handle(index)
             for ahead in range(step, step + 1 + self.prefetch_steps):
                 if (rank, ahead) not in self._pending:
                     self._pending[(rank, ahead)] = handle.get_step.remote(ahead, rank)
             ref = self._pending.pop((rank, step))
             for stale in [k for k in self._pending if k[0] == rank and k[1] < step]:
                 del self._pending[stale]  # skipped steps: their microbatches stay with the constructor
-            self._current = (rank, step, ray.get(ref))
+            self._current = (rank, step, self._take(ref, index, step, rank))
         return self._current[2][microbatch]
+
+    def _take(self, ref: Any, index: int, step: int, rank: int) -> list:
+        """Wait for `step`'s reply; re-send it (and the prefetched steps) to a restarted constructor."""
+        import ray
+
+        from megascale_data_ext.runtime.failover import ACTOR_FAILURES
+
+        ft = self.ft
+        t0 = time.monotonic()
+        deadline, attempts, last = t0 + ft.recovery_timeout_s, 0, None
+        while True:
+            try:
+                out = ray.get(ref, timeout=max(0.01, min(ft.rpc_timeout_s, deadline - time.monotonic())))
+                if attempts:
+                    self.recoveries.append({"step": step, "constructor": index, "rank": rank, "attempts": attempts,
+                                            "seconds": time.monotonic() - t0, "error": type(last).__name__})
+                return out
+            except ACTOR_FAILURES as exc:
+                last = exc
+                timed_out = isinstance(exc, ray.exceptions.GetTimeoutError)
+                if not timed_out:
+                    attempts += 1
+                if attempts > ft.retries or time.monotonic() >= deadline:
+                    raise ServiceUnavailableError(
+                        f"constructor/{index} (serving rank {rank}) did not deliver step {step} after {attempts} "
+                        f"re-sends within {time.monotonic() - t0:.1f} s (fault_tolerance.retries={ft.retries}, "
+                        f"recovery_timeout_s={ft.recovery_timeout_s:g}): last error {exc!r}. Check the actor's "
+                        "log (`ray logs` / the dashboard); resume the job from its last checkpoint") from exc
+                if timed_out:  # alive but slow (a rebuild, a loader failover): keep waiting on the same call
+                    continue
+                time.sleep(min(0.05 * 2 ** (attempts - 1), 1.0))
+                handle = self._handle(index, fresh=True)  # the restarted actor, by name
+                ref = handle.get_step.remote(step, rank)
+                self._resend_failed(handle, rank, step)
+
+    def _resend_failed(self, handle: Any, rank: int, step: int) -> None:
+        """Re-send the prefetched requests after `step` that already failed; a reply that came
+        before the death is kept (it lives in the object store), one still in flight is re-sent
+        when it is taken and fails."""
+        import ray
+
+        from megascale_data_ext.runtime.failover import ACTOR_FAILURES
+
+        keys = [k for k in self._pending if k[0] == rank and k[1] > step]
+        ready, _ = ray.wait([self._pending[k] for k in keys], num_returns=len(keys), timeout=0) if keys else ([], [])
+        ready_ids = {r.hex() for r in ready}
+        for key in keys:
+            if self._pending[key].hex() in ready_ids:
+                try:
+                    ray.get(self._pending[key], timeout=0)
+                except ACTOR_FAILURES:
+                    self._pending[key] = handle.get_step.remote(key[1], rank)
 
     def report_loss(self, step: int, losses: dict[int, float]) -> None:
         """Hand the Planner the per-source loss of `step` (loss-driven mixing)."""
         import ray
 
-        if self._planner is None:
-            join_ray(self.address, self.topology.namespace)
-            self._planner = ray.get_actor(PLANNER_NAME, namespace=self.topology.namespace)
+        self._join()
         ray.get(self._planner.report_loss.remote(step, losses))
 
     def get_encoder_images(self, step: int, rank: int) -> EncoderImages:

@@ -4,19 +4,31 @@ Actors are named (``loader/<i>``, ``planner``, ``constructor/<j>``, see `runtime
 in the Ray namespace of the config, so trainer processes find them by name after
 ``ray.init(address=...)``: the `ServiceHandles` that travel to torchrun ranks carry the address
 and the `ServiceTopology`; a process given only the namespace asks the Planner for it.
+
+Fault tolerance (`FaultToleranceConfig`, on by default): actors are restartable, the Planner
+checkpoints every planned step into the checkpoint directory, loaders snapshot there too, and
+with ``shadow_loaders`` a warm standby (``loader/<i>/shadow``) per source serves while its
+primary is down. `start` reports its phases with timings (`progress`), and an elastic resume
+(``reshard=True``) continues a state saved under another parallel layout.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
+import sys
+import tempfile
 import time
+from collections.abc import Callable
 from typing import Any
 
 import ray
 
 from megascale_data_ext.dataplane.placetree import ClientPlaceTree
 from megascale_data_ext.runtime.actors import DataConstructorActor, PlannerActor, SourceLoaderActor
+from megascale_data_ext.runtime.checkpoints import LoaderSnapshots, PlannerCheckpoints
 from megascale_data_ext.runtime.config import ServiceConfig
+from megascale_data_ext.runtime.faults import FaultToleranceConfig
 from megascale_data_ext.runtime.handles import ServiceHandles
 from megascale_data_ext.runtime.ray_address import check_reachable
 from megascale_data_ext.runtime.topology import PLANNER_NAME, ServiceTopology
@@ -44,54 +56,113 @@ def check_sources(specs: list) -> None:
         raise SourceError(f"empty sources: {', '.join(empty)}; give them data or remove them from `sources`")
 
 
+def print_progress(line: str) -> None:
+    """Default start-up progress: one line per phase on stderr."""
+    print(f"[megascale-data] {line}", file=sys.stderr, flush=True)
+
+
 class DataService:
     """Owns the actors of one data service; `start()` returns once every actor is ready.
 
     Ray is started from ``config.ray`` (`RayConfig.init_kwargs`: an embedded local Ray with its
     ``num_cpus`` / ``resources``, or the cluster at ``address``) unless the process already
     joined one.
+
+    Args:
+        config: The service config.
+        tree: The trainer's parallel layout.
+        fault_tolerance: Restart, checkpoint, shadow and injection settings (default: restartable
+            actors, per-step planner checkpoints in a temporary directory, no shadows).
+        progress: Called with one line per start-up phase (None: silent).
     """
 
-    def __init__(self, config: ServiceConfig, tree: ClientPlaceTree):
+    def __init__(self, config: ServiceConfig, tree: ClientPlaceTree, *,
+                 fault_tolerance: FaultToleranceConfig | None = None,
+                 progress: Callable[[str], None] | None = print_progress):
         self.config = config
         self.topology = ServiceTopology.of(config, tree)
         self.tree = self.topology.tree
+        self.ft = fault_tolerance or FaultToleranceConfig()
+        self.progress = progress
         self.loaders: list[Any] = []
+        self.shadows: list[Any] = []
         self.planner: Any = None
         self.constructors: list[Any] = []
         self.startup_seconds = 0.0
+        self.phases: dict[str, float] = {}
+        self.checkpoint_dir: str | None = None
         self._owns_ray = False
+        self._owns_dir = False
 
-    def start(self, *, state: dict | None = None) -> ServiceHandles:
-        """Start every actor; `state` (a saved `state_dict`) resumes the planner before prefetch starts."""
+    def _phase(self, name: str, t0: float, detail: str = "") -> None:
+        self.phases[name] = time.perf_counter() - t0
+        if self.progress is not None:
+            self.progress(f"{name} in {self.phases[name]:.2f} s{detail}")
+
+    def _prepare_checkpoint_dir(self) -> str | None:
+        if not self.ft.restart:
+            return None
+        if self.ft.checkpoint_dir is None:
+            self.checkpoint_dir, self._owns_dir = tempfile.mkdtemp(prefix="megascale-ft-"), True
+        else:
+            self.checkpoint_dir = self.ft.checkpoint_dir
+        PlannerCheckpoints(self.checkpoint_dir).clear()  # a fresh service never restores another run's states
+        LoaderSnapshots(self.checkpoint_dir, self.ft.loader_snapshot_every).clear()
+        return self.checkpoint_dir
+
+    def _loader_actors(self, names: list[str], *, shadow: bool, ckpt: str | None) -> list[Any]:
+        cfg, ns = self.config, self.topology.namespace
+        opts = self.ft.actor_options(retry_tasks=False)
+        return [SourceLoaderActor.options(name=name, namespace=ns, **opts).remote(
+                    i, spec, cfg.seed, cfg.shuffle, namespace=ns, snapshot_dir=ckpt,
+                    snapshot_every=self.ft.loader_snapshot_every, shadow=shadow)
+                for i, (name, spec) in enumerate(zip(names, cfg.sources, strict=True))]
+
+    def start(self, *, state: dict | None = None, reshard: bool = False) -> ServiceHandles:
+        """Start every actor; `state` (a saved `state_dict`) resumes the planner before prefetch starts.
+
+        Args:
+            state: A `state_dict` of a previous run to continue from.
+            reshard: Accept a `state` saved under another parallel layout (elastic resume,
+                `runtime.elastic`); the trainer resumes at ``state["step"]``.
+        """
         t0 = time.perf_counter()
-        cfg, topo = self.config, self.topology
+        cfg, topo, ft = self.config, self.topology, self.ft
         if not ray.is_initialized():
             check_reachable(cfg.ray.address)  # a named error in seconds, not ray.init retrying for minutes
             ray.init(**cfg.ray.init_kwargs(), include_dashboard=False, log_to_driver=True, configure_logging=False)
             self._owns_ray = True
         ns = topo.namespace
         check_sources(cfg.sources)
-        self.loaders = [
-            SourceLoaderActor.options(name=name, namespace=ns).remote(i, spec, cfg.seed, cfg.shuffle)
-            for i, (name, spec) in enumerate(zip(topo.loader_names(), cfg.sources, strict=True))
-        ]
-        ray.get([h.size.remote() for h in self.loaders])  # surfaces source errors (missing files...) now
-        self.planner = PlannerActor.options(name=PLANNER_NAME, namespace=ns).remote(cfg, topo, self.loaders)
-        ray.get([h.set_planner.remote(self.planner) for h in self.loaders])
+        ckpt = self._prepare_checkpoint_dir()
+        self._phase("sources checked", t0, f" ({len(cfg.sources)} sources)")
+        self.loaders = self._loader_actors(topo.loader_names(), shadow=False, ckpt=ckpt)
+        if ft.shadow_loaders:
+            self.shadows = self._loader_actors(topo.shadow_loader_names(), shadow=True, ckpt=None)
+        ray.get([h.size.remote() for h in self.loaders + self.shadows])  # surfaces source errors (missing files...) now
+        self._phase("loaders up", t0, f" ({len(self.loaders)} + {len(self.shadows)} shadows)")
+        self.planner = PlannerActor.options(name=PLANNER_NAME, namespace=ns, **ft.actor_options(retry_tasks=True)).remote(
+            cfg, topo, self.loaders, ft, ckpt, self.shadows or None)
+        ray.get([h.set_planner.remote(self.planner) for h in self.loaders + self.shadows])
         start_step = 0
         if state is not None:
-            ray.get(self.planner.load_state_dict.remote(state))
+            ray.get(self.planner.load_state_dict.remote(state, reshard))
             start_step = int(state["step"])
+        self._phase("planner up", t0, f" (step {start_step}{', resharded' if reshard and state else ''})")
+        first_plan = self.planner.plan_summary.remote(start_step)  # planned while the constructors start
         tok = load_tokenizer(cfg.sources[0].tokenizer)
         image_id = tok.image_id if any(s.image_column for s in cfg.sources) else None
+        opts = ft.actor_options(retry_tasks=False)
         self.constructors = [
-            DataConstructorActor.options(name=name, namespace=ns).remote(
-                list(buckets), cfg, topo, self.planner, self.loaders, tok.pad_id, image_id, start_step
-            )
+            DataConstructorActor.options(name=name, namespace=ns, **opts).remote(
+                list(buckets), cfg, topo, self.planner, self.loaders, tok.pad_id, image_id, start_step, ft,
+                self.shadows or None)
             for name, buckets in zip(topo.constructor_names(), topo.constructor_groups, strict=True)
         ]
+        ray.get(first_plan)
+        self._phase("first plan", t0)
         ray.get([c.stats.remote() for c in self.constructors])
+        self._phase("constructors up", t0, f" ({len(self.constructors)})")
         self.startup_seconds = time.perf_counter() - t0
         return ServiceHandles(
             address=ray.get_runtime_context().gcs_address,
@@ -106,20 +177,31 @@ class DataService:
         """The Planner's state before `step` (default: its next unplanned step)."""
         return ray.get(self.planner.state_dict.remote(step))
 
-    def load_state_dict(self, state: dict) -> None:
-        ray.get(self.planner.load_state_dict.remote(state))
+    def load_state_dict(self, state: dict, *, reshard: bool = False) -> None:
+        ray.get(self.planner.load_state_dict.remote(state, reshard))
 
     def stats(self) -> dict:
         return {
             "loaders": ray.get([h.stats.remote() for h in self.loaders]),
+            "shadows": ray.get([h.stats.remote() for h in self.shadows]),
+            "planner": ray.get(self.planner.stats.remote()),
             "constructors": ray.get([c.stats.remote() for c in self.constructors]),
             "startup_seconds": self.startup_seconds,
+            "phases": dict(self.phases),
         }
 
+    def memory(self) -> dict[str, int]:
+        """Resident bytes of the primary loaders and of the shadows (the shadows' memory cost)."""
+        return {"loaders_rss": sum(ray.get([h.rss_bytes.remote() for h in self.loaders])),
+                "shadows_rss": sum(ray.get([h.rss_bytes.remote() for h in self.shadows])) if self.shadows else 0}
+
     def stop(self) -> None:
-        for h in self.constructors + self.loaders + ([self.planner] if self.planner is not None else []):
-            ray.kill(h)
-        self.constructors, self.loaders, self.planner = [], [], None
+        for h in self.constructors + self.loaders + self.shadows + ([self.planner] if self.planner is not None else []):
+            ray.kill(h, no_restart=True)
+        self.constructors, self.loaders, self.shadows, self.planner = [], [], [], None
+        if self._owns_dir and self.checkpoint_dir is not None:
+            shutil.rmtree(self.checkpoint_dir, ignore_errors=True)
+            self._owns_dir = False
         if self._owns_ray:
             ray.shutdown()
             self._owns_ray = False

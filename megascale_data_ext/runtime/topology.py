@@ -56,6 +56,11 @@ def loader_name(source: int) -> str:
     return f"loader/{source}"
 
 
+def shadow_loader_name(source: int) -> str:
+    """The warm standby of ``loader/<source>`` (fault tolerance with shadow loaders)."""
+    return f"loader/{source}/shadow"
+
+
 def constructor_name(index: int) -> str:
     return f"constructor/{index}"
 
@@ -157,3 +162,6 @@ class ServiceTopology:
 
     def loader_names(self) -> list[str]:
         return [loader_name(i) for i in range(self.num_sources)]
+
+    def shadow_loader_names(self) -> list[str]:
+        return [shadow_loader_name(i) for i in range(self.num_sources)]

@@ -1,0 +1,115 @@
+"""On-disk states a restarted actor recovers from: the Planner's per step, the loaders' now and then.
+
+The Planner's state is small (cursors + mixer, `Planner.state_dict`), and the service is
+deterministic given (config, planner state before step s): a restarted Planner loads the
+state before the oldest step a constructor may still ask for and re-plans identical plans.
+It is therefore written after *every* planned step, one JSON file per step
+(``planner-<step>.json``, written to a temporary name and renamed, so a kill mid-write
+leaves the previous files intact), keeping the newest ``keep``.
+
+Source Loaders write less often (`LoaderSnapshots`, every ``loader_snapshot_every`` steps:
+differential checkpointing): their stream is a pure function of the position, and any step
+between the snapshot and the failure is re-read from its plan (deterministic replay).
+Plain Python: no Ray or torch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import threading
+from pathlib import Path
+from typing import Any
+
+from megascale_data_ext.errors import ResumeError
+
+__all__ = ["LoaderSnapshots", "PlannerCheckpoints", "write_atomic"]
+
+_PLANNER = re.compile(r"^planner-(\d{10})\.json$")
+
+
+def write_atomic(path: Path, payload: dict[str, Any]) -> None:
+    """Write JSON to `path` through a temporary file and a rename (never a half-written file)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    tmp.write_text(json.dumps(payload))
+    os.replace(tmp, path)
+
+
+def _read(path: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:  # pruned meanwhile
+        return None
+    except json.JSONDecodeError as exc:
+        raise ResumeError(f"checkpoint {path} is not valid JSON ({exc}); delete it so the previous one is used") from exc
+
+
+class PlannerCheckpoints:
+    """The Planner's state before each recent step, one file per step in `directory`.
+
+    Args:
+        directory: Created if missing; a service's own (two services must not share one).
+        keep: Newest states kept; older files are deleted as new ones are written.
+    """
+
+    def __init__(self, directory: str | os.PathLike, keep: int = 32) -> None:
+        self.directory = Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.keep = keep
+        self._lock = threading.Lock()
+
+    def path(self, step: int) -> Path:
+        return self.directory / f"planner-{step:010d}.json"
+
+    def steps(self) -> list[int]:
+        return sorted(int(m.group(1)) for p in self.directory.iterdir() if (m := _PLANNER.match(p.name)))
+
+    def save(self, state: dict[str, Any]) -> None:
+        """Keep `state` (a `Planner.state_dict`, its ``step`` = the next step to plan)."""
+        step = int(state["step"])
+        write_atomic(self.path(step), state)
+        with self._lock:
+            for old in [s for s in self.steps() if s <= step - self.keep]:
+                self.path(old).unlink(missing_ok=True)
+
+    def at(self, step: int) -> dict[str, Any] | None:
+        """The state before `step`, or None when it was never written or was pruned."""
+        return _read(self.path(step))
+
+    def latest(self) -> dict[str, Any] | None:
+        steps = self.steps()
+        return _read(self.path(steps[-1])) if steps else None
+
+    def clear(self) -> None:
+        """Remove every state (a fresh service must not restore another run's planner)."""
+        for s in self.steps():
+            self.path(s).unlink(missing_ok=True)
+
+
+class LoaderSnapshots:
+    """Each Source Loader's last snapshot (`SourceLoader.state_dict`), one file per source."""
+
+    def __init__(self, directory: str | os.PathLike, every: int) -> None:
+        self.directory = Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.every = every
+
+    def path(self, source: int) -> Path:
+        return self.directory / f"loader-{source}.json"
+
+    def due(self, step: int, last: int) -> bool:
+        """Whether a loader that last snapshotted at `last` should snapshot at `step`."""
+        return step >= last + self.every
+
+    def save(self, source: int, step: int, state: dict[str, Any]) -> None:
+        write_atomic(self.path(source), {"step": step, "state": state})
+
+    def load(self, source: int) -> tuple[int, dict[str, Any]] | None:
+        """``(step, state)`` of the source's snapshot, or None."""
+        got = _read(self.path(source))
+        return None if got is None else (int(got["step"]), got["state"])
+
+    def clear(self) -> None:
+        for p in self.directory.glob("loader-*.json"):
+            p.unlink(missing_ok=True)
