@@ -1,19 +1,23 @@
 """Index math behind :class:`~megascale_data_ext.megatron.builder.MegascaleDatasetBuilder`.
 
-Two pure functions of (document lengths, seed, sequence length, split, sizes, weights):
+Pure functions of (sequence lengths, seed, sequence length, split, sizes, weights), each
+reproducing Megatron-LM core_v0.16.1's arithmetic so the drop-in builder returns Megatron's
+lengths, per-source counts and sample order:
 
-* :func:`build_gpt_sample_index` reproduces Megatron's ``GPTDataset`` indices -- the seeded
-  document shuffle over as many epochs as the requested samples need, the cut of the
-  shuffled token stream into ``sequence_length + 1``-token windows (``helpers.build_sample_idx``,
-  here vectorised numpy instead of C++), and the seeded sample shuffle -- so sample ``i`` of a
-  source is the same token window Megatron would serve, computed on whichever rank asks, with
-  no rank-0 build behind a barrier and no cache files.
-* :func:`build_blend_index` decides which source serves each sample of a blend. Counts come
-  from the project's :class:`~megascale_data_ext.dataplane.mixing.Mixer` (the error-minimising
-  rule of Megatron's ``build_blending_indices``, vectorised), so every source lands within one
-  sample of ``N * w``; the order spreads each source evenly over the blend.
+* :func:`build_gpt_sample_index` -- ``GPTDataset``'s indices: the seeded document shuffle over
+  as many epochs as the requested samples need, the cut of the shuffled token stream into
+  ``sequence_length + 1``-token windows (``helpers.build_sample_idx``, vectorised here) and
+  the seeded sample shuffle. :meth:`GPTSampleIndex.megatron_sample_index` gives Megatron's
+  2-D ``sample_index`` for code that reads it.
+* :func:`blend_sizes` -- the builder's sizing of a weighted blend (``normalize``, then
+  ``ceil(N * w)`` samples used and ``ceil(ceil(N * w) * (1 + surplus))`` built per source), so
+  a blend of ``N`` has ``sum(ceil(N * w))`` samples, as Megatron's has.
+* :func:`build_blend_index` -- ``BlendedDataset``'s index: the greedy largest-error rule of
+  ``helpers.build_blending_indices`` (or the exhaustive variant), through Megatron's compiled
+  kernel when the caller passes it and an exact Python port otherwise.
 
-Pure numpy: no torch, no Ray, no Megatron import.
+Everything is computed on whichever rank asks, in memory: no rank-0 build behind a barrier,
+no cache files. Pure numpy: no torch, no Ray, no Megatron import.
 """
 
 from __future__ import annotations
@@ -21,19 +25,21 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
-from megascale_data_ext.dataplane.mixing import ConstantSchedule, Mixer
 from megascale_data_ext.errors import ConfigError, SourceError
 
 __all__ = [
     "BlendIndex",
+    "BlendingKernels",
     "GPTSampleIndex",
+    "blend_sizes",
     "build_blend_index",
     "build_gpt_sample_index",
     "document_range",
-    "surplus_sizes",
+    "normalize",
 ]
 
 #: Fraction of the epoch the final epoch must reach to be shuffled with the others (Megatron's value).
@@ -45,14 +51,22 @@ def document_range(bookends: tuple[float, float], num_documents: int) -> tuple[i
     return int(round(bookends[0] * float(num_documents))), int(round(bookends[1] * float(num_documents)))
 
 
-def surplus_sizes(weights: np.ndarray, size: int, surplus: float) -> np.ndarray:
-    """Samples built per source for a weighted blend: ``ceil(ceil(size * w) * (1 + surplus))``.
+def normalize(weights: Sequence[float] | np.ndarray) -> list[float]:
+    """Megatron's ``datasets.utils.normalize``: float64 division by the float64 sum (bit for bit)."""
+    w = np.asarray(weights, dtype=np.float64)
+    return (w / np.sum(w)).tolist()
 
-    Megatron sizes each source's index this way, and the size decides how many epochs are
-    shuffled together, so using the same number keeps each source's sample stream identical
-    to Megatron's.
+
+def blend_sizes(normalized_weights: Sequence[float], size: int, surplus: float) -> tuple[list[int], list[int]]:
+    """Per-source samples of a weighted blend of ``size``: ``(used, built)``.
+
+    ``used[i] = ceil(size * w[i])`` (the blend has ``sum(used)`` samples, so up to one per
+    source more than ``size``) and ``built[i] = ceil(used[i] * (1 + surplus))``: the size each
+    source's index is built for, which also decides how many epochs are shuffled together, so
+    it must equal Megatron's for the source's sample stream to be Megatron's.
     """
-    return np.array([int(math.ceil(math.ceil(size * float(w)) * (1 + surplus))) for w in weights], dtype=np.int64)
+    used = [int(math.ceil(size * w)) for w in normalized_weights]
+    return used, [int(math.ceil(math.ceil(size * w) * (1 + surplus))) for w in normalized_weights]
 
 
 @dataclass(slots=True, kw_only=True)
@@ -83,6 +97,27 @@ class GPTSampleIndex:
     @property
     def num_tokens(self) -> int:
         return int(self.token_offsets[-1])
+
+    def megatron_sample_index(self, sequence_lengths: np.ndarray) -> np.ndarray:
+        """Megatron's ``sample_index``: ``[len + 1, 2]`` rows of (``document_index`` position, offset).
+
+        Row ``j`` marks where sample ``j`` starts (token ``j * L`` of the stream), recorded the
+        way ``helpers.build_sample_idx`` records it: in the document holding the previous
+        sample's last token, and, for a final partial sample, the last document's length minus
+        the extra token. Same dtype rule as Megatron (int32 unless an entry needs int64).
+        """
+        n, extra, offsets = len(self), self.extra_token, self.token_offsets
+        starts = np.arange(1, n + 1, dtype=np.int64) * self.sequence_length
+        pos = np.searchsorted(offsets, starts + extra, side="left") - 1
+        off = starts - offsets[np.maximum(pos, 0)]
+        past = starts + extra > self.num_tokens  # the stream ran out: Megatron's break branch
+        if past.any():
+            pos[past] = self.document_index.size - 1
+            off[past] = int(sequence_lengths[self.document_index[-1]]) - extra
+        big = max(self.document_index.size, int(np.max(sequence_lengths, initial=0))) > np.iinfo(np.int32).max
+        out = np.zeros((n + 1, 2), dtype=np.int64 if big else np.int32)
+        out[1:, 0], out[1:, 1] = pos, off
+        return out
 
     def window(self, i: int) -> tuple[np.ndarray, int, int]:
         """Documents covering sample ``i`` and the window's token range relative to the first.
@@ -173,10 +208,23 @@ def build_gpt_sample_index(
     offsets = np.zeros(document_index.size + 1, dtype=np.int64)
     np.cumsum(lengths[document_index], out=offsets[1:])
     total = epochs * tokens_per_epoch - extra
-    count = max(0, total // sequence_length if drop_last_partial else -(-total // sequence_length))
+    if drop_last_partial:
+        count = max(0, total // sequence_length)
+    else:  # helpers.cpp rounds in single precision: ceil(float(total) / L)
+        count = max(0, int(np.ceil(np.float32(total) / np.float32(sequence_length))))
     shuffle = _shuffle_index(sans_final if separate else count, count, rng)
     return GPTSampleIndex(document_index=document_index, token_offsets=offsets, shuffle_index=shuffle,
                           sequence_length=int(sequence_length), extra_token=extra)
+
+
+class BlendingKernels(Protocol):
+    """Megatron's compiled ``helpers_cpp`` (the two blending functions this module ports)."""
+
+    def build_blending_indices(self, dataset_index: np.ndarray, dataset_sample_index: np.ndarray,
+                               weights: np.ndarray, num_datasets: int, size: int, verbose: bool) -> None: ...
+
+    def build_exhaustive_blending_indices(self, dataset_index: np.ndarray, dataset_sample_index: np.ndarray,
+                                          sizes: np.ndarray, num_datasets: int) -> None: ...
 
 
 @dataclass(slots=True, kw_only=True)
@@ -198,32 +246,51 @@ class BlendIndex:
         return int(self.dataset_index.size)
 
 
+def _greedy(weights: np.ndarray, size: int, budget: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+    """Python port of ``build_blending_indices`` (``budget=None``) and
+    ``build_exhaustive_blending_indices`` (``budget`` = samples per source): each step serves
+    the first source of largest ``w * max(step, 1) - served``, in float64 as the C++ does."""
+    k = weights.size
+    served = np.zeros(k, dtype=np.int64)
+    index = np.zeros(size, dtype=np.int16)
+    sample = np.zeros(size, dtype=np.int64)
+    open_ = budget > 0 if budget is not None else None
+    for step in range(size):
+        error = weights * max(float(step), 1.0) - served
+        if open_ is not None:
+            error = np.where(open_, error, -np.inf)
+        j = int(np.argmax(error))  # first maximum, as the C++ strict '>' keeps
+        index[step], sample[step] = j, served[j]
+        served[j] += 1
+        if open_ is not None and served[j] == budget[j]:
+            open_[j] = False
+    return index, sample
+
+
 def build_blend_index(
     weights: Sequence[float] | np.ndarray,
-    size: int,
+    size: int | None,
     *,
-    names: Sequence[str] | None = None,
-    counts: Sequence[int] | np.ndarray | None = None,
+    kernels: BlendingKernels | None = None,
 ) -> BlendIndex:
-    """Blend ``size`` samples from sources in proportion to ``weights``.
+    """``BlendedDataset``'s index: ``size`` samples by the largest-error rule, or, when ``size``
+    is None, every sample of every source once (``weights`` are then the integer source lengths).
 
-    Counts are the Mixer's (closest to ``size * w``, within one sample per source) unless
-    ``counts`` are given (exhaustive blends: every sample of every source once); either way
-    the Mixer's deterministic order spreads each source evenly, so every prefix of the blend
-    is itself within about one sample per source of its share.
+    ``weights`` must already be normalised as ``BlendedDataset`` normalises them (it calls
+    :func:`normalize` whenever ``size`` is given). ``kernels`` is Megatron's compiled
+    ``helpers_cpp``; without it the Python port gives the same arrays, about 100x slower.
     """
     w = np.asarray(weights, dtype=np.float64)
-    names = list(names) if names is not None else [f"source{i}" for i in range(w.size)]
     if w.size >= np.iinfo(np.int16).max:
         raise ConfigError(f"a blend holds at most {np.iinfo(np.int16).max - 1} sources, got {w.size}")
-    if size < 0:
-        raise ConfigError(f"blend size must be >= 0, got {size}")
-    if size == 0 or (counts is not None and int(np.sum(counts)) == 0):
-        empty = np.zeros(w.size, dtype=np.int64)
-        return BlendIndex(dataset_index=np.zeros(0, np.int16), dataset_sample_index=np.zeros(0, np.int64), counts=empty)
-    mixer = Mixer(ConstantSchedule(w.tolist(), source_names=names), names, seed=0)
-    c = np.asarray(counts, dtype=np.int64) if counts is not None else mixer.counts(0, int(size))
-    order = mixer.order(0, c)
-    rank = np.empty(order.size, dtype=np.int64)
-    rank[np.argsort(order, kind="stable")] = np.arange(order.size) - np.repeat(np.cumsum(c) - c, c)
-    return BlendIndex(dataset_index=order.astype(np.int16), dataset_sample_index=rank, counts=c)
+    budget = np.asarray(weights, dtype=np.int64) if size is None else None
+    n = int(budget.sum()) if budget is not None else int(size or 0)
+    index, sample = np.zeros(n, dtype=np.int16), np.zeros(n, dtype=np.int64)
+    if kernels is None:
+        index, sample = _greedy(w / float(n) if budget is not None else w, n, budget)
+    elif budget is not None:
+        kernels.build_exhaustive_blending_indices(index, sample, budget, int(w.size))
+    else:
+        kernels.build_blending_indices(index, sample, w, int(w.size), n, False)
+    return BlendIndex(dataset_index=index, dataset_sample_index=sample,
+                      counts=np.bincount(index, minlength=w.size).astype(np.int64))
