@@ -29,7 +29,8 @@ import numpy as np
 
 from megascale_data_ext.dataplane.calibration import CalibratedCost, CalibrationReport, fit_calibration
 from megascale_data_ext.dataplane.costs import TransformerConfig, TransformerCost
-from megascale_data_ext.errors import ConfigError
+from megascale_data_ext.commands._config_args import fail
+from megascale_data_ext.errors import ConfigError, MegascaleDataError
 
 #: The shape a CPU-only machine runs (smoke test): seconds, not minutes.
 CPU_SMOKE = {"hidden": 64, "layers": 2, "heads": 4, "vocab": 128, "seq": 256}
@@ -316,11 +317,17 @@ def _default_out(args: argparse.Namespace) -> Path:
 
 
 def run_model_profile(args: argparse.Namespace) -> int:
-    """Time the model on varied packs, fit and save the calibration, print predicted vs measured."""
-    if getattr(args, "model_repeats", 3) < 1:
-        raise ConfigError(f"--model-repeats must be >= 1, got {args.model_repeats}")
-    shape = resolve_shape(hidden=args.model_hidden, layers=args.model_layers, heads=args.model_heads,
-                          vocab=args.model_vocab, seq=args.model_seq, attention=args.model_attention)
+    """Time the model on varied packs, fit and save the calibration, print predicted vs measured.
+
+    Returns 0, or 2 after printing a named error (bad flag, unavailable attention backend).
+    """
+    try:
+        if args.model_repeats < 1:
+            raise ConfigError(f"--model-repeats must be >= 1, got {args.model_repeats}")
+        shape = resolve_shape(hidden=args.model_hidden, layers=args.model_layers, heads=args.model_heads,
+                              vocab=args.model_vocab, seq=args.model_seq, attention=args.model_attention)
+    except MegascaleDataError as exc:
+        return fail(exc)
     out = args.model_out or _default_out(args)
     smoke = "" if shape.device.startswith("cuda") else " (CPU smoke shape: not a GPU calibration)"
     print(f"profile --model: {shape.describe()}{smoke}")

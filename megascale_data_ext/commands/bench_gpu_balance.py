@@ -12,10 +12,13 @@ synchronous DP the slowest rank sets the step, so
     speedup_measured  = max vanilla rank time / max balanced rank time
     speedup_predicted = the same ratio of the cost model's rank predictions
 
-The cost model is the FLOPs model of the timed shape, or a calibrated fit (`--calibration`,
-written by `megascale-data profile --model`) with its fixed per-microbatch term. Every
-microbatch timed here is also a calibration observation: the run ends by fitting one to its
-own timings (in-sample) and shows the speedups that fit predicts next to the FLOPs ones.
+`speedup_predicted` comes from a calibrated model with its fixed per-microbatch term: the fit
+given by `--calibration` (written by `megascale-data profile --model`), else one this run
+fits first on the profile step's packs (one long to many short documents, out of sample for
+the rows); `speedup_predicted_flops` from the FLOPs model of the timed shape alone. The
+balancer costs samples with `--calibration` when given, else with the FLOPs model, as a
+strategy configured either way would. Every microbatch timed in the rows is also a
+calibration observation: the run ends by fitting one to them (in-sample, `self_fit`).
 
 With no CUDA device the command runs a tiny CPU shape as a smoke test and says so; peak
 memory is then not measured (null), and the per-document vs dense memory comparison of one
@@ -93,6 +96,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                                                     "(default 3 on CUDA, 1 on CPU)")
     parser.add_argument("--calibration", type=Path, help="a fit from `megascale-data profile --model`: predict "
                                                          "and balance with it instead of the FLOPs model")
+    parser.add_argument("--calibration-out", type=Path,
+                        help="without --calibration: save the fit of this run's profile step here")
     parser.add_argument("--hidden", type=int, help="GPT hidden size (default 2048 on CUDA, 64 on CPU)")
     parser.add_argument("--layers", type=int, help="GPT layers (default 8 on CUDA, 2 on CPU)")
     parser.add_argument("--heads", type=int, help="attention heads (default 16 on CUDA, 4 on CPU)")
@@ -209,7 +214,7 @@ def _self_fit(rows: list[Row], shape: pm.ModelShape) -> dict[str, Any] | None:
 
 
 def format_table(rows: list[Row]) -> str:
-    head = ["workload", "DP", "cap", "samples", "speedup measured", "predicted", "predicted (FLOPs)",
+    head = ["workload", "DP", "cap", "samples", "speedup measured", "predicted (calibrated)", "predicted (FLOPs)",
             "predicted (self-fit)", "max/mean measured (vanilla → balanced)", "max MB tokens (vanilla / balanced)",
             "peak GB"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -217,7 +222,7 @@ def format_table(rows: list[Row]) -> str:
         fitted = "n/a" if r.speedup_predicted_fitted is None else f"{r.speedup_predicted_fitted:.3f}×"
         lines.append("| " + " | ".join([
             r.workload, str(r.dp), str(r.cap), str(r.samples), f"{r.speedup_measured:.3f}×",
-            f"{r.speedup_predicted:.3f}× ({r.predicted_by})", f"{r.speedup_predicted_flops:.3f}×", fitted,
+            f"{r.speedup_predicted:.3f}×", f"{r.speedup_predicted_flops:.3f}×", fitted,
             f"{r.vanilla_max_over_mean_measured:.3f} → {r.max_over_mean_measured:.3f}",
             f"{r.max_microbatch_tokens_vanilla} / {r.max_microbatch_tokens_balanced}",
             "null (CPU)" if r.peak_mem_gb is None else f"{r.peak_mem_gb:.2f}",
@@ -237,7 +242,7 @@ def run(args: argparse.Namespace) -> int:
                              seq=max(caps), attention=args.attention, device=device)
     flops = TransformerCost(shape.cost_config())
     cost = calibration or flops
-    predicted_by = f"calibrated:{args.calibration}" if calibration else "flops"
+    predicted_by = f"calibrated:{args.calibration}" if calibration else "calibrated:profile step of this run"
     if calibration is not None:
         for problem in calibration.mismatches(device=shape.device, hidden=shape.hidden, layers=shape.layers,
                                               attention=shape.attention, dtype=shape.dtype):
@@ -255,7 +260,16 @@ def run(args: argparse.Namespace) -> int:
     rows: list[Row] = []
     with pm.single_process_megatron():
         timer = pm.ModelTimer(shape)
-        timer.time_rank([[min(longest, max(caps))]])  # warm-up: kernels, allocator
+        if calibration is None:
+            packs = pm.profile_packs(max(caps), seed=args.seed)
+            seconds = pm.measure_packs(timer, packs, repeats=repeats)  # warms up kernels and allocator too
+            calibration, report = fit_calibration([[p] for p in packs], seconds, fitted_for=shape.fitted_for())
+            print("profile step (calibration for speedup_predicted):\n"
+                  + pm.fit_report_lines(calibration, report, shape, packs) + "\n")
+            if args.calibration_out:
+                calibration.save(args.calibration_out)
+        else:
+            timer.time_rank([[min(longest, max(caps))]])  # warm-up: kernels, allocator
         for name, cap, ranks, samples, tokens in plans:
             timer.reset_peak_memory()
             measured = {v: _measure(timer, ranks[v], repeats) for v in ("vanilla", "balanced")}
@@ -264,7 +278,8 @@ def run(args: argparse.Namespace) -> int:
             rows.append(Row(
                 workload=name, dp=args.dp, cap=cap, microbatches=args.microbatches, samples=samples, tokens=tokens,
                 speedup_measured=_ratio(van, bal),
-                speedup_predicted=_ratio(_predicted(ranks["vanilla"], cost), _predicted(ranks["balanced"], cost)),
+                speedup_predicted=_ratio(_predicted(ranks["vanilla"], calibration),
+                                         _predicted(ranks["balanced"], calibration)),
                 predicted_by=predicted_by,
                 speedup_predicted_flops=_ratio(_flops_rank(ranks["vanilla"], flops), _flops_rank(ranks["balanced"], flops)),
                 max_over_mean_measured=float(bal.max() / bal.mean()),
@@ -277,11 +292,11 @@ def run(args: argparse.Namespace) -> int:
         del timer
         self_fit = _self_fit(rows, shape)
         memory = _memory_rows(shape, args.memory_pack) if args.memory_pack > 0 else []
-    print(format_table(rows))
+    print(f"predicted (calibrated) by {predicted_by}\n" + format_table(rows))
     if self_fit and "report" in self_fit:
         rep, co = self_fit["report"], self_fit["coefficients"]
         print(f"\nself-fit over {rep['observations']} timed microbatches: fixed {co['fixed_s'] * 1e3:.3f} ms, "
-              f"Pearson r {rep['pearson_r'] if rep['pearson_r'] is None else round(rep['pearson_r'], 4)}, "
+              f"Pearson r {'n/a' if rep['pearson_r'] is None else round(rep['pearson_r'], 4)}, "
               f"mean |error| {rep['mean_abs_pct_error']:.1f}% (in-sample)")
     for mem in memory:
         gb = mem["note"] if mem["peak_mem_gb"] is None else f"{mem['peak_mem_gb']:.2f} GB, {mem['ms']:.1f} ms"
@@ -294,6 +309,7 @@ def run(args: argparse.Namespace) -> int:
             "peak_mem_source": "torch.cuda.max_memory_allocated" if cuda else "null: not measured on CPU",
             "fill": args.fill, "seed": args.seed, "method": args.method, "repeats": repeats,
             "calibration": str(args.calibration) if args.calibration else None,
+            "calibration_used": calibration.to_dict(),
             "rows": [r.public() for r in rows], "self_fit": self_fit, "memory": memory,
         }, indent=1))
     return 0

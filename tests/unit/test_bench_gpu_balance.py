@@ -30,7 +30,9 @@ def calibration(tmp_path_factory) -> tuple:
     out = tmp_path_factory.mktemp("profile") / "run" / "model_calibration.json"
     parser = argparse.ArgumentParser()
     pm.add_model_arguments(parser)
-    args = parser.parse_args(["--model", "--model-seq", "128", "--model-repeats", "1", "--model-out", str(out)])
+    # Dense attention: CPU per-document attention loops over documents in Python (slow on 64-doc packs).
+    args = parser.parse_args(["--model", "--model-seq", "128", "--model-repeats", "1", "--model-attention", "dense",
+                              "--model-out", str(out)])
     assert pm.run_model_profile(args) == 0
     return out
 
@@ -80,16 +82,21 @@ def test_flops_prediction_matches_the_cost_model_on_the_planned_split() -> None:
 def test_profile_saves_a_fit_of_the_timed_packs(calibration, capsys) -> None:
     model = load_calibration(calibration)
     assert model.fitted_for["device"] == "cpu" and model.fitted_for["hidden"] == pm.CPU_SMOKE["hidden"]
+    assert model.fitted_for["attention"] == "dense"
     assert model.fit["observations"] == len(pm.profile_packs(128))
     assert model.microbatch_seconds([128]) > 0
     packs = pm.profile_packs(128)
     assert {sum(p) for p in packs} == {16, 32, 64, 128} and {len(p) for p in packs} >= {1, 4, 16}
 
 
-def test_bad_flags_name_the_flag(tmp_path) -> None:
+def test_bad_flags_name_the_flag(tmp_path, capsys) -> None:
     with pytest.raises(ConfigError, match=r"--dp must be >= 1, got 0.*--caps must be >= 16 tokens, got 8"):
         main(["bench", "gpu-balance", "--dp", "0", "--caps", "8"])
     with pytest.raises(ConfigError, match=r"calibration file .*nope\.json.* does not exist"):
         main(["bench", "gpu-balance", "--calibration", str(tmp_path / "nope.json")])
     with pytest.raises(ConfigError, match="--model-hidden must be >= 1"):
         pm.resolve_shape(hidden=0, layers=None, heads=None, vocab=None, seq=None, device="cpu")
+    parser = argparse.ArgumentParser()
+    pm.add_model_arguments(parser)
+    assert pm.run_model_profile(parser.parse_args(["--model", "--model-attention", "sparse"])) == 2
+    assert "attention must be one of" in capsys.readouterr().err
