@@ -1,17 +1,29 @@
 """Context-parallel slicing of a packed microbatch, exactly like Megatron's.
 
-Megatron's ``megatron.core.utils.get_batch_on_this_cp_rank`` balances causal attention work
-across a CP group by cutting the sequence into ``2 * cp`` equal chunks and giving rank ``r``
-chunks ``r`` and ``2 * cp - 1 - r`` (an early, cheap chunk paired with a late, expensive one).
-Doing the same in the Data Constructor lets each CP rank receive only its share instead of the
-whole sequence. ``slice_for_cp`` reproduces that function field for field on numpy arrays;
-``reassemble_cp`` inverts it so tests and debugging checks can prove nothing was lost.
+A pack with per-document boundaries (``cu_seqlens``) is THD data. Megatron-LM's ``get_batch``
+hands it to ``megatron.core.utils.get_thd_batch_on_this_cp_rank``, which keeps, of *every
+document*, the chunks ``r`` and ``2 * cp - 1 - r`` of ``2 * cp`` equal chunks (Transformer
+Engine's ``thd_get_partitioned_indices``): each document must therefore be padded to a multiple
+of ``2 * cp`` first, and ``cu_seqlens_padded`` says where the padded documents start. That is
+what per-document attention with CP needs (TE's ring attention, or `megatron.attention`): every
+rank holds an early and a late piece of each document, so causal work stays balanced per
+document, not per pack. ``pad_for_cp`` does the padding, ``slice_for_cp`` pads and slices,
+``reassemble_cp`` inverts both (so tests can prove nothing was lost).
 
-Megatron slices *every* key it is given; here only the sequence fields are sliced
-(``tokens``, ``labels``, ``loss_mask``, ``position_ids`` on dim 1, ``attention_mask`` on its
-query dim 2). ``cu_seqlens`` and ``max_seqlen`` stay global, as Megatron's THD path expects,
-and so do ``num_tokens``, ``images`` and ``image_seqlens`` (the vision encoder sees whole
-images). Unknown fields pass through unchanged.
+A sequence without ``cu_seqlens`` is one sequence (SBHD): it is cut like
+``megatron.core.utils.get_batch_on_this_cp_rank``, chunks ``r`` and ``2 * cp - 1 - r`` of the
+whole sequence.
+
+Padding inside a padded document repeats the document's last token and label, has loss mask 0,
+source id -1 and position ids that keep counting (RoPE in THD mode counts positions from
+``cu_seqlens_padded`` the same way). Every segment of ``cu_seqlens`` is padded, the pack's own
+padding segment included, so a pack grows by fewer than ``2 * cp`` positions per segment.
+``cu_seqlens`` (real lengths, what attention uses) and ``max_seqlen`` (of the padded segments,
+what RoPE and kernels bound by) stay global; the dense ``attention_mask`` is dropped (it has no
+CP form here: attention over a CP slice needs ``cu_seqlens``). ``num_tokens``, ``images`` and
+``image_seqlens`` pass through (the vision encoder sees whole images).
+
+Pure numpy: it runs in the Data Constructor for every microbatch.
 """
 
 from __future__ import annotations
@@ -22,7 +34,7 @@ import numpy as np
 
 from megascale_data_ext.errors import ParallelLayoutError, PlanError
 
-__all__ = ["SEQUENCE_DIMS", "reassemble_cp", "slice_for_cp"]
+__all__ = ["SEQUENCE_DIMS", "pad_for_cp", "reassemble_cp", "slice_for_cp", "thd_partition_index"]
 
 SEQUENCE_DIMS: Mapping[str, int] = {
     "tokens": 1,
@@ -33,6 +45,9 @@ SEQUENCE_DIMS: Mapping[str, int] = {
     "attention_mask": 2,
 }
 """Fields split along the sequence, and the dim Megatron splits them on."""
+
+_GLOBAL_THD = ("cu_seqlens", "cu_seqlens_padded", "max_seqlen")
+_PAD_FILL = {"loss_mask": 0, "source_ids": -1}  # else: the document's last value (position ids count on)
 
 
 def _check_layout(cp_size: int, cp_rank: int | None = None) -> None:
@@ -55,27 +70,117 @@ def _chunked(value: np.ndarray, dim: int, n_chunks: int, key: str) -> np.ndarray
     return value.reshape(*value.shape[:dim], n_chunks, length // n_chunks, *value.shape[dim + 1 :])
 
 
+def _ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """Concatenated ``arange(start, start + length)`` for each pair, vectorized."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    total = int(lengths.sum())
+    offsets = np.repeat(np.cumsum(lengths) - lengths, lengths)
+    return np.repeat(np.asarray(starts, dtype=np.int64), lengths) + np.arange(total, dtype=np.int64) - offsets
+
+
+def thd_partition_index(cu_seqlens_padded: np.ndarray, cp_size: int, cp_rank: int) -> np.ndarray:
+    """Positions of the padded THD pack that CP rank ``cp_rank`` keeps, in order.
+
+    Of each segment ``[cu[i], cu[i+1])`` (length divisible by ``2 * cp_size``) the rank keeps
+    chunks ``cp_rank`` and ``2 * cp_size - 1 - cp_rank`` of ``2 * cp_size``: the index Transformer
+    Engine's ``thd_get_partitioned_indices`` returns for Megatron's ``get_thd_batch_on_this_cp_rank``.
+
+    Raises:
+        ParallelLayoutError: bad ``cp_size``/``cp_rank``.
+        PlanError: a segment length is not a multiple of ``2 * cp_size``.
+    """
+    _check_layout(cp_size, cp_rank)
+    cu = np.asarray(cu_seqlens_padded, dtype=np.int64).reshape(-1)
+    lens = np.diff(cu)
+    n = 2 * cp_size
+    if np.any(lens % n):
+        raise PlanError(f"`cu_seqlens_padded` {cu.tolist()} has segments not divisible by 2*cp_size={n}; "
+                        "pad each document with pad_for_cp first")
+    chunk = lens // n
+    starts = np.stack([cu[:-1] + cp_rank * chunk, cu[:-1] + (n - 1 - cp_rank) * chunk], axis=1).reshape(-1)
+    return _ranges(starts, np.repeat(chunk, 2))
+
+
+def _padded_layout(cu: np.ndarray, cp_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """(cu_seqlens_padded, destination of each real position in the padded pack)."""
+    lens = np.diff(cu)
+    n = 2 * cp_size
+    padded = -(-lens // n) * n
+    cu_pad = np.zeros_like(cu)
+    np.cumsum(padded, out=cu_pad[1:])
+    return cu_pad, _ranges(cu_pad[:-1], lens)
+
+
+def pad_for_cp(batch: Mapping[str, np.ndarray], *, cp_size: int) -> dict[str, np.ndarray]:
+    """Pad every segment of a THD pack to a multiple of ``2 * cp_size`` (not sliced).
+
+    Returns:
+        A new dict: sequence fields on the padded layout, ``cu_seqlens`` unchanged (real lengths),
+        ``cu_seqlens_padded`` and ``max_seqlen`` of the padded segments; no ``attention_mask``.
+
+    Raises:
+        PlanError: ``batch`` has no ``cu_seqlens`` or they do not cover its sequence.
+    """
+    _check_layout(cp_size)
+    if batch.get("cu_seqlens") is None:
+        raise PlanError("pad_for_cp needs `cu_seqlens` (document boundaries); a batch without them is one sequence")
+    cu = np.asarray(batch["cu_seqlens"], dtype=np.int64).reshape(-1)
+    cu_pad, dst = _padded_layout(cu, cp_size)
+    last = cu[1:] - 1  # last real position of each segment
+    seg_of_padded = np.repeat(np.arange(len(cu) - 1), np.diff(cu_pad))
+    out = {k: v for k, v in batch.items() if k != "attention_mask"}
+    for key, dim in SEQUENCE_DIMS.items():
+        value = out.get(key)
+        if value is None or key == "attention_mask":
+            continue
+        value = np.asarray(value)
+        if dim != 1 or value.ndim != 2 or value.shape[1] != cu[-1]:
+            raise PlanError(f"field `{key}` has shape {value.shape}; THD CP slicing needs [1, {int(cu[-1])}] "
+                            "matching `cu_seqlens`")
+        if key == "position_ids":
+            filled = np.arange(int(cu_pad[-1]), dtype=value.dtype) - np.repeat(cu_pad[:-1], np.diff(cu_pad))
+            filled = np.broadcast_to(filled, (value.shape[0], filled.shape[0])).copy()
+        elif key in _PAD_FILL:
+            filled = np.full((value.shape[0], int(cu_pad[-1])), _PAD_FILL[key], dtype=value.dtype)
+        else:
+            filled = value[:, last[seg_of_padded]] if len(last) else value[:, :0]
+        filled[:, dst] = value
+        out[key] = filled
+    out["cu_seqlens"] = np.asarray(batch["cu_seqlens"])
+    out["cu_seqlens_padded"] = cu_pad.astype(np.int32)
+    out["max_seqlen"] = np.asarray([int(np.diff(cu_pad).max(initial=0))], dtype=np.int32)
+    return out
+
+
 def slice_for_cp(batch: Mapping[str, np.ndarray], *, cp_size: int, cp_rank: int) -> dict[str, np.ndarray]:
-    """Keep this CP rank's two sequence chunks, as ``get_batch_on_this_cp_rank`` does.
+    """Keep this CP rank's share of a packed microbatch, as Megatron's ``get_batch`` would.
+
+    With ``cu_seqlens``: `pad_for_cp`, then each document's two chunks (`thd_partition_index`),
+    like ``get_thd_batch_on_this_cp_rank``. Without: the whole sequence's chunks ``cp_rank`` and
+    ``2 * cp_size - 1 - cp_rank``, like ``get_batch_on_this_cp_rank`` (the attention mask is cut
+    on its query dim and keeps its full key dim).
 
     Args:
         batch: A packed microbatch (see ``pack_microbatch``); absent/None fields are skipped.
-        cp_size: Context-parallel world size.
+        cp_size: Context-parallel world size (1 returns a copy of ``batch``).
         cp_rank: This rank's index in its CP group.
-
-    Returns:
-        A new dict: sequence fields have length ``s / cp_size`` on their sequence dim (the
-        attention mask keeps its full key dim), other fields are the same objects as in
-        ``batch``.
 
     Raises:
         ParallelLayoutError: ``cp_size < 1`` or ``cp_rank`` out of range.
-        PlanError: A sequence field's length does not divide by ``2 * cp_size``.
+        PlanError: A sequence field's length does not divide by ``2 * cp_size`` (SBHD) or does not
+            match ``cu_seqlens`` (THD).
     """
     _check_layout(cp_size, cp_rank)
-    out = dict(batch)
     if cp_size == 1:
+        return dict(batch)
+    if batch.get("cu_seqlens") is not None:
+        out = pad_for_cp(batch, cp_size=cp_size)
+        index = thd_partition_index(out["cu_seqlens_padded"], cp_size, cp_rank)
+        for key in SEQUENCE_DIMS:
+            if out.get(key) is not None:
+                out[key] = np.ascontiguousarray(out[key][:, index])
         return out
+    out = dict(batch)
     n_chunks = 2 * cp_size
     index = np.array([cp_rank, n_chunks - 1 - cp_rank])
     for key, dim in SEQUENCE_DIMS.items():
@@ -88,15 +193,20 @@ def slice_for_cp(batch: Mapping[str, np.ndarray], *, cp_size: int, cp_rank: int)
     return out
 
 
+def _check_globals(slices: Sequence[Mapping[str, np.ndarray]]) -> None:
+    for key in slices[0]:
+        if key in SEQUENCE_DIMS or slices[0][key] is None:
+            continue
+        for rank, piece in enumerate(slices[1:], start=1):
+            if not np.array_equal(np.asarray(piece.get(key)), np.asarray(slices[0][key])):
+                raise PlanError(f"global field `{key}` differs between CP rank 0 and rank {rank}")
+
+
 def reassemble_cp(slices: Sequence[Mapping[str, np.ndarray]], cp_size: int) -> dict[str, np.ndarray]:
     """Rebuild the full microbatch from every CP rank's slice (the inverse of ``slice_for_cp``).
 
-    Args:
-        slices: ``slice_for_cp`` outputs ordered by CP rank.
-        cp_size: Context-parallel world size the slices were made for.
-
-    Returns:
-        The unsliced batch; non-sequence fields are taken from rank 0.
+    THD slices come back unpadded (the pack as packed; its dense attention mask, dropped by
+    slicing, is not rebuilt).
 
     Raises:
         ParallelLayoutError: ``len(slices) != cp_size``.
@@ -108,12 +218,24 @@ def reassemble_cp(slices: Sequence[Mapping[str, np.ndarray]], cp_size: int) -> d
     out = dict(slices[0])
     if cp_size == 1:
         return out
-    for key in out:
-        if key in SEQUENCE_DIMS or out[key] is None:
-            continue
-        for rank, piece in enumerate(slices[1:], start=1):
-            if not np.array_equal(np.asarray(piece.get(key)), np.asarray(out[key])):
-                raise PlanError(f"global field `{key}` differs between CP rank 0 and rank {rank}")
+    _check_globals(slices)
+    if out.get("cu_seqlens_padded") is not None:
+        cu = np.asarray(out["cu_seqlens"], dtype=np.int64).reshape(-1)
+        cu_pad, dst = _padded_layout(cu, cp_size)
+        index = np.concatenate([thd_partition_index(cu_pad, cp_size, r) for r in range(cp_size)])
+        for key in SEQUENCE_DIMS:
+            if out.get(key) is None:
+                continue
+            pieces = np.concatenate([np.asarray(piece[key]) for piece in slices], axis=1)
+            if pieces.shape[1] != cu_pad[-1]:
+                raise PlanError(f"field `{key}`: CP slices hold {pieces.shape[1]} positions, "
+                                f"`cu_seqlens_padded` says {int(cu_pad[-1])}")
+            full = np.empty_like(pieces)
+            full[:, index] = pieces
+            out[key] = full[:, dst]
+        out.pop("cu_seqlens_padded")
+        out["max_seqlen"] = np.asarray([int(np.diff(cu).max(initial=0))], dtype=np.int32)
+        return out
     n_chunks = 2 * cp_size
     for key, dim in SEQUENCE_DIMS.items():
         if out.get(key) is None:

@@ -4,7 +4,8 @@ The constructor turns one planned microbatch into exactly what one trainer rank 
 
 1. ``pack_microbatch`` (``packing.py``) packs the documents into one THD sequence;
 2. ``slice_for_cp`` (``cp_slicing.py``) keeps a CP rank's share, like Megatron's
-   ``get_batch_on_this_cp_rank``; ``reassemble_cp`` inverts it;
+   ``get_thd_batch_on_this_cp_rank`` (each document padded to ``2 * cp`` and cut zigzag);
+   ``reassemble_cp`` inverts it;
 3. ``fields_for_stage`` drops the fields a pipeline stage never reads, like Megatron's
    ``get_batch_on_this_tp_rank`` broadcasts only those fields to each stage;
 4. ``check_megatron_batch`` validates dtypes and shapes against ``MEGATRON_DTYPES`` before
@@ -21,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from megascale_data_ext.dataplane.cp_slicing import SEQUENCE_DIMS, reassemble_cp, slice_for_cp
+from megascale_data_ext.dataplane.cp_slicing import SEQUENCE_DIMS, pad_for_cp, reassemble_cp, slice_for_cp
 from megascale_data_ext.dataplane.packing import pack_microbatch
 from megascale_data_ext.errors import ParallelLayoutError, SampleError
 
@@ -34,6 +35,7 @@ __all__ = [
     "fields_for_stage",
     "MIDDLE_STAGE_FIELDS",
     "pack_microbatch",
+    "pad_for_cp",
     "reassemble_cp",
     "slice_for_cp",
 ]
@@ -46,6 +48,7 @@ MEGATRON_DTYPES: Mapping[str, np.dtype] = MappingProxyType(
         "position_ids": np.dtype(np.int64),
         "attention_mask": np.dtype(np.bool_),
         "cu_seqlens": np.dtype(np.int32),
+        "cu_seqlens_padded": np.dtype(np.int32),
         "max_seqlen": np.dtype(np.int32),
         "num_tokens": np.dtype(np.int64),
         "images": np.dtype(np.float32),
@@ -56,17 +59,18 @@ MEGATRON_DTYPES: Mapping[str, np.dtype] = MappingProxyType(
 """The dtype Megatron allocates for each field (``get_batch_on_this_tp_rank``'s receive buffers)."""
 
 FIRST_STAGE_FIELDS: frozenset[str] = frozenset(
-    {"tokens", "position_ids", "attention_mask", "cu_seqlens", "max_seqlen", "images", "image_seqlens"}
+    {"tokens", "position_ids", "attention_mask", "cu_seqlens", "cu_seqlens_padded", "max_seqlen", "images",
+     "image_seqlens"}
 )
 """Fields the first pipeline stage reads: embedding inputs plus what its attention needs."""
 
 LAST_STAGE_FIELDS: frozenset[str] = frozenset(
-    {"labels", "loss_mask", "attention_mask", "cu_seqlens", "max_seqlen", "source_ids"}
+    {"labels", "loss_mask", "attention_mask", "cu_seqlens", "cu_seqlens_padded", "max_seqlen", "source_ids"}
 )
 """Fields the last pipeline stage reads: loss inputs (``source_ids`` splits the loss per source
 for feedback mixing) plus what its attention needs."""
 
-MIDDLE_STAGE_FIELDS: frozenset[str] = frozenset({"attention_mask", "cu_seqlens", "max_seqlen"})
+MIDDLE_STAGE_FIELDS: frozenset[str] = frozenset({"attention_mask", "cu_seqlens", "cu_seqlens_padded", "max_seqlen"})
 """What a middle stage needs so packed documents do not attend across their boundaries."""
 
 
@@ -146,20 +150,32 @@ def _problems(batch: Mapping[str, Any], cp_size: int) -> list[str]:
                 f"`attention_mask` shape {shape} does not match sequence fields {ref} with cp_size={cp_size} "
                 f"(expected {(ref[0], 1, ref[1], ref[1] * cp_size)})"
             )
-    cu = fields.get("cu_seqlens")
+    cu, cu_pad = fields.get("cu_seqlens"), fields.get("cu_seqlens_padded")
+    bounds = None  # the segments' extent on the (padded) layout
     if cu is not None:
         if cu.ndim != 1 or cu.shape[0] < 2:
             problems.append(f"`cu_seqlens` must be 1-D with >= 2 entries, got shape {cu.shape}")
         elif cu[0] != 0 or np.any(np.diff(cu) < 0):
             problems.append(f"`cu_seqlens` must start at 0 and be non-decreasing, got {cu.tolist()}")
-        elif ref is not None and int(cu[-1]) != ref[1] * cp_size:
-            problems.append(f"`cu_seqlens[-1]`={int(cu[-1])} must equal seq length {ref[1]} * cp_size={cp_size}")
+        elif cu_pad is None:
+            bounds = cu
+        elif cu_pad.shape != cu.shape or cu_pad[0] != 0 or np.any(np.diff(cu_pad) < np.diff(cu)):
+            problems.append(f"`cu_seqlens_padded` {cu_pad.tolist()} must have one entry per `cu_seqlens` entry "
+                            f"{cu.tolist()}, start at 0 and leave each segment at least its real length")
+        elif np.any(np.diff(cu_pad) % (2 * cp_size)):
+            problems.append(f"`cu_seqlens_padded` {cu_pad.tolist()} has segments not divisible by 2*cp_size="
+                            f"{2 * cp_size} (Megatron's THD CP partition needs them)")
+        else:
+            bounds = cu_pad
+        if bounds is not None and ref is not None and int(bounds[-1]) != ref[1] * cp_size:
+            name = "cu_seqlens" if bounds is cu else "cu_seqlens_padded"
+            problems.append(f"`{name}[-1]`={int(bounds[-1])} must equal seq length {ref[1]} * cp_size={cp_size}")
     max_seqlen = fields.get("max_seqlen")
     if max_seqlen is not None:
         if max_seqlen.shape != (1,):
             problems.append(f"`max_seqlen` must have shape (1,), got {max_seqlen.shape}")
-        elif cu is not None and cu.ndim == 1 and cu.shape[0] >= 2 and int(max_seqlen[0]) < int(np.diff(cu).max()):
-            problems.append(f"`max_seqlen`={int(max_seqlen[0])} is below the longest segment {int(np.diff(cu).max())}")
+        elif bounds is not None and int(max_seqlen[0]) < int(np.diff(bounds).max()):
+            problems.append(f"`max_seqlen`={int(max_seqlen[0])} is below the longest segment {int(np.diff(bounds).max())}")
     images, image_seqlens = fields.get("images"), fields.get("image_seqlens")
     if images is not None and images.ndim != 2:
         problems.append(f"`images` must be [total_patches, patch_dim], got shape {images.shape}")

@@ -1,11 +1,18 @@
 """A small megatron-core GPTModel with a Megatron-style forward step and train step.
 
 This is the trainer side the data service feeds in tests, examples and benchmarks: real
-`megatron.core.models.gpt.GPTModel` chunks (local, non-Transformer-Engine layer spec so it
-runs on CPU), megatron's own pipeline schedules with ``variable_seq_lengths=True`` (each
-microbatch may have its own length after balancing; PP stages exchange shapes first),
-megatron's DistributedDataParallel for the DP gradient all-reduce, and a plain torch
-optimizer. Batches follow Megatron-LM's ``get_batch`` contract per pipeline stage.
+`megatron.core.models.gpt.GPTModel` chunks whose attention `megatron.attention` chooses
+(per-document THD attention from the batch's ``cu_seqlens``: Transformer Engine's, or this
+project's over torch kernels; the dense S x S mask as a fallback), megatron's own pipeline
+schedules with ``variable_seq_lengths=True`` (each microbatch may have its own length after
+balancing; PP stages exchange shapes first), megatron's DistributedDataParallel for the DP
+gradient all-reduce, and a torch optimizer. Batches follow Megatron-LM's ``get_batch`` contract
+per pipeline stage.
+
+Devices: with CUDA, each process uses ``cuda:LOCAL_RANK`` (model, batches, loss and norm
+buffers), NCCL for CUDA tensors and gloo for CPU ones; ``bf16`` follows Megatron's mixed
+precision (bf16 params and activations, ``Float16Module``, fp32 gradient reduction, fp32 master
+weights in the optimizer of `pretrain.build_optimizer`). Without CUDA everything runs on CPU/gloo.
 
 Process contract: call `initialize_parallel` once per torchrun process before building
 models; everything else reads megatron's ``parallel_state``.
@@ -18,6 +25,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any, Literal
 
+import os
 import re
 import zlib
 
@@ -28,12 +36,20 @@ from megatron.core import parallel_state, tensor_parallel
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 from megatron.core.models.gpt import GPTModel
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.transformer.module import Float16Module
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import get_attr_wrapped_model
 
 from megascale_data_ext.errors import ConfigError, ParallelLayoutError, SampleError
+from megascale_data_ext.megatron.attention import (
+    ATTENTION_BACKENDS,
+    AttentionBackend,
+    dense_document_mask,
+    gpt_layer_spec,
+    packed_seq_params,
+    resolve_attention,
+)
 from megascale_data_ext.patches import apply_cpu_shims
 
 __all__ = [
@@ -41,6 +57,7 @@ __all__ = [
     "GPTModelConfig",
     "build_gpt_model",
     "build_model_chunks",
+    "device",
     "forward_step",
     "init_layout_invariant",
     "initialize_parallel",
@@ -61,7 +78,9 @@ class GPTModelConfig:
     """Shape and parallel layout of the GPT trained on the service's batches.
 
     ``vpp`` is the number of model chunks per pipeline rank (None: no interleaving).
-    ``cp`` must be 1: the local layer spec's attention has no context parallelism.
+    ``attention`` picks the attention backend (`megatron.attention.resolve_attention`); ``cp``
+    > 1 needs a per-document one (``te``/``flex``/``auto``). ``bf16`` trains in Megatron's bf16
+    mixed precision.
     """
 
     vocab_size: int = 512
@@ -79,6 +98,8 @@ class GPTModelConfig:
     attention_dropout: float = 0.0
     init_method_std: float = 0.02
     seed: int = 1234
+    attention: AttentionBackend = "auto"
+    bf16: bool = False
 
     def validate(self, world_size: int | None = None) -> None:
         """Raise one error listing every problem (ParallelLayoutError if the layout is bad)."""
@@ -87,6 +108,8 @@ class GPTModelConfig:
             ("num_layers", self.num_layers), ("num_attention_heads", self.num_attention_heads),
             ("seq_length", self.seq_length), ("tp", self.tp), ("pp", self.pp), ("cp", self.cp),
         ) if not (isinstance(v, int) and v >= 1)]
+        if self.attention not in ATTENTION_BACKENDS:
+            values.append(f"`attention` must be one of {list(ATTENTION_BACKENDS)}, got {self.attention!r}")
         if self.position_embedding_type not in ("learned_absolute", "rope"):
             values.append("`position_embedding_type` must be one of ['learned_absolute', 'rope'], "
                           f"got {self.position_embedding_type!r}")
@@ -103,8 +126,8 @@ class GPTModelConfig:
                           f"num_attention_heads={self.num_attention_heads}")
         if self.vocab_size % self.tp:
             layout.append(f"`vocab_size`={self.vocab_size} must be divisible by tp={self.tp} (pad the vocab)")
-        if self.cp != 1:
-            layout.append(f"`cp`={self.cp}: the local (non-TE) attention has no context parallelism; use cp=1")
+        if self.cp > 1 and self.attention == "dense":
+            layout.append(f"`cp`={self.cp}: attention=dense has no context parallelism; use attention=flex, te or auto")
         if self.vpp is not None and (self.vpp < 2 or self.pp < 2):
             layout.append(f"`vpp`={self.vpp} needs vpp >= 2 and pp >= 2 (pp={self.pp}); use vpp=None otherwise")
         if world_size is not None and world_size % (self.tp * self.pp * self.cp):
@@ -113,8 +136,10 @@ class GPTModelConfig:
             raise ParallelLayoutError("invalid parallel layout: " + "; ".join(layout))
 
     def to_transformer_config(self) -> TransformerConfig:
-        """The megatron TransformerConfig: fp32, CPU init, no fused kernels, variable lengths."""
+        """The megatron TransformerConfig: fp32 or bf16, initialised on this process's device, no
+        fused kernels, variable lengths."""
         self.validate()
+        dtype = torch.bfloat16 if self.bf16 else torch.float32
         return TransformerConfig(
             num_layers=self.num_layers,
             hidden_size=self.hidden_size,
@@ -124,12 +149,13 @@ class GPTModelConfig:
             pipeline_model_parallel_size=self.pp,
             context_parallel_size=self.cp,
             virtual_pipeline_model_parallel_size=self.vpp,
-            pipeline_dtype=torch.float32,
-            params_dtype=torch.float32,
+            pipeline_dtype=dtype,
+            params_dtype=dtype,
+            bf16=self.bf16,
             hidden_dropout=self.hidden_dropout,
             attention_dropout=self.attention_dropout,
             init_method_std=self.init_method_std,
-            use_cpu_initialization=True,
+            use_cpu_initialization=not torch.cuda.is_available(),
             # Balanced microbatches have different lengths; PP stages must exchange shapes.
             variable_seq_lengths=True,
             # The default "allgather" dispatcher rejects variable_seq_lengths (even without MoE).
@@ -140,24 +166,33 @@ class GPTModelConfig:
             gradient_accumulation_fusion=False,
             persist_layer_norm=False,
             apply_rope_fusion=False,
-            # Interleaving (VPP) sends activations and grads to both neighbours in one call;
-            # batch_isend_irecv posts them in the same order on every rank, so with pp=2
-            # (prev == next) each receive matches the wrong send. Megatron-LM's VPP default
-            # (overlap on, batching off) uses the even/odd-ordered p2p path and one direction
-            # per call, which is also what keeps the variable-length shape exchange paired.
+            # VPP sends to both neighbours per call; batch_isend_irecv posts them in the same order on
+            # every rank, so with pp=2 (prev == next) receives match the wrong sends. Megatron-LM's VPP
+            # default (overlap on, batching off) orders p2p even/odd, one direction per call.
             overlap_p2p_comm=self.vpp is not None,
             batch_p2p_comm=self.vpp is None,
         )
 
 
-def initialize_parallel(cfg: GPTModelConfig, *, backend: str = "gloo") -> list[str]:
+def device() -> torch.device:
+    """This process's device: the current CUDA device (see `initialize_parallel`), else the CPU."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def initialize_parallel(cfg: GPTModelConfig, *, backend: str | None = None) -> list[str]:
     """Init torch.distributed (from torchrun's env), megatron's parallel state, shims and seeds.
+
+    With CUDA the process takes ``cuda:LOCAL_RANK`` and the default backend is
+    ``cpu:gloo,cuda:nccl`` (NCCL for model tensors, gloo for the CPU-side step bookkeeping);
+    without CUDA it is gloo.
 
     Returns:
         Names of the CPU shims applied (empty on a CUDA machine).
     """
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     if not dist.is_initialized():
-        dist.init_process_group(backend=backend)
+        dist.init_process_group(backend=backend or ("cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"))
     cfg.validate(world_size=dist.get_world_size())
     shims = apply_cpu_shims()
     parallel_state.initialize_model_parallel(
@@ -184,7 +219,9 @@ def build_gpt_model(
     vp_stage: int | None = None,
     transformer_config: TransformerConfig | None = None,
 ) -> GPTModel:
-    """Build one GPTModel chunk with the local layer spec and untied output weights.
+    """Build one GPTModel chunk on this process's device, untied output weights, the attention
+    `cfg.attention` resolves to (usable on one process for benchmarks: call
+    `initialize_parallel` first; bf16 params when ``cfg.bf16``).
 
     Args:
         cfg: Model shape and layout.
@@ -195,9 +232,10 @@ def build_gpt_model(
             hooks such as ``no_sync_func`` from the first chunk's config); built if None.
     """
     config = transformer_config or cfg.to_transformer_config()
-    return GPTModel(
+    backend = resolve_attention(cfg.attention, cp=cfg.cp)
+    model = GPTModel(
         config=config,
-        transformer_layer_spec=get_gpt_layer_local_spec(),
+        transformer_layer_spec=gpt_layer_spec(backend),
         vocab_size=cfg.vocab_size,
         max_sequence_length=cfg.seq_length,
         pre_process=pre_process,
@@ -206,14 +244,20 @@ def build_gpt_model(
         position_embedding_type=cfg.position_embedding_type,
         vp_stage=vp_stage,
     )
+    model.megascale_attention = backend  # forward_step builds THD params or a dense mask from it
+    # Norms (torch LayerNorm) are created on the CPU even when megatron initialises on the GPU.
+    model.to(device())
+    return model.bfloat16() if cfg.bf16 else model
 
 
 def build_model_chunks(cfg: GPTModelConfig, *, ddp: bool = True) -> list[torch.nn.Module]:
     """Build this rank's model chunks (one per virtual stage), wrapped in megatron DDP.
 
-    DDP keeps grads in contiguous ``main_grad`` buffers and all-reduces them over the DP
-    group in ``finalize_model_grads`` (installed on the config, as Megatron-LM's training
-    loop does); gloo handles that all-reduce on CPU.
+    DDP keeps grads in contiguous ``main_grad`` buffers (fp32 also under bf16, as Megatron's
+    ``--accumulate-allreduce-grads-in-fp32``) and all-reduces them over the DP group in
+    ``finalize_model_grads`` (installed on the config, as Megatron-LM's training loop does);
+    gloo handles that all-reduce on CPU, NCCL on CUDA. Under bf16 each chunk is wrapped in
+    megatron's ``Float16Module`` (bf16 inputs on the first stage, fp32 outputs on the last).
     """
     config = cfg.to_transformer_config()
     chunks: list[torch.nn.Module] = []
@@ -226,10 +270,12 @@ def build_model_chunks(cfg: GPTModelConfig, *, ddp: bool = True) -> list[torch.n
             vp_stage=vp_stage,
             transformer_config=config,
         )
+        if cfg.bf16:
+            model = Float16Module(config, model)
         if ddp:
             model = DistributedDataParallel(
                 config=config,
-                ddp_config=DistributedDataParallelConfig(overlap_grad_reduce=False),
+                ddp_config=DistributedDataParallelConfig(overlap_grad_reduce=False, grad_reduce_in_fp32=cfg.bf16),
                 module=model,
                 disable_bucketing=vp > 0,
             )
@@ -280,30 +326,37 @@ def init_layout_invariant(model_chunks: Sequence[torch.nn.Module], *, seed: int)
 def stage_batch_keys(*, pre_process: bool, post_process: bool) -> tuple[str, ...]:
     """Batch keys a model chunk uses: Megatron-LM's get_batch split, plus the mask everywhere.
 
-    First stage: tokens, position_ids; last stage: labels, loss_mask. Megatron-LM gives a
-    middle stage nothing, so its attention falls back to the plain causal mask; with packed
-    documents that lets tokens attend across document boundaries on those layers only. The
-    block-diagonal ``attention_mask`` is therefore listed for every stage (middle included).
+    First stage: tokens, position_ids; last stage: labels, loss_mask. Megatron-LM gives a middle
+    stage nothing, so its attention falls back to plain causal: packed documents would attend
+    across boundaries there. The dense ``attention_mask`` is listed for every stage; a THD batch's
+    ``cu_seqlens`` fields (read by `forward_step` wherever present) replace it.
     """
     keys = (_FIRST_STAGE_KEYS if pre_process else ()) + (_LAST_STAGE_KEYS if post_process else ())
     return keys + ("attention_mask",)
 
 
-def _to_tensor(value: Any) -> torch.Tensor:
-    return torch.from_numpy(np.ascontiguousarray(value)) if isinstance(value, np.ndarray) else torch.as_tensor(value)
+def _to_tensor(value: Any, where: torch.device | None = None) -> torch.Tensor:
+    t = torch.from_numpy(np.ascontiguousarray(value)) if isinstance(value, np.ndarray) else torch.as_tensor(value)
+    return t if where is None else t.to(where, non_blocking=True)
+
+
+def _attention_of(model: torch.nn.Module) -> str:
+    """The backend `build_gpt_model` recorded on the chunk ("dense" for a GPTModel built elsewhere)."""
+    while not hasattr(model, "megascale_attention") and hasattr(model, "module"):
+        model = model.module
+    return getattr(model, "megascale_attention", "dense")
 
 
 def loss_func(
     loss_mask: torch.Tensor, output_tensor: torch.Tensor, *, source_ids: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
-    """Masked token-loss sum, Megatron-LM 0.16 style.
+    """Masked token-loss sum, Megatron-LM 0.16 style: ``(loss_sum, num_tokens, report)``.
 
-    Returns ``(loss_sum, num_tokens, {"lm loss": [loss_sum, num_tokens]})``: the schedule
-    divides ``loss_sum`` by ``num_tokens`` and the number of microbatches before backward
-    (``calculate_per_token_loss=False``); the report pair lets the caller form an exact
-    token-weighted mean over microbatches and DP ranks. Given per-token ``source_ids`` (feedback
-    mixing), the report also holds ``"source loss"``: ``[2, S]`` flattened, the loss sum and the
-    token count of each source present (S = highest source id + 1).
+    The schedule divides ``loss_sum`` by ``num_tokens`` and the microbatch count before backward
+    (``calculate_per_token_loss=False``); ``report["lm loss"] = [loss_sum, num_tokens]`` gives an
+    exact token-weighted mean over microbatches and DP ranks. With per-token ``source_ids``
+    (feedback mixing) ``report["source loss"]`` is ``[2, S]`` flattened: loss sum and token count
+    per source (S = highest source id + 1).
     """
     losses = output_tensor.view(-1).float()
     mask = loss_mask.reshape(-1).float()
@@ -323,9 +376,12 @@ def forward_step(data_iterator: Iterator[Mapping[str, Any]] | None, model: torch
 
     The batch is a dict of numpy arrays or tensors: ``tokens``, ``position_ids`` ([b, s]
     int) on the first stage, ``labels`` ([b, s] int) and ``loss_mask`` ([b, s]) on the last,
-    ``attention_mask`` ([b, 1, s, s] bool, True = masked) wherever given. A middle stage
-    given an iterator pulls one (possibly empty) dict per microbatch so the client's count
-    of consumed microbatches stays exact; pass None to pull nothing.
+    ``attention_mask`` ([b, 1, s, s] bool, True = masked) wherever given, ``cu_seqlens``
+    (+ ``cu_seqlens_padded``, ``max_seqlen`` after CP slicing) for per-document attention. Tensors
+    move to the model's device here. With a per-document backend the model gets THD
+    ``PackedSeqParams`` and no mask; with ``dense`` the mask (built from ``cu_seqlens`` when the
+    batch has none). A middle stage given an iterator pulls one (possibly empty) dict per
+    microbatch so the client's count of consumed microbatches stays exact; pass None to pull nothing.
 
     Raises:
         SampleError: a key this stage needs is missing from the batch.
@@ -341,30 +397,51 @@ def forward_step(data_iterator: Iterator[Mapping[str, Any]] | None, model: torch
             f"microbatch for the {stage} pipeline stage lacks {missing} (has {sorted(batch)}); "
             f"the data client must deliver {list(needed)} to this stage"
         )
-    tensors = {key: _to_tensor(batch[key]) for key in BATCH_KEYS if batch.get(key) is not None}
-    attention_mask = tensors.get("attention_mask")
-    if attention_mask is not None:
-        attention_mask = attention_mask.to(torch.bool)
+    where = next((p.device for p in model.parameters()), device())
+    backend = _attention_of(model)
+    tensors = {key: _to_tensor(batch[key], where) for key in BATCH_KEYS if batch.get(key) is not None}
+    packed = packed_seq_params(batch, where) if backend != "dense" else None
+    attention_mask = None
+    if packed is None:
+        attention_mask = tensors.get("attention_mask")
+        if attention_mask is None and batch.get("cu_seqlens") is not None:
+            attention_mask = dense_document_mask(batch["cu_seqlens"], int(np.asarray(batch["cu_seqlens"])[-1]), where)
+        if attention_mask is not None:
+            attention_mask = attention_mask.to(torch.bool)
     labels = tensors["labels"].long() if post_process else None
     output = model(
         tensors["tokens"].long() if pre_process else None,
         tensors["position_ids"].long() if pre_process else None,
         attention_mask,
         labels=labels,
+        packed_seq_params=packed,
     )
     source_ids = batch.get("source_ids") if post_process else None
     return output, partial(loss_func, tensors.get("loss_mask"),
-                           source_ids=None if source_ids is None else _to_tensor(source_ids))
+                           source_ids=None if source_ids is None else _to_tensor(source_ids, where))
 
 
-def _grad_norm(params: Sequence[torch.nn.Parameter]) -> float:
-    """Global L2 grad norm: TP duplicates counted once, summed over the model-parallel group."""
-    sq = torch.zeros((), dtype=torch.float64)
-    for param in params:
-        if param.grad is not None and tensor_parallel.param_is_not_tensor_parallel_duplicate(param):
-            sq += param.grad.detach().double().pow(2).sum()
+def _grads(params: Sequence[torch.nn.Parameter]) -> list[torch.Tensor | None]:
+    """Each param's gradient: DDP's ``main_grad`` (already all-reduced over DP), else ``grad``."""
+    return [g if (g := getattr(p, "main_grad", None)) is not None else p.grad for p in params]
+
+
+def _clip_grads(params: Sequence[torch.nn.Parameter], max_norm: float | None) -> float:
+    """Global L2 grad norm (TP duplicates counted once, summed over the model-parallel group);
+    grads are scaled down in place to ``max_norm`` when it is exceeded, as Megatron's ``--clip-grad``."""
+    grads = _grads(params)
+    sq = torch.zeros((), dtype=torch.float64, device=device())
+    for param, grad in zip(params, grads, strict=True):
+        if grad is not None and tensor_parallel.param_is_not_tensor_parallel_duplicate(param):
+            sq += grad.detach().double().pow(2).sum()
     dist.all_reduce(sq, group=parallel_state.get_model_parallel_group())
-    return float(sq.sqrt())
+    norm = float(sq.sqrt())
+    if max_norm is not None and max_norm > 0 and norm > max_norm:
+        scale = max_norm / (norm + 1e-6)
+        for grad in grads:
+            if grad is not None:
+                grad.mul_(scale)
+    return norm
 
 
 def train_step(
@@ -375,20 +452,25 @@ def train_step(
     num_microbatches: int,
     seq_length: int,
     micro_batch_size: int = 1,
+    clip_grad: float | None = None,
+    scheduler: Any = None,
 ) -> dict[str, float]:
     """One optimizer step through megatron's forward-backward schedule.
 
     Args:
         model_chunks: From `build_model_chunks` (DDP-wrapped; plain chunks work when DP=1).
-        optimizer: A torch optimizer over the chunks' parameters.
+        optimizer: A torch optimizer over the chunks' parameters (or `pretrain.build_optimizer`'s).
         data_iterators: One iterator per chunk (a single iterator is used for one chunk).
         num_microbatches: Microbatches this step (each may have its own sequence length).
         seq_length: Nominal sequence length (megatron's shape hint; actual lengths vary).
         micro_batch_size: Samples per microbatch.
+        clip_grad: Clip the global grad norm to this (None or 0: no clipping).
+        scheduler: Stepped after the optimizer (e.g. `pretrain.build_optimizer`'s warm-up + cosine).
 
     Returns:
-        ``loss`` (token-weighted mean over all microbatches and DP ranks), ``num_tokens``
-        and ``grad_norm``, identical on every rank (broadcast from the last PP stage).
+        ``loss`` (token-weighted mean over all microbatches and DP ranks), ``num_tokens``,
+        ``grad_norm`` (before clipping) and ``lr``, identical on every rank (broadcast from the
+        last PP stage).
     """
     if num_microbatches < 1:
         raise ConfigError(f"`num_microbatches` must be >= 1, got {num_microbatches}")
@@ -417,17 +499,22 @@ def train_step(
         forward_only=False,
     )
     # DDP accumulates into param.main_grad (already all-reduced over DP by
-    # finalize_model_grads); a plain torch optimizer reads param.grad.
+    # finalize_model_grads); a plain torch optimizer reads param.grad (an fp32-master optimizer
+    # reads main_grad itself: it sets `reads_main_grad`).
     params = [p for chunk in model_chunks for p in chunk.parameters() if p.requires_grad]
-    for param in params:
-        if getattr(param, "main_grad", None) is not None:
-            param.grad = param.main_grad
-    grad_norm = _grad_norm(params)
+    grad_norm = _clip_grads(params, clip_grad)
+    if not getattr(optimizer, "reads_main_grad", False):
+        for param in params:
+            if getattr(param, "main_grad", None) is not None:
+                param.grad = param.main_grad
     optimizer.step()
     # Drop the aliases: a grad left pointing at main_grad would be accumulated twice next step.
     optimizer.zero_grad(set_to_none=True)
+    lr = float(optimizer.param_groups[0]["lr"])
+    if scheduler is not None:
+        scheduler.step()
 
-    totals = torch.zeros(2, dtype=torch.float64)
+    totals = torch.zeros(2, dtype=torch.float64, device=device())
     if parallel_state.is_pipeline_last_stage(ignore_virtual=True):
         for report in reports:
             totals += report["lm loss"].double()
@@ -435,5 +522,6 @@ def train_step(
     dist.broadcast(totals, src=parallel_state.get_pipeline_model_parallel_last_rank(),
                    group=parallel_state.get_pipeline_model_parallel_group())
     loss_sum, num_tokens = totals.tolist()
-    return {"loss": loss_sum / max(num_tokens, 1.0), "num_tokens": float(num_tokens), "grad_norm": grad_norm}
+    return {"loss": loss_sum / max(num_tokens, 1.0), "num_tokens": float(num_tokens), "grad_norm": grad_norm,
+            "lr": lr}
 

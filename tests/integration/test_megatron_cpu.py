@@ -107,12 +107,16 @@ def test_rng_tracker_fork_is_a_separate_cpu_stream(shims: list[str]) -> None:
 
 def test_config_reports_every_layout_problem_at_once() -> None:
     with pytest.raises(ParallelLayoutError) as err:
-        GPTModelConfig(num_layers=4, num_attention_heads=4, vocab_size=511, tp=3, pp=3, cp=2).validate(world_size=8)
+        GPTModelConfig(num_layers=4, num_attention_heads=4, vocab_size=511, tp=3, pp=3, cp=2,
+                       attention="dense").validate(world_size=8)
     msg = str(err.value)
     for fragment in ("`num_layers`=4", "num_attention_heads`=4", "`vocab_size`=511", "`cp`=2", "world size 8"):
         assert fragment in msg
     with pytest.raises(ConfigError, match="`position_embedding_type`"):
         GPTModelConfig(position_embedding_type="alibi").validate()  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=r"`attention` must be one of \['auto', 'te', 'flex', 'dense'\]"):
+        GPTModelConfig(attention="sdpa").validate()  # type: ignore[arg-type]
+    GPTModelConfig(cp=2, attention="flex").validate(world_size=2)  # per-document attention has CP
     GPTModelConfig(tp=2, pp=2).validate(world_size=8)
 
 
@@ -123,9 +127,12 @@ class _StubStage(torch.nn.Module):
         super().__init__()
         self.pre_process, self.post_process = pre_process, post_process
         self.calls: list[tuple[Any, ...]] = []
+        self.packed: list[Any] = []
 
-    def forward(self, tokens: Any, position_ids: Any, attention_mask: Any, labels: Any = None) -> torch.Tensor:
+    def forward(self, tokens: Any, position_ids: Any, attention_mask: Any, labels: Any = None,
+                packed_seq_params: Any = None) -> torch.Tensor:
         self.calls.append((tokens, position_ids, attention_mask, labels))
+        self.packed.append(packed_seq_params)
         if labels is None:
             return torch.zeros(1)
         return torch.arange(labels.numel(), dtype=torch.float32).view_as(labels)  # a known "per-token loss"
