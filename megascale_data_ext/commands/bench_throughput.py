@@ -9,17 +9,24 @@ with EOD, as ``preprocess_data.py --append-eod`` writes them) is consumed twice:
   ``MegatronPretrainingSampler``-style sequential batch sampler and one worker.
 * **service (<strategy>)**: a `DataService` on embedded Ray (``num_cpus=2``) over the same
   prefixes (``format="megatron"``, ``append_eod=False``); one consumer process plays every
-  fetching client of a DP=2 tree and calls the constructors' ``get`` with prefetch on.
+  fetching rank of a DP tree with the trainer's own path: a `Client` per rank
+  (``Client.connect``), whole steps per call with 2 steps prefetched, torch tensors out.
+  ``llm_balance`` runs in token-budget mode (``tokens_per_step = dp·m·L``, documents split
+  across microbatches as Megatron's windows split them); ``vanilla`` takes one whole document
+  (truncated to L) per microbatch.
 
 Both deliver ``steps × dp × m`` microbatches. Megatron's are fixed ``seq_length`` windows
-cut across documents (every position a real token); the service's are packed microbatches of
-whole documents (truncated to the context), so the token count is the non-pad positions.
+cut across documents (every position a real token); the service's are packed microbatches, so
+the token count is the non-pad positions.
 
-Measured per loader: time to first batch (index build or service start included), delivered
-tokens/s after the first batch, per-fetch latency p50/p99, and CPU seconds after the first
-batch: "loader CPU" is the DataLoader worker + main process for Megatron and the Ray actors
-(loaders, planner, constructors; pids via ``__ray_call__``) for the service; "all-in CPU"
-adds the consumer process and every descendant process (raylet, GCS, idle workers).
+Measured per loader: time to first batch (index build or service start included, and for the
+service also from after ``ray.init``), delivered tokens/s after the first batch, per-fetch
+latency p50/p99, the trainer's wait per (rank, step) (its m microbatches), and CPU seconds
+after the first batch: "loader CPU" is the DataLoader worker + main process for Megatron and
+the Ray actors (loaders, planner, constructors; pids via ``__ray_call__``) for the service;
+"all-in CPU" adds the consumer process and every descendant process (raylet, GCS, idle
+workers). "actor RSS (MiB)" is the sum of VmRSS over the loading processes (Megatron's
+DataLoader worker; every service actor) at the end of the run, shared pages counted in each.
 """
 
 from __future__ import annotations
@@ -43,7 +50,7 @@ HELP = "Tokens/s, fetch latency and CPU of Megatron's GPTDataset loader vs this 
 
 EOD_ID, PAD_ID, TOKEN_OFFSET, VOCAB_SIZE = 1, 0, 3, 259  # ByteTokenizer ids: data ids are >= OFFSET
 DP, NUM_MICROBATCHES = 2, 4
-FILL = 0.6  # expected fraction of the k·m·L token capacity that a balanced step fills
+LARGE = {"sources": 32, "dp": 8, "docs": 1000}  # --large
 
 
 @dataclass(slots=True, kw_only=True)
@@ -64,6 +71,12 @@ class LoaderResult:
     cpu_all_s: float
     cpu_loader_total_s: float
     samples_per_step: int | None = None
+    tokens_per_step: int | None = None
+    num_microbatches: int = NUM_MICROBATCHES
+    step_wait_ms: list[float] = field(default_factory=list, repr=False)
+    rss_mib: list[float] = field(default_factory=list)
+    first_after_init_s: float = float("nan")
+    startup: dict[str, float] = field(default_factory=dict)
 
     @property
     def tokens_per_s(self) -> float:
@@ -85,6 +98,9 @@ class LoaderResult:
             "loader CPU s (steady)": self.cpu_loader_s,
             "loader CPU s (incl. startup)": self.cpu_loader_total_s,
             "tokens/microbatch": self.tokens / max(self.batches, 1),
+            "actor RSS (MiB)": float(sum(self.rss_mib)) if self.rss_mib else float("nan"),
+            "trainer wait per step (ms)": float(np.mean(self.step_wait_ms)) if self.step_wait_ms else float("nan"),
+            "first batch after ray.init (s)": self.first_after_init_s,
         }
 
 
@@ -94,7 +110,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sources", type=int, default=3, help="Megatron .bin/.idx sources in the blend (3)")
     parser.add_argument("--docs", type=int, default=4000, help="documents per source (4000)")
     parser.add_argument("--seq-length", type=int, default=2048, help="context length L (2048)")
-    parser.add_argument("--steps", type=int, default=40, help="global steps of dp=2 × m=4 microbatches (40)")
+    parser.add_argument("--steps", type=int, default=40, help="global steps of dp × m=4 microbatches (40)")
+    parser.add_argument("--dp", type=int, default=DP, help=f"data-parallel ranks the service serves ({DP})")
+    parser.add_argument("--large", action="store_true",
+                        help=f"the larger case: {LARGE['sources']} sources x {LARGE['docs']} docs, DP {LARGE['dp']}")
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--strategies", default=None,
                         help="service strategies, comma-separated (default vanilla,llm_balance; --quick: llm_balance)")
@@ -141,6 +160,20 @@ def _cpu(pids: list[int]) -> float:
         if fields is not None:  # fields[11], fields[12] are utime, stime (stat fields 14, 15)
             total += (int(fields[11]) + int(fields[12])) / _TICK
     return total
+
+
+def _rss_mib(pids: list[int]) -> list[float]:
+    """VmRSS of each live process in MiB (from ``/proc/<pid>/status``)."""
+    out = []
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/status") as f:
+                kib = next((int(line.split()[1]) for line in f if line.startswith("VmRSS:")), None)
+        except OSError:
+            continue
+        if kib is not None:
+            out.append(kib / 1024)
+    return out
 
 
 def _descendants() -> list[int]:
@@ -206,7 +239,7 @@ class MegatronPretrainingSampler:
 
 
 def run_megatron(prefixes: list[str], *, seq_length: int, batches: int, seed: int, cache: Path,
-                 attention_mask: bool) -> LoaderResult:
+                 attention_mask: bool, num_microbatches: int = NUM_MICROBATCHES) -> LoaderResult:
     """Build Megatron's blended GPTDataset and time a one-worker DataLoader over it.
 
     One loader consumes the whole global stream (dp_size=1 in the sampler), i.e. the work of
@@ -248,89 +281,113 @@ def run_megatron(prefixes: list[str], *, seq_length: int, batches: int, seed: in
             tokens += int(batch["tokens"].numel())
         steady = time.perf_counter() - t0 - first
         cpu = meter.since_mark()  # worker still alive: the iterator is not exhausted past len
+        rss = _rss_mib(_descendants())  # the DataLoader worker
         del it, loader
     finally:
         if own_pg:
             dist.destroy_process_group()
+    # One rank's step is m consecutive microbatches (the first step holds the startup: left out).
+    m = num_microbatches
+    waits = [float(np.sum(fetch_ms[g * m - 1:g * m - 1 + m])) for g in range(1, (len(fetch_ms) + 1) // m)]
     return LoaderResult(name="megatron", batches=batches - 1, tokens=tokens, first_batch_s=first, steady_s=steady,
-                        fetch_ms=fetch_ms, cpu_loader_s=cpu, cpu_all_s=cpu, cpu_loader_total_s=startup_cpu + cpu)
+                        fetch_ms=fetch_ms, cpu_loader_s=cpu, cpu_all_s=cpu, cpu_loader_total_s=startup_cpu + cpu,
+                        num_microbatches=num_microbatches, step_wait_ms=waits, rss_mib=rss, first_after_init_s=first)
 
 
 # -- this service ------------------------------------------------------------------------
-def service_samples_per_step(prefixes: list[str], *, seq_length: int, strategy: str) -> int:
-    """Documents per step: one per microbatch for vanilla (it has no token cap, so it cannot
-    pack safely), else ~FILL of the k·m·L capacity at the blend's mean truncated length."""
-    if strategy == "vanilla":
-        return DP * NUM_MICROBATCHES
-    from megatron.core.datasets.indexed_dataset import IndexedDataset
-
-    parts = []
-    for prefix in prefixes:
-        ds = IndexedDataset(prefix)  # keep it alive: sequence_lengths views its mmap, freed with it
-        parts.append(np.minimum(np.asarray(ds.sequence_lengths, dtype=np.int64), seq_length))
-        del ds
-    lengths = np.concatenate(parts)
-    return max(DP * NUM_MICROBATCHES, int(FILL * DP * NUM_MICROBATCHES * seq_length / float(lengths.mean())))
+def _progress(msg: str) -> None:
+    print(f"[bench throughput] {msg}", file=sys.stderr, flush=True)
 
 
-def run_service(prefixes: list[str], *, strategy: str, seq_length: int, steps: int, seed: int,
-                attention_mask: bool) -> LoaderResult:
-    """Start a DataService on embedded Ray and fetch every microbatch of every fetching client."""
-    import ray
-
-    from megascale_data_ext.dataplane.placetree import ClientPlaceTree
+def service_config(prefixes: list[str], *, strategy: str, seq_length: int, seed: int, attention_mask: bool,
+                   dp: int = DP) -> Any:
+    """The service's config: token-budget steps of dp·m·L tokens with Megatron-style document
+    splitting for a balancing strategy; one whole document per microbatch for vanilla."""
     from megascale_data_ext.runtime.config import RayConfig, ServiceConfig
-    from megascale_data_ext.runtime.service import DataService
     from megascale_data_ext.sources.base import SourceSpec
 
-    specs = [SourceSpec(name=f"source{i}", format="megatron", paths=[p], append_eod=False, truncate=True,
+    tokens = strategy != "vanilla"
+    specs = [SourceSpec(name=f"source{i}", format="megatron", paths=[p], append_eod=False, truncate=not tokens,
                         eod_token_id=EOD_ID) for i, p in enumerate(prefixes)]
-    per_step = service_samples_per_step(prefixes, seq_length=seq_length, strategy=strategy)
-    config = ServiceConfig(
-        sources=specs, seed=seed, samples_per_step=per_step, num_microbatches=NUM_MICROBATCHES,
+    return ServiceConfig(
+        sources=specs, seed=seed, samples_per_step=dp * NUM_MICROBATCHES, num_microbatches=NUM_MICROBATCHES,
+        tokens_per_step=dp * NUM_MICROBATCHES * seq_length if tokens else None, split_documents=tokens,
         seq_length=seq_length, strategy=strategy, strategy_args={"model": "gpt-tiny"}, prefetch=2,
         with_attention_mask=attention_mask, buffer_size=1024,
         ray=RayConfig(namespace=f"bench-throughput-{os.getpid()}-{strategy}", num_cpus=2),
     )
-    service = DataService(config, ClientPlaceTree.from_sizes(dp=DP))
-    ranks = service.topology.fetch_ranks()
+
+
+def run_service(prefixes: list[str], *, strategy: str, seq_length: int, steps: int, seed: int,
+                attention_mask: bool, dp: int = DP) -> LoaderResult:
+    """Start a DataService on embedded Ray and consume every step of every fetching rank through
+    the trainer's `Client` (whole steps per call, 2 steps ahead)."""
+    import ray
+
+    from megascale_data_ext.dataplane.placetree import ClientPlaceTree
+    from megascale_data_ext.runtime.client import Client
+    from megascale_data_ext.runtime.service import DataService
+
+    m = NUM_MICROBATCHES
+    config = service_config(prefixes, strategy=strategy, seq_length=seq_length, seed=seed,
+                            attention_mask=attention_mask, dp=dp)
     all_meter = _CpuMeter(lambda: [os.getpid(), *_descendants()])
     t0 = time.perf_counter()
+    _progress(f"service {strategy}: ray.init ...")
+    ray.init(**config.ray.init_kwargs(), include_dashboard=False, log_to_driver=False, configure_logging=False)
+    t_init = time.perf_counter()
+    service = DataService(config, ClientPlaceTree.from_sizes(dp=dp))
+    startup = {"ray.init (s)": t_init - t0}
     try:
-        service.start()
-        handles = [*service.loaders, service.planner, *service.constructors]
-        actor_pids = ray.get([h.__ray_call__.remote(lambda _self: os.getpid()) for h in handles])
+        _progress(f"service {strategy}: ray.init {t_init - t0:.1f} s; starting {len(prefixes)} loaders, planner, "
+                  f"{service.topology.num_constructors} constructors ...")
+        handles = service.start()
+        startup["actors ready (s)"] = time.perf_counter() - t_init
+        _progress(f"service {strategy}: actors ready after {startup['actors ready (s)']:.1f} s; first step ...")
+        actors = [*service.loaders, service.planner, *service.constructors]
+        actor_pids = ray.get([h.__ray_call__.remote(lambda _self: os.getpid()) for h in actors])
+        clients = [Client.connect(handles, rank, num_microbatches=m, broadcast=False)
+                   for rank in service.topology.fetch_ranks()]
         fetch_ms: list[float] = []
+        waits: list[float] = []
         tokens = batches = 0
-        first = 0.0
-        total = steps * len(ranks) * NUM_MICROBATCHES
-        with tqdm(total=total, desc=f"service {strategy}", file=sys.stderr, leave=False) as bar:
+        first = first_after_init = 0.0
+        with tqdm(total=steps * len(clients) * m, desc=f"service {strategy}", file=sys.stderr, leave=False) as bar:
             for step in range(steps):
-                for rank in ranks:
-                    con = service.constructors[service.topology.constructor_of_rank(rank)]
-                    for j in range(NUM_MICROBATCHES):
+                for client in clients:
+                    w0 = time.perf_counter()
+                    for _ in range(m):
                         f0 = time.perf_counter()
-                        batch, _info = ray.get(con.get.remote(step, j, rank))
+                        client.next_microbatch()
                         now = time.perf_counter()
                         bar.update()
                         if first == 0.0:
-                            first = now - t0
-                            startup_cpu = _cpu(actor_pids)
-                            loader_cpu0 = startup_cpu
+                            first, first_after_init = now - t0, now - t_init
+                            startup["first batch after actors (s)"] = first_after_init - startup["actors ready (s)"]
+                            _progress(f"service {strategy}: first batch {first:.2f} s after start "
+                                      f"({first_after_init:.2f} s after ray.init)")
+                            startup_cpu = loader_cpu0 = _cpu(actor_pids)
                             all_meter.mark()
                             t_first = now
                             continue
                         fetch_ms.append((now - f0) * 1e3)
-                        tokens += int(batch["num_tokens"][0])
+                        tokens += int(client.last_info["tokens"])
                         batches += 1
+                    if step > 0:  # step 0 holds the start-up
+                        waits.append((time.perf_counter() - w0) * 1e3)
         steady = time.perf_counter() - t_first
         loader_cpu = _cpu(actor_pids) - loader_cpu0
         all_cpu = all_meter.since_mark()
+        rss = _rss_mib(actor_pids)
     finally:
         service.stop()
+        ray.shutdown()
     return LoaderResult(name=f"service {strategy}", batches=batches, tokens=tokens, first_batch_s=first,
                         steady_s=steady, fetch_ms=fetch_ms, cpu_loader_s=loader_cpu, cpu_all_s=all_cpu,
-                        cpu_loader_total_s=startup_cpu + loader_cpu, samples_per_step=per_step)
+                        cpu_loader_total_s=startup_cpu + loader_cpu, samples_per_step=config.samples_per_step
+                        if config.tokens_per_step is None else None, tokens_per_step=config.tokens_per_step,
+                        num_microbatches=m, step_wait_ms=waits, rss_mib=rss, first_after_init_s=first_after_init,
+                        startup=startup)
 
 
 # -- report ------------------------------------------------------------------------------
@@ -360,12 +417,15 @@ def _fmt(x: float) -> str:
 def run(args: argparse.Namespace) -> int:
     from megascale_data_ext.errors import ConfigError
 
+    if getattr(args, "large", False):
+        args.sources, args.dp, args.docs = LARGE["sources"], LARGE["dp"], min(args.docs, LARGE["docs"])
     if args.quick:  # one Ray start only: on a loaded 2-core box it alone takes ~10-30 s
         args.sources, args.docs, args.seq_length, args.steps = min(args.sources, 2), min(args.docs, 300), 1024, 4
         args.strategies = args.strategies or "llm_balance"
+    args.dp = getattr(args, "dp", DP)
     args.strategies = args.strategies or "vanilla,llm_balance"
     problems = [f"`--{k.replace('_', '-')}` must be a positive integer, got {getattr(args, k)!r}"
-                for k in ("sources", "docs", "seq_length", "steps") if getattr(args, k) < 1]
+                for k in ("sources", "docs", "seq_length", "steps", "dp") if getattr(args, k) < 1]
     strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
     allowed = ("vanilla", "llm_balance")
     problems += [f"`--strategies`: {s!r} is not one of {allowed} (text-only blend)" for s in strategies if s not in allowed]
@@ -379,21 +439,24 @@ def run(args: argparse.Namespace) -> int:
     prefixes = write_blend(work / "data", sources=args.sources, docs=args.docs, seq_length=args.seq_length,
                            seed=args.seed)
     print(f"[bench throughput] blend: {args.sources} Megatron sources × {args.docs} long-short docs in {work} "
-          f"({time.perf_counter() - t0:.1f} s); L={args.seq_length}, DP={DP} × m={NUM_MICROBATCHES}, "
+          f"({time.perf_counter() - t0:.1f} s); L={args.seq_length}, DP={args.dp} × m={NUM_MICROBATCHES}, "
           f"{args.steps} steps", file=sys.stderr)
-    batches = args.steps * DP * NUM_MICROBATCHES
+    batches = args.steps * args.dp * NUM_MICROBATCHES
     results = [run_megatron(prefixes, seq_length=args.seq_length, batches=batches, seed=args.seed,
                             cache=work / "megatron-cache", attention_mask=args.attention_mask)]
     for strategy in strategies:
         results.append(run_service(prefixes, strategy=strategy, seq_length=args.seq_length, steps=args.steps,
-                                   seed=args.seed, attention_mask=args.attention_mask))
+                                   seed=args.seed, attention_mask=args.attention_mask, dp=args.dp))
     print(format_table(results))
     for r in results[1:]:
-        print(f"{r.name}: {r.samples_per_step} documents per step")
+        per_step = (f"{r.tokens_per_step} tokens per step (documents split as Megatron's windows)"
+                    if r.tokens_per_step else f"{r.samples_per_step} documents per step")
+        phases = ", ".join(f"{k} {v:.2f}" for k, v in r.startup.items())
+        print(f"{r.name}: {per_step}; start-up: {phases}")
     if args.json:
         payload: dict[str, Any] = {
             "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if not k.startswith("_")},
-            "results": [{**{k: v for k, v in asdict(r).items() if k != "fetch_ms"}, "metrics": r.metrics()}
+            "results": [{**{k: v for k, v in asdict(r).items() if k not in ("fetch_ms", "step_wait_ms")}, "metrics": r.metrics()}
                         for r in results],
         }
         args.json.parent.mkdir(parents=True, exist_ok=True)

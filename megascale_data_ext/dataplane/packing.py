@@ -19,6 +19,12 @@ result equals what Megatron's own ``reset_position_ids``/``reset_attention_mask`
 produces for a document ending with EOD followed by non-EOD padding. ``max_seqlen`` covers
 the padding segment too, because kernels bound every segment listed in ``cu_seqlens`` by it.
 
+A *split* document (token-budget mode with ``split_documents``) arrives as spans: each span
+is its own segment with position ids from 0, as Megatron's GPTDataset restarts them in the
+next sample, and a span that does not end its document carries ``next_token`` (the first token
+of the rest), which becomes its last position's label, so every next-token prediction of the
+document is trained exactly once across its spans. `span_view` cuts such a span from a sample.
+
 Everything runs vectorized over the whole microbatch: this is on the per-step path.
 """
 
@@ -31,7 +37,7 @@ import numpy as np
 
 from megascale_data_ext.errors import ConfigError, PlanError, SampleError
 
-__all__ = ["pack_microbatch"]
+__all__ = ["pack_microbatch", "span_view"]
 
 
 def _field(sample: Any, name: str) -> Any:
@@ -84,6 +90,26 @@ def _read_images(sample: Any, index: int, image_token_id: int | None) -> list[np
             )
         out.append(image.astype(np.float32, copy=False))
     return out
+
+
+def span_view(sample: Any, start: int, stop: int | None, *, name: str) -> Any:
+    """Tokens ``[start, stop)`` of `sample` as a packable sample (the sample itself when whole).
+
+    A span that stops before the document's end carries ``next_token``; images stay with the
+    span that starts the document.
+
+    Raises:
+        PlanError: The span lies outside the sample (its metadata and payload disagree).
+    """
+    tokens = _read_tokens(sample, 0)
+    end = tokens.shape[0] if stop is None else stop
+    if start == 0 and end == tokens.shape[0]:
+        return sample
+    if not 0 <= start < end <= tokens.shape[0]:
+        raise PlanError(f"{name}: planned token span [{start}, {end}) lies outside its {tokens.shape[0]} tokens; "
+                        "the source's token-count metadata disagrees with what it reads")
+    return {"tokens": tokens[start:end], "images": _field(sample, "images") if start == 0 else None,
+            "next_token": int(tokens[end]) if end < tokens.shape[0] else None}
 
 
 def _check_options(seq_length: int, pad_to_multiple_of: int) -> None:
@@ -157,8 +183,12 @@ def pack_microbatch(
     texts: list[np.ndarray] = []
     images: list[np.ndarray] = []
     patch_counts: list[int] = []  # placeholder positions per sample
+    follow: list[tuple[int, int]] = []  # (sample, next_token) of spans that continue elsewhere
     for index, sample in enumerate(samples):
         tokens = _read_tokens(sample, index)
+        nxt = _field(sample, "next_token")
+        if nxt is not None:
+            follow.append((index, int(nxt)))
         sample_images = _read_images(sample, index, image_token_id)
         n_patches = sum(image.shape[0] for image in sample_images)
         length = n_patches + tokens.shape[0]
@@ -222,6 +252,10 @@ def pack_microbatch(
     keep = is_text & ~last_in_seg  # the next position is text of the same document
     labels = np.full(s, pad_id, dtype=np.int64)
     labels[:-1][keep[:-1]] = tokens[1:][keep[:-1]]
+    if follow:  # a span's last token predicts the first token of its document's rest
+        ends = cu[1:][[i for i, _ in follow]] - 1
+        labels[ends] = [t for _, t in follow]
+        keep[ends] = True
 
     batch: dict[str, np.ndarray] = {
         "tokens": tokens[None, :],

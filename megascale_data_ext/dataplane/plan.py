@@ -16,11 +16,17 @@ import numpy as np
 
 @dataclass(slots=True, kw_only=True, frozen=True)
 class SampleRef:
-    """One planned sample: its source, its position in that source's stream, its sample index."""
+    """One planned sample: its source, its position in that source's stream, its sample index.
+
+    `start`/`stop` delimit the token span taken (a split document, `split_documents`); the
+    default (0, None) is the whole sample.
+    """
 
     source: int
     position: int
     index: int
+    start: int = 0
+    stop: int | None = None
 
 
 @dataclass(slots=True, kw_only=True)
@@ -90,13 +96,21 @@ class StepPlan:
     encoder: EncoderPlan | None = None
     lineage: tuple[str, ...] = field(default=())
     cap: int | None = None
+    span_start: np.ndarray | None = None  # int64 first token of the row's span; None = whole samples
+    span_stop: np.ndarray | None = None  # int64 one past its last token (span_start + tokens)
 
     @property
     def num_samples(self) -> int:
         return int(self.source.shape[0])
 
+    def heads(self) -> np.ndarray:
+        """Rows that start their sample (all rows unless documents were split)."""
+        return np.ones(self.num_samples, bool) if self.span_start is None else self.span_start == 0
+
     def counts_per_source(self) -> np.ndarray:
-        return np.bincount(self.source, minlength=len(self.source_names)).astype(np.int64)
+        """Samples started per source (a split document's continuations are not counted again)."""
+        src = self.source if self.span_start is None else self.source[self.heads()]
+        return np.bincount(src, minlength=len(self.source_names)).astype(np.int64)
 
     def bucket_costs(self) -> np.ndarray:
         return np.bincount(self.bucket, weights=self.cost, minlength=self.num_buckets)
@@ -132,7 +146,11 @@ class StepPlan:
 
     def loader_do_plan(self, source: int) -> LoaderPlan:
         rows = np.flatnonzero(self.source == source)
-        rows = rows[np.argsort(self.position[rows], kind="stable")]
+        if self.span_start is None:
+            rows = rows[np.argsort(self.position[rows], kind="stable")]
+        else:  # spans of one sample going to one bucket: read and ship it once
+            _, first = np.unique(self.position[rows] * self.num_buckets + self.bucket[rows], return_index=True)
+            rows = rows[first]
         return LoaderPlan(
             step=self.step,
             source=source,
@@ -144,9 +162,12 @@ class StepPlan:
     def constructor_do_plan(self, bucket: int) -> ConstructorPlan:
         rows = np.flatnonzero(self.bucket == bucket)
         mbs: list[list[SampleRef]] = [[] for _ in range(self.num_microbatches)]
+        spans = self.span_start is not None
         for r in rows.tolist():
             mbs[int(self.microbatch[r])].append(
-                SampleRef(source=int(self.source[r]), position=int(self.position[r]), index=int(self.index[r]))
+                SampleRef(source=int(self.source[r]), position=int(self.position[r]), index=int(self.index[r]),
+                          start=int(self.span_start[r]) if spans else 0,
+                          stop=int(self.span_stop[r]) if spans else None)
             )
         return ConstructorPlan(step=self.step, bucket=bucket, microbatches=mbs, ranks=self.bucket_ranks[bucket],
                                cap=self.cap)

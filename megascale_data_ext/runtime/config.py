@@ -98,6 +98,13 @@ class BatchConfig:
             cu_seqlens, so packed documents never attend across boundaries on any stage.
         replay_dir: Serve the plans `megascale-data plan` wrote there instead of planning
             (replay mode); None plans live.
+        tokens_per_step: Token-budget mode (a Megatron global batch of GBS x seq_length tokens):
+            each step takes as many documents as fill this many real tokens, at most DP x
+            num_microbatches x seq_length; `samples_per_step` is then unused. None = count mode.
+        split_documents: Token-budget mode only: a document that does not fit the room left in
+            a microbatch is split, as Megatron's GPTDataset does; the rest continues in the next
+            microbatch (possibly next step), positions restarting at 0. Sources then keep
+            documents longer than seq_length whole (no implicit `max_tokens`).
     """
 
     seed: int = 1234
@@ -113,6 +120,8 @@ class BatchConfig:
     overflow: str = "defer"
     middle_stage_masks: bool = True
     replay_dir: str | None = None
+    tokens_per_step: int | None = None
+    split_documents: bool = False
 
     def problems(self) -> list[FieldProblem]:
         """What is wrong with the batch fields, as ``(field, message)``."""
@@ -120,7 +129,24 @@ class BatchConfig:
                if not _is_int(getattr(self, k)) or getattr(self, k) < 1]
         if not _is_int(self.seed) or self.seed < 0:
             out.append(("seed", f"must be an integer >= 0 (numpy SeedSequence), got {self.seed!r}"))
-        return out + choice_problems("overflow", self.overflow, OVERFLOW_MODES)
+        return out + choice_problems("overflow", self.overflow, OVERFLOW_MODES) + self._token_problems()
+
+    def _token_problems(self) -> list[FieldProblem]:
+        if self.tokens_per_step is None:
+            if self.split_documents:
+                return [("split_documents", "needs token-budget mode: set `tokens_per_step` (e.g. "
+                                            "global_batch_size * seq_length) or split_documents=false")]
+            return []
+        out: list[FieldProblem] = []
+        if not _is_int(self.tokens_per_step) or self.tokens_per_step < 1:
+            out.append(("tokens_per_step", f"must be a positive integer or null, got {self.tokens_per_step!r}"))
+        elif _is_int(self.seq_length) and self.tokens_per_step < self.seq_length:
+            out.append(("tokens_per_step", f"must be >= seq_length ({self.seq_length}) so a step fills at least "
+                                           f"one microbatch, got {self.tokens_per_step}"))
+        if self.replay_dir is not None:
+            out.append(("tokens_per_step", "replay mode (`replay_dir`) serves count-mode plans only; "
+                                           "set tokens_per_step=null or replay_dir=null"))
+        return out
 
 
 @dataclass(slots=True, kw_only=True)
@@ -146,7 +172,10 @@ class ServiceConfig(BatchConfig):
     def __post_init__(self) -> None:
         # A sample can never be longer than the context: sources without their own limit get
         # seq_length; their `truncate` flag decides between cutting and a named error.
-        self.sources = [s if s.max_tokens is not None else replace(s, max_tokens=self.seq_length) for s in self.sources]
+        # Splitting documents (token mode) cuts them into spans instead, so they stay whole.
+        if not (self.split_documents and self.tokens_per_step is not None):
+            self.sources = [s if s.max_tokens is not None else replace(s, max_tokens=self.seq_length)
+                            for s in self.sources]
         problems = self.problems()
         if problems:
             raise ConfigError(render_problems("data service config", problems))
@@ -160,6 +189,9 @@ class ServiceConfig(BatchConfig):
         if len(set(names)) != len(names):
             out.append(("sources", f"names must be unique, got {names}"))
         out += choice_problems("mix_mode", self.mix_mode, MIX_MODES)
+        if self.tokens_per_step is not None and self.strategy == "vanilla":
+            out.append(("tokens_per_step", "needs a strategy with a token cap (llm_balance, vlm_balance); "
+                                           "vanilla packs a fixed sample count without one"))
         return out + [(f"ray.{key}", msg) for key, msg in self.ray.problems()]
 
     @property
@@ -189,6 +221,8 @@ class ServiceConfig(BatchConfig):
             "mix_mode": self.mix_mode,
             "shuffle": self.shuffle,
             "overflow": self.overflow,
+            "tokens_per_step": self.tokens_per_step,
+            "split_documents": self.split_documents,
         }
 
     def digest(self) -> str:

@@ -14,16 +14,23 @@ per-source loss (`report_loss`); planning step s first applies the reports of ev
 to s - d, in order, waiting for one that has not arrived yet (a named PlanError after
 ``report_timeout_s``). Plans therefore depend on the reports, never on prefetch timing.
 
-Checkpoint (`StateSchema` "planner", version 3): fingerprint = the config's stream-deciding
+Token-budget mode (``config.tokens_per_step``): a step draws the documents that fill its
+token budget, the strategy balances what fits, the rooms left are filled (splitting documents
+with ``split_documents``) and the rest is carried to the next step (`mixing.budget`).
+
+Checkpoint (`StateSchema` "planner", version 4): fingerprint = the config's stream-deciding
 fields (`ServiceConfig.fingerprint()`) plus the parallel layout; fields ``step`` (the next
 step to plan), ``cursors`` (next stream position per source), ``mixer`` (the Mixer's own
-state) and ``reports`` (loss reports received but not yet applied, ``[[step, [loss|None per
-source]], ...]``). That is all: plans are recomputed from it.
+state), ``reports`` (loss reports received but not yet applied, ``[[step, [loss|None per
+source]], ...]``) and ``carry`` (token mode: drawn documents or remainders not placed yet,
+``[[source, position, index, start, length, [patches]], ...]``). That is all: plans are
+recomputed from it.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -34,10 +41,11 @@ import numpy as np
 from megascale_data_ext.dataplane.dgraph import DGraph
 from megascale_data_ext.dataplane.mixing import Mixer
 from megascale_data_ext.dataplane.mixing import build_schedule
+from megascale_data_ext.dataplane.mixing.budget import OFFER_FRACTION, Pool, draw_size, fill_rooms, offer_prefix
 from megascale_data_ext.dataplane.plan import LoaderPlan, StepPlan
 from megascale_data_ext.dataplane.plan_store import PlanStore
 from megascale_data_ext.dataplane.summary import BufferSummary, SourceSummary
-from megascale_data_ext.errors import CapacityError, PlanError, ResumeError
+from megascale_data_ext.errors import CapacityError, ConfigError, PlanError, ResumeError
 from megascale_data_ext.runtime.config import ServiceConfig
 from megascale_data_ext.runtime.topology import ServiceTopology, make_strategy
 from megascale_data_ext.state import StateSchema
@@ -60,7 +68,7 @@ class Planner:
             (metrics: `runtime.metrics.record_plan`); it must not raise.
     """
 
-    STATE = StateSchema("planner", 3, ("step", "cursors", "mixer", "reports"),
+    STATE = StateSchema("planner", 4, ("step", "cursors", "mixer", "reports", "carry"),
                         hint="resume with the data config and parallel layout of the saved run")
 
     def __init__(self, config: ServiceConfig, topology: ServiceTopology, summarize: Summarize, *, keep: int = 16,
@@ -85,8 +93,15 @@ class Planner:
         self.replay = PlanStore(config.replay_dir) if config.replay_dir else None
         if self.replay is not None:
             self.replay.check(self.fingerprint())
-        self._states: dict[int, dict[str, Any]] = {}
+        self._states: dict[int, tuple[dict[str, Any], int]] = {}
         self._lock = threading.RLock()
+        self.carry: list[list] = []  # token mode: [source, position, index, start, length, [patches]]
+        self._drawn: np.ndarray | None = None  # token mode: fresh documents the step being planned drew
+        capacity = topology.layout.num_buckets * config.num_microbatches * config.seq_length
+        if config.tokens_per_step is not None and config.tokens_per_step > capacity:
+            raise ConfigError(f"`tokens_per_step` = {config.tokens_per_step} exceeds what one step holds: "
+                              f"{topology.layout.num_buckets} buckets x num_microbatches {config.num_microbatches} "
+                              f"x seq_length {config.seq_length} = {capacity}; lower it or raise the batch shape")
 
     # -- planning ------------------------------------------------------------------
     def fingerprint(self) -> dict[str, Any]:
@@ -96,7 +111,7 @@ class Planner:
     def _snapshot(self) -> tuple[dict[str, Any], int]:
         """The state before the next step, without its reports, and the last report step applied."""
         state = {"step": self.next_step, "cursors": self.cursors.tolist(),
-                 "mixer": copy.deepcopy(self.mixer.state_dict())}
+                 "mixer": copy.deepcopy(self.mixer.state_dict()), "carry": copy.deepcopy(self.carry)}
         return state, self._applied_through()
 
     def _stamp(self, snapshot: tuple[dict[str, Any], int]) -> dict[str, Any]:
@@ -155,7 +170,8 @@ class Planner:
                             f"{list(plan.broadcast_dims)}) differ from the runtime's {self.topology.fetch_ranks()} "
                             f"(broadcast {list(self.topology.broadcast_dims)}): a strategy's `broadcast` attribute "
                             "must name the dims its broadcast_at() calls use")
-        self.cursors += plan.counts_per_source()
+        drawn, self._drawn = self._drawn, None
+        self.cursors += plan.counts_per_source() if drawn is None else drawn
         self.plans[step] = plan
         self.next_step = step + 1
         if self.on_planned is not None:
@@ -170,6 +186,8 @@ class Planner:
         self._apply_reports(step)
         window = self.config.buffer_size
         summaries = [self.summarize(s, int(self.cursors[s]), window) for s in range(len(self.cursors))]
+        if self.config.tokens_per_step is not None:
+            return self._planned_tokens(step, summaries)
         buffer = BufferSummary.of(summaries)
         graph = DGraph.from_summary(buffer, self.tree, step=step).mix(self.mixer, batch_size=self.config.samples_per_step)
         try:
@@ -207,6 +225,83 @@ class Planner:
             except CapacityError:
                 n = min(n - 1, int(n * 0.9))
         raise CapacityError(f"step {step}: not even one sample fits {capacity} tokens of microbatches")
+
+    # -- token-budget steps --------------------------------------------------------
+    def _planned_tokens(self, step: int, summaries: list[SourceSummary]) -> StepPlan:
+        """Plan `step` to its token budget: carry + fresh draws -> balanced prefix -> filled rooms.
+
+        The fresh documents drawn are left in ``self._drawn`` (they advance the cursors even
+        when carried); what is not placed becomes the new carry.
+        """
+        cfg, m = self.config, self.config.num_microbatches
+        target, length = int(cfg.tokens_per_step), cfg.seq_length
+        carry = Pool.of(self.carry)
+        seq = [s.text_tokens + s.image_patches_total() for s in summaries]
+        # One microbatch of slack beyond the budget gives the room filling something to choose from.
+        n = draw_size(lambda b: self.mixer.preview(step, b), seq, target + length - int(carry.seq_len.sum()))
+        counts = self.mixer.counts(step, n)
+        pool = carry.concat(_fresh(summaries, counts, self.mixer.order(step, counts)))
+        if cfg.split_documents:
+            pool = pool.chop(length)
+        plan, k = self._balance_prefix(step, pool, target)
+        rest = np.arange(k, len(pool))
+        rest = rest[pool.splittable[rest]]  # image samples wait for the balancer (their encoder ranks)
+        room = (plan.cap or length) - plan.bin_tokens().reshape(-1)
+        fills = fill_rooms(room, pool.length[rest], np.ones(len(rest), bool), split=cfg.split_documents,
+                           budget=target - int(plan.tokens.sum()))
+        rows = rest[np.asarray([f.row for f in fills], dtype=np.int64)]
+        bins = np.asarray([f.bin for f in fills], dtype=np.int64)
+        starts = pool.start[rows] + np.asarray([f.start for f in fills], dtype=np.int64)
+        lens = np.asarray([f.length for f in fills], dtype=np.int64)
+        taken = np.bincount(rows, weights=lens, minlength=len(pool)).astype(np.int64)
+        left = np.flatnonzero((np.arange(len(pool)) >= k) & (taken < pool.length))
+        carried = pool.rows(left)
+        for r, row in zip(left.tolist(), carried, strict=True):  # remainders start after their heads
+            row[3], row[4] = int(pool.start[r] + taken[r]), int(pool.length[r] - taken[r])
+        self.carry, self._drawn = carried, counts
+        cat = np.concatenate
+        return dataclasses.replace(
+            plan, source=cat([plan.source, pool.source[rows].astype(np.int32)]),
+            position=cat([plan.position, pool.position[rows]]), index=cat([plan.index, pool.index[rows]]),
+            tokens=cat([plan.tokens, lens]), cost=cat([plan.cost, self._cost_of(lens)]),
+            bucket=cat([plan.bucket, bins // m]), microbatch=cat([plan.microbatch, bins % m]),
+            span_start=cat([pool.start[:k], starts]), span_stop=cat([pool.start[:k] + pool.length[:k], starts + lens]),
+            lineage=plan.lineage + (f"fill-rooms({len(fills)} spans, split={cfg.split_documents}, "
+                                    f"carry {len(carried)})",))
+
+    def _balance_prefix(self, step: int, pool: Pool, target: int) -> tuple[StepPlan, int]:
+        """The strategy's plan of the longest pool prefix it places under the cap, and its length."""
+        budget, seq = OFFER_FRACTION * target, pool.seq_len
+        for _ in range(24):
+            k = offer_prefix(seq, budget)
+            try:
+                return self.strategy(self._graph(pool, k, step)).plan(), k
+            except CapacityError:
+                if k == 0:
+                    raise
+                budget = min(budget, float(seq[:k].sum())) * 0.95
+        raise CapacityError(f"step {step}: the strategy placed none of the first pool documents (lengths "
+                            f"{seq[:4].tolist()}) under the cap {self.config.seq_length}")
+
+    def _graph(self, pool: Pool, k: int, step: int) -> DGraph:
+        """A DGraph of the first `k` pool rows, selected back in pool order."""
+        parts = []
+        for s, name in enumerate(self.config.source_names):
+            sel = np.flatnonzero(pool.source[:k] == s)
+            patches = [pool.patches[i] for i in sel.tolist()]
+            parts.append(SourceSummary(
+                source=s, name=name, positions=pool.position[sel], indices=pool.index[sel], text_tokens=pool.length[sel],
+                image_offsets=np.concatenate([[0], np.cumsum([len(p) for p in patches])]).astype(np.int64),
+                image_patch_counts=np.asarray([x for p in patches for x in p], dtype=np.int64)))
+        by_source = np.argsort(pool.source[:k], kind="stable")  # graph row j is pool row by_source[j]
+        rows = np.empty(k, dtype=np.int64)
+        rows[by_source] = np.arange(k)
+        return DGraph.from_summary(BufferSummary.of(parts), self.tree, step=step).select(rows, note="token-budget")
+
+    def _cost_of(self, seq_len: np.ndarray) -> np.ndarray:
+        """Backbone cost of added spans, by the strategy's own cost model when it exposes one."""
+        fn = getattr(getattr(self.strategy, "backbone", self.strategy), "_cost", None)
+        return np.asarray(fn(seq_len), dtype=np.float64) if fn is not None else seq_len.astype(np.float64)
 
     def plan(self, step: int) -> StepPlan:
         """The plan of `step`, planning the steps before it first (in order).
@@ -280,5 +375,22 @@ class Planner:
             self.mixer.load_state_dict(fields["mixer"])
             with self._reports_cv:
                 self._reports = {int(k): list(v) for k, v in fields["reports"]}
+            self.carry = copy.deepcopy(list(fields["carry"]))
             self.plans.clear()
             self._states.clear()
+
+
+def _fresh(summaries: list[SourceSummary], counts: np.ndarray, order: np.ndarray) -> Pool:
+    """The step's fresh draws in mixing order: each source's next `counts[s]` buffered samples."""
+    src = np.asarray(order, dtype=np.int64)
+    cols = {k: np.empty(len(src), dtype=np.int64) for k in ("position", "index", "length")}
+    patches: list[tuple[int, ...]] = [()] * len(src)
+    for s, c in enumerate(np.asarray(counts).tolist()):
+        sel, summ = np.flatnonzero(src == s), summaries[s]
+        cols["position"][sel], cols["index"][sel] = summ.positions[:c], summ.indices[:c]
+        cols["length"][sel] = summ.text_tokens[:c]
+        if len(summ.image_patch_counts):
+            off = summ.image_offsets
+            for j, i in enumerate(sel.tolist()):
+                patches[i] = tuple(summ.image_patch_counts[off[j]:off[j + 1]].tolist())
+    return Pool(source=src, start=np.zeros(len(src), dtype=np.int64), patches=patches, **cols)

@@ -43,33 +43,35 @@ def test_sampler_matches_megatron_pretraining_sampler():
     assert [b for batch in whole for b in batch] == [0, 1, 2, 3, 4]
 
 
-def test_vanilla_gets_one_document_per_microbatch_balanced_fills_capacity(blend):
-    assert bt.service_samples_per_step(blend, seq_length=256, strategy="vanilla") == bt.DP * bt.NUM_MICROBATCHES
-    n = bt.service_samples_per_step(blend, seq_length=1024, strategy="llm_balance")
-    from megatron.core.datasets.indexed_dataset import IndexedDataset
-
-    datasets = [IndexedDataset(p) for p in blend]  # alive while their mmap'd lengths are read
-    mean = np.mean(np.concatenate([np.minimum(ds.sequence_lengths, 1024) for ds in datasets]))
-    assert n == int(bt.FILL * bt.DP * bt.NUM_MICROBATCHES * 1024 / mean) > bt.DP * bt.NUM_MICROBATCHES
+def test_balanced_service_runs_token_budget_steps_vanilla_one_document_per_microbatch(blend):
+    vanilla = bt.service_config(blend, strategy="vanilla", seq_length=256, seed=1, attention_mask=False, dp=2)
+    assert vanilla.tokens_per_step is None and vanilla.samples_per_step == 2 * bt.NUM_MICROBATCHES
+    assert all(s.truncate and s.max_tokens == 256 for s in vanilla.sources)
+    tok = bt.service_config(blend, strategy="llm_balance", seq_length=256, seed=1, attention_mask=False, dp=8)
+    assert tok.tokens_per_step == 8 * bt.NUM_MICROBATCHES * 256 and tok.split_documents
+    assert all(s.max_tokens is None for s in tok.sources)  # long documents are split, not truncated
 
 
 def test_table_reports_ratios_against_megatron():
-    def result(name: str, tokens: int, cpu: float) -> bt.LoaderResult:
+    def result(name: str, tokens: int, cpu: float, rss: list[float]) -> bt.LoaderResult:
         return bt.LoaderResult(name=name, batches=10, tokens=tokens, first_batch_s=1.0, steady_s=2.0,
-                               fetch_ms=[1.0] * 10, cpu_loader_s=cpu, cpu_all_s=cpu, cpu_loader_total_s=cpu)
+                               fetch_ms=[1.0] * 10, cpu_loader_s=cpu, cpu_all_s=cpu, cpu_loader_total_s=cpu,
+                               step_wait_ms=[4.0, 8.0], rss_mib=rss)
 
-    table = bt.format_table([result("megatron", 1000, 1.0), result("service x", 3000, 2.0)])
+    table = bt.format_table([result("megatron", 1000, 1.0, [100.0]), result("service x", 3000, 2.0, [80.0, 70.0])])
     rows = {line.split("  ")[0].strip(): line.split() for line in table.splitlines()}
     assert rows["tokens/s (wall)"][-1] == "3.00x"
     assert rows["tokens per loader CPU-s"][-1] == "1.50x"
+    assert rows["actor RSS (MiB)"][-1] == "1.50x"  # summed over the loading processes
+    assert rows["trainer wait per step (ms)"][-3:] == ["6", "6", "1.00x"]  # mean over (rank, step)
 
 
 def test_bad_arguments_are_named():
     args = argparse.Namespace(quick=False, sources=0, docs=10, seq_length=128, steps=1, strategies="vlm_balance",
-                              seed=0, attention_mask=False, workdir=None, json=None)
+                              seed=0, attention_mask=False, workdir=None, json=None, dp=0, large=False)
     with pytest.raises(ConfigError) as exc:
         bt.run(args)
-    assert "--sources" in str(exc.value) and "vlm_balance" in str(exc.value)
+    assert "--sources" in str(exc.value) and "--dp" in str(exc.value) and "vlm_balance" in str(exc.value)
 
 
 @pytest.mark.slow
@@ -95,4 +97,9 @@ def test_quick_cli_smoke(tmp_path, capsys):
     fetches = steps * bt.DP * bt.NUM_MICROBATCHES - 1  # the first batch is timed separately
     assert meg["batches"] == svc["batches"] == fetches
     assert meg["tokens"] == fetches * L
-    assert 0 < svc["tokens"] <= fetches * L
+    # token-budget steps with split documents fill every microbatch, as Megatron's windows do
+    assert svc["tokens"] == fetches * L and svc["tokens_per_step"] == bt.DP * bt.NUM_MICROBATCHES * L
+    keys = {"tokens per loader CPU-s", "tokens/s (wall)", "time to first batch (s)", "tokens/microbatch",
+            "fetch p50 (ms)", "fetch p99 (ms)", "actor RSS (MiB)", "trainer wait per step (ms)"}
+    assert keys <= set(svc["metrics"]) and keys <= set(meg["metrics"])
+    assert 0 < svc["metrics"]["actor RSS (MiB)"] and len(svc["rss_mib"]) == 2 + 1 + bt.DP  # loaders, planner, constructors

@@ -154,6 +154,21 @@ class Mixer:
         if self._next_step is not None and step != self._next_step:
             raise PlanError(f"mixer expects step {self._next_step} next, got {step}; plan steps in order "
                             "(resume from the data state saved with the checkpoint)")
+        w, c = self._draw(step, batch_size)
+        self._target += w * batch_size
+        self._consumed += c
+        self._next_step, self._last = int(step) + 1, (int(step), int(batch_size), c)
+        return c.copy()
+
+    def preview(self, step: int, batch_size: int) -> np.ndarray:
+        """What ``counts(step, batch_size)`` would return, without taking it (token-budget mode
+        sizes a step by trying batch sizes until the mixed documents fill its tokens)."""
+        if self._next_step is not None and step != self._next_step:
+            raise PlanError(f"mixer expects step {self._next_step} next, got {step}")
+        return self._draw(step, int(batch_size))[1]
+
+    def _draw(self, step: int, batch_size: int) -> tuple[np.ndarray, np.ndarray]:
+        """(normalised weights, counts) of ``step`` from the current state; changes nothing."""
         w = np.asarray(self.schedule.weights(step), dtype=np.float64)
         if w.shape != self._target.shape or not np.all(np.isfinite(w)) or np.any(w < 0) or w.sum() <= 0:
             raise PlanError(f"schedule returned invalid weights {w.tolist()!r} at step {step} "
@@ -163,10 +178,7 @@ class Mixer:
             c = apportion(self._target + w * batch_size - self._consumed, int(batch_size), eligible=w > 0)
         else:
             c = np.random.default_rng([self.seed, int(step)]).multinomial(int(batch_size), w).astype(np.int64)
-        self._target += w * batch_size
-        self._consumed += c
-        self._next_step, self._last = int(step) + 1, (int(step), int(batch_size), c)
-        return c.copy()
+        return w, c
 
     def settle(self, step: int, counts: np.ndarray) -> None:
         """Record that `step` took only `counts` (<= what `counts()` gave), e.g. after the
