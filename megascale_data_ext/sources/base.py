@@ -99,7 +99,8 @@ class SourceSpec:
         merge_file: GPT-2 BPE ``merges.txt`` (Megatron's ``--merge-file``); ``None`` = beside the
             vocab file (``gpt2-vocab.json`` → ``gpt2-merges.txt``); relative to the vocab's directory.
         on_bad_rows: JSONL rows that cannot be used (invalid JSON, text not a string, missing image
-            file) are found when the source opens: ``"error"`` refuses to start and names them,
+            file) are found when the source opens: ``"error"`` refuses to start and names them
+            (unless ``max_bad_fraction`` allows that many: then ``read()`` skips and counts them),
             ``"skip"`` leaves them out of the source and reports them once.
         patch_size: ViT patch edge in pixels.
         max_image_patches: Cap on patches per image; larger images are downscaled.

@@ -2,10 +2,11 @@
 
 Meant for small corpora and quick experiments (``prepare`` turns them into Parquet with cost
 columns for real runs). Opening parses every line once and checks what can be checked
-without tokenizing: valid JSON, an object, a string text field, image files that exist. A bad
-row is thus found at start-up, not hours later when it is first sampled: the source refuses
-to open (``on_bad_rows: error``, naming each row) or leaves it out and reports it once
-(``on_bad_rows: skip``). ``read()`` seeks straight to the planned lines. Image paths are
+without tokenizing: valid JSON, an object, a string text field, image files that exist. Bad
+rows are thus found at start-up, not hours later when first sampled: with ``on_bad_rows:
+error`` the source refuses to open, naming each row, unless ``max_bad_fraction`` allows that
+many (then they stay samples that ``read()`` skips and counts); with ``on_bad_rows: skip``
+they are left out of the source and reported once. ``read()`` seeks straight to the planned lines. Image paths are
 relative to the JSONL file's directory.
 """
 
@@ -70,12 +71,10 @@ def row_problem(record: Any, spec: SourceSpec, base_dir: str) -> str | None:
     return None
 
 
-def scan_jsonl(path: str, spec: SourceSpec) -> tuple[np.ndarray, np.ndarray, list[BadRow]]:
-    """One pass over ``path``: byte offsets and 1-based line numbers of the usable lines, and the bad ones.
-
-    Blank lines are neither samples nor bad.
-    """
-    offsets, lines, bad = [], [], []
+def scan_jsonl(path: str, spec: SourceSpec) -> tuple[np.ndarray, np.ndarray, list[BadRow], np.ndarray]:
+    """One pass over ``path``: byte offsets and 1-based line numbers of its rows (non-blank lines),
+    the bad ones, and a mask of the bad ones among the rows."""
+    offsets, lines, bad, is_bad = [], [], [], []
     base, pos = os.path.dirname(path), 0
     with open(path, "rb") as fh:
         for lineno, raw in enumerate(fh, 1):
@@ -84,13 +83,14 @@ def scan_jsonl(path: str, spec: SourceSpec) -> tuple[np.ndarray, np.ndarray, lis
                     problem = row_problem(json.loads(raw), spec, base)
                 except (json.JSONDecodeError, UnicodeDecodeError) as exc:
                     problem = f"invalid JSON ({exc})"
-                if problem is None:
-                    offsets.append(pos)
-                    lines.append(lineno)
-                else:
+                offsets.append(pos)
+                lines.append(lineno)
+                is_bad.append(problem is not None)
+                if problem is not None:
                     bad.append(BadRow(path=path, line=lineno, reason=problem))
             pos += len(raw)
-    return np.asarray(offsets, dtype=np.int64), np.asarray(lines, dtype=np.int64), bad
+    return (np.asarray(offsets, dtype=np.int64), np.asarray(lines, dtype=np.int64), bad,
+            np.asarray(is_bad, dtype=bool))
 
 
 def describe_bad_rows(bad: list[BadRow]) -> str:
@@ -103,29 +103,36 @@ class JsonlSource(RowSource):
     """The usable lines of one or more ``.jsonl`` files as samples, in file then line order.
 
     Attributes:
-        bad_rows: Lines left out under ``on_bad_rows: skip`` (reported once, when opening).
+        bad_rows: The bad lines found when opening (left out under ``on_bad_rows: skip``).
     """
 
     def __init__(self, spec: SourceSpec, *, tokenizer: Tokenizer | None = None) -> None:
         super().__init__(spec, tokenizer=tokenizer)
         self.paths = resolve_files(spec.name, spec.paths, suffixes=(".jsonl", ".json"))
         scans = [scan_jsonl(p, spec) for p in self.paths]
-        self._offsets = [s[0] for s in scans]
-        self._lines = [s[1] for s in scans]
         self.bad_rows: list[BadRow] = [b for s in scans for b in s[2]]
-        self._start = np.concatenate([[0], np.cumsum([len(o) for o in self._offsets], dtype=np.int64)])
-        key = f"sources.{spec.name}.on_bad_rows"
-        if self.bad_rows and spec.on_bad_rows == "error":
+        rows = sum(len(s[0]) for s in scans)
+        key = f"sources.{spec.name}"
+        skip = spec.on_bad_rows == "skip"
+        if self.bad_rows and not skip and len(self.bad_rows) > spec.max_bad_fraction * rows:
             raise SourceError(
-                f"source {self.name!r}: {len(self.bad_rows)} bad row(s) found when opening it: "
-                f"{describe_bad_rows(self.bad_rows)}. Fix or delete those lines, or set `{key}: skip` to leave "
-                "them out of the source"
+                f"source {self.name!r}: {len(self.bad_rows)} of {rows} rows are bad, found when opening it "
+                f"(`{key}.max_bad_fraction: {spec.max_bad_fraction:g}` allows {int(spec.max_bad_fraction * rows)}): "
+                f"{describe_bad_rows(self.bad_rows)}. Fix or delete those lines, set `{key}.on_bad_rows: skip` to "
+                f"leave them out of the source, or raise `{key}.max_bad_fraction`"
             )
+        # Under "error" the few bad rows max_bad_fraction allows stay samples that read() skips and counts.
+        self._offsets = [s[0][~s[3]] if skip else s[0] for s in scans]
+        self._lines = [s[1][~s[3]] if skip else s[1] for s in scans]
+        # ``row`` in skip reports: the row's place among its file's rows (non-blank lines), as lint counts.
+        self._rows = [np.flatnonzero(~s[3]) if skip else np.arange(len(s[0])) for s in scans]
+        self._start = np.concatenate([[0], np.cumsum([len(o) for o in self._offsets], dtype=np.int64)])
         if len(self) == 0:
             why = f" (all {len(self.bad_rows)} rows are bad: {describe_bad_rows(self.bad_rows)})" if self.bad_rows else ""
             raise empty_source_error(self.name, f"no usable lines in {self.paths[:3]}{why}")
         if self.bad_rows:
-            _log.warning("source %r: left out %d bad row(s) (`%s: skip`): %s", self.name, len(self.bad_rows), key,
+            _log.warning("source %r: %s %d bad row(s): %s", self.name,
+                         f"left out (`{key}.on_bad_rows: skip`)" if skip else "will skip when read", len(self.bad_rows),
                          describe_bad_rows(self.bad_rows))
 
     def __len__(self) -> int:
@@ -160,7 +167,8 @@ class JsonlSource(RowSource):
                         texts.append(None)  # changed since opening; read() skips it
                         patches.append([])
                         continue
-                    texts.append(record.get(spec.text_column))
+                    text = record.get(spec.text_column)
+                    texts.append(text if isinstance(text, str) else None)  # a bad row: read() skips it
                     images = []
                     for p in image_paths(record, spec.image_column, base):
                         try:
@@ -181,10 +189,13 @@ class JsonlSource(RowSource):
                 path, line = self.paths[f_i], index - int(self._start[f_i])
                 if f_i not in handles:
                     handles[f_i] = stack.enter_context(open(path, "rb"))
-                raw = RawSample(index=index, path=path, row=int(self._lines[f_i][line]) - 1)
+                raw = RawSample(index=index, path=path, row=int(self._rows[f_i][line]))
                 try:
                     record = self._record(handles[f_i], f_i, line)
-                    raw.text = record.get(spec.text_column)
+                    problem = row_problem(record, spec, os.path.dirname(path))
+                    if problem is not None:
+                        raise SampleError(problem)
+                    raw.text = record[spec.text_column]
                     for p in image_paths(record, spec.image_column, os.path.dirname(path)):
                         with open(p, "rb") as img:
                             raw.images.append(img.read())

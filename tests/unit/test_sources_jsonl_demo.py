@@ -44,12 +44,14 @@ def test_jsonl_bad_rows_refused_at_open_each_named_once(tmp_path):
     with pytest.raises(SourceError) as err:
         open_source(spec)
     msg = str(err.value)
-    assert msg.startswith("source 'j': 4 bad row(s) found when opening it: ")
+    assert msg.startswith("source 'j': 4 of 7 rows are bad, found when opening it (`sources.j.max_bad_fraction: 0.5` "
+                          "allows 3): ")
     assert f"{path} line 3: invalid JSON (" in msg
     assert f"{path} line 5: field 'text' (`text_column`) is a int, expected a string" in msg
     assert f"{path} line 6: image file '{tmp_path}/imgs/zzz.jpg' not found" in msg
     assert f"{path} line 8: field 'text' (`text_column`) is missing, expected a string" in msg
-    assert "Fix or delete those lines, or set `sources.j.on_bad_rows: skip`" in msg
+    assert "Fix or delete those lines, set `sources.j.on_bad_rows: skip` to leave them out of the source, or raise " \
+           "`sources.j.max_bad_fraction`" in msg
     assert [msg.count(f"line {n}:") for n in (3, 5, 6, 8)] == [1, 1, 1, 1]  # counted once each
 
 
@@ -62,8 +64,8 @@ def test_jsonl_skip_leaves_bad_rows_out_and_reports_them_once(tmp_path, caplog):
     assert [(b.line, b.reason.split(" (")[0]) for b in src.bad_rows] == [
         (3, "invalid JSON"), (5, "field 'text'"), (6, f"image file '{tmp_path}/imgs/zzz.jpg' not found"),
         (8, "field 'text'")]
-    (record,) = [r for r in caplog.records if "left out 4 bad row(s)" in r.getMessage()]
-    assert "`sources.j.on_bad_rows: skip`" in record.getMessage()
+    (record,) = [r for r in caplog.records if "bad row" in r.getMessage()]
+    assert "left out (`sources.j.on_bad_rows: skip`) 4 bad row(s)" in record.getMessage()
     meta = src.metadata()
     a, b = (header_patch_count((tmp_path / "imgs" / n).read_bytes()) for n in ("a.jpg", "b.jpg"))
     assert meta["num_images"].tolist() == [0, 1, 2]
@@ -77,6 +79,19 @@ def test_jsonl_skip_leaves_bad_rows_out_and_reports_them_once(tmp_path, caplog):
         ].tolist()
     assert ByteTokenizer().decode(report.samples[2].tokens[:-1]) == "two images"
     assert src.where(2) == f"{path} line 4"
+
+
+def test_jsonl_bad_rows_within_max_bad_fraction_are_skipped_when_read(tmp_path):
+    path = _mixed_lines(tmp_path)
+    spec = SourceSpec(name="j", format="jsonl", paths=[path], image_column="image", max_bad_fraction=0.6)
+    src = open_source(spec)  # 4 of 7 bad <= 0.6: they stay samples, as other bad samples do
+    assert len(src) == 7 and len(src.bad_rows) == 4
+    assert src.metadata()["text_tokens"].tolist() == [11, 10, 1, 11, 1, 14, 1]  # a bad row costs only its EOD
+    report = src.read_report(np.arange(7))
+    assert [s.index for s in report.samples] == [0, 1, 3]
+    assert [(s.index, s.row) for s in report.skipped] == [(2, 2), (4, 4), (5, 5), (6, 6)]  # row: non-blank lines
+    assert "field 'text' (`text_column`) is a int" in report.skipped[1].reason
+    assert src.samples_read == 7 and len(src.bad_samples) == 4  # each counted once for one read
 
 
 def test_jsonl_all_rows_bad_or_blank_is_an_empty_source(tmp_path):
