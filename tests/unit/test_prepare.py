@@ -150,3 +150,28 @@ def test_prepare_errors(tmp_path, capsys):
         == 2
     )
     assert "`row_group_rows`" in capsys.readouterr().err
+
+
+def test_prepare_progress_counts_input_bytes_against_their_total(tmp_path, capsys):
+    import re
+
+    from megascale_data_ext.sources.prepare import prepare
+
+    (tmp_path / "a.jsonl").write_text("".join(json.dumps({"text": f"row {i}"}) + "\n" for i in range(6)) + "\n")
+    (tmp_path / "b.txt").write_text("one\n\ntwo\n")
+    total = sum((tmp_path / n).stat().st_size for n in ("a.jsonl", "b.txt"))
+    assert total < 1000  # printed without a k/M suffix
+    prepare([str(tmp_path / "a.jsonl"), str(tmp_path / "b.txt")], str(tmp_path / "out"), split_lines=True)
+    err = capsys.readouterr().err
+    final = re.findall(r"prepare: 100%\|[^|]*\| (\d+)/(\d+) \[(\S+)<(\S+),", err)  # done/total [elapsed<ETA,
+    assert final and final[-1][:2] == (str(total), str(total))
+
+
+def test_prepare_with_no_usable_row_names_the_first_skipped(tmp_path, capsys):
+    (tmp_path / "bad.jsonl").write_text('{"text": 1}\nnot json\n')
+    assert main(["prepare", "--input", str(tmp_path / "bad.jsonl"), "--output", str(tmp_path / "o"),
+                 "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "no rows written" in err and "(2 rows skipped, first: " in err
+    assert f'{tmp_path / "bad.jsonl"}:1: expected an object with a string "text" field' in err
+    assert f"{tmp_path / 'bad.jsonl'}:2: invalid JSON" in err and "give inputs with usable text" in err
