@@ -161,13 +161,27 @@ def plan_row(name: str, *, dp: int, m: int, cap: int, fill: float, seed: int, me
             wl.num_samples, int(lens.sum()))
 
 
-def _measure(timer: pm.ModelTimer, ranks: list[Rank], repeats: int) -> tuple[np.ndarray, list[list[float]]]:
-    """Median seconds per rank over `repeats` serial runs, and each microbatch's median seconds."""
-    per_mb = []
-    for rank in ranks:
-        runs = [timer.time_rank(rank) for _ in range(repeats)] if rank else [[]]
-        per_mb.append([statistics.median(run[j] for run in runs) for j in range(len(rank))])
-    return np.array([sum(mbs) for mbs in per_mb]), per_mb
+def _measure(timer: pm.ModelTimer, ranks: dict[str, list[Rank]], repeats: int
+             ) -> dict[str, tuple[np.ndarray, list[list[float]]]]:
+    """Per variant: median seconds per rank over `repeats` serial runs, and each microbatch's median.
+
+    The variants' ranks alternate (vanilla rank 0, balanced rank 0, …; the order flips every
+    repeat) so that drift in the machine's speed hits both sides alike.
+    """
+    variants = list(ranks)
+    runs: dict[tuple[str, int], list[list[float]]] = {(v, r): [] for v in variants for r in range(len(ranks[v]))}
+    for rep in range(repeats):
+        order = variants if rep % 2 == 0 else variants[::-1]
+        for r in range(max(len(ranks[v]) for v in variants)):
+            for v in order:
+                if r < len(ranks[v]) and ranks[v][r]:
+                    runs[v, r].append(timer.time_rank(ranks[v][r]))
+    out = {}
+    for v in variants:
+        per_mb = [[statistics.median(run[j] for run in runs[v, r]) for j in range(len(rank))] if rank else []
+                  for r, rank in enumerate(ranks[v])]
+        out[v] = (np.array([sum(mbs) for mbs in per_mb]), per_mb)
+    return out
 
 
 def _memory_rows(shape: pm.ModelShape, tokens: int) -> list[dict[str, Any]]:
@@ -272,7 +286,7 @@ def run(args: argparse.Namespace) -> int:
             timer.time_rank([[min(longest, max(caps))]])  # warm-up: kernels, allocator
         for name, cap, ranks, samples, tokens in plans:
             timer.reset_peak_memory()
-            measured = {v: _measure(timer, ranks[v], repeats) for v in ("vanilla", "balanced")}
+            measured = _measure(timer, ranks, repeats)
             peak = timer.peak_memory_gb()
             van, bal = measured["vanilla"][0], measured["balanced"][0]
             rows.append(Row(

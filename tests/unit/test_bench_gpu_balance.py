@@ -31,7 +31,7 @@ def calibration(tmp_path_factory) -> tuple:
     parser = argparse.ArgumentParser()
     pm.add_model_arguments(parser)
     # Dense attention: CPU per-document attention loops over documents in Python (slow on 64-doc packs).
-    args = parser.parse_args(["--model", "--model-seq", "128", "--model-repeats", "1", "--model-attention", "dense",
+    args = parser.parse_args(["--model", "--model-seq", "64", "--model-repeats", "1", "--model-attention", "dense",
                               "--model-out", str(out)])
     assert pm.run_model_profile(args) == 0
     return out
@@ -83,7 +83,7 @@ def test_profile_saves_a_fit_of_the_timed_packs(calibration, capsys) -> None:
     model = load_calibration(calibration)
     assert model.fitted_for["device"] == "cpu" and model.fitted_for["hidden"] == pm.CPU_SMOKE["hidden"]
     assert model.fitted_for["attention"] == "dense"
-    assert model.fit["observations"] == len(pm.profile_packs(128))
+    assert model.fit["observations"] == len(pm.profile_packs(64))
     assert model.microbatch_seconds([128]) > 0
     packs = pm.profile_packs(128)
     assert {sum(p) for p in packs} == {16, 32, 64, 128} and {len(p) for p in packs} >= {1, 4, 16}
