@@ -1,0 +1,42 @@
+"""`megascale-data bench memory` through the CLI at the smallest grid: real rank processes, real actors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from megascale_data_ext.cli import main
+from megascale_data_ext.commands.bench_memory import colocated_mib, colocated_model, fit_line
+from megascale_data_ext.commands.profile import process_memory
+
+
+def test_extrapolation_is_the_fitted_per_source_cost() -> None:
+    assert fit_line([8, 32], [100.0, 160.0]) == pytest.approx((80.0, 2.5))
+    points = {8: {"main_uss": 20.0, "worker_uss": 50.0, "shared_once": 9.0},
+              32: {"main_uss": 44.0, "worker_uss": 74.0, "shared_once": 9.0}}
+    model = colocated_model(points, workers=2)
+    assert model["per_source_per_rank_mib"] == pytest.approx(1.0 + 2 * 1.0)
+    assert colocated_mib(model, 16, 32) == pytest.approx(16 * (44.0 + 2 * 74.0))
+    assert colocated_mib(model, 16, 128) == pytest.approx(16 * (140.0 + 2 * 170.0))
+    mem = process_memory()
+    assert 0 < mem["uss"] <= mem["pss"] <= mem["rss"]
+
+
+@pytest.mark.slow
+def test_tiny_grid_reports_every_field(tmp_path, capsys) -> None:
+    out = tmp_path / "mem.json"
+    argv = ["bench", "memory", "--ranks", "2", "--sources", "2", "--measure-sources", "2", "--measure-ranks", "1",
+            "--workers", "1", "--docs", "20", "--train-samples", "64", "--steps", "1", "--ranks-per-node", "2",
+            "--json", str(out), "--plot", str(tmp_path / "mem.png")]
+    assert main(argv) == 0
+    res = json.loads(out.read_text())
+    (row,) = res["rows"]
+    for key in ("ranks", "sources", "colocated_mib", "service_mib", "ratio", "constructors_mib", "shadow_mib",
+                "loader_actors", "colocated", "service"):
+        assert key in row
+    assert row["colocated_mib"] > 0 and row["service_mib"] > 0 and row["shadow_mib"] > 0
+    assert row["ratio"] == pytest.approx(row["colocated_mib"] / row["service_mib"], rel=0.01)
+    assert row["colocated"].startswith("measured") and row["service"] == "measured"
+    assert (tmp_path / "mem.png").stat().st_size > 0
+    assert "colocated MiB" in capsys.readouterr().out
