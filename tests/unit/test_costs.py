@@ -90,3 +90,16 @@ def test_registry_and_errors() -> None:
     with pytest.raises(ConfigError, match="`hidden` .* divisible by `heads`"):
         TransformerConfig(hidden=100, layers=1, heads=3)
     assert TransformerConfig(hidden=64, layers=1, heads=4).ffn == 256
+
+
+def test_strategies_take_a_calibrated_model_by_path(tmp_path) -> None:
+    from megascale_data_ext.dataplane.calibration import CalibratedCost
+    from megascale_data_ext.dataplane.costs import cost_model_names
+    from megascale_data_ext.dataplane.strategies import build_strategy
+
+    assert "calibrated:<path>" in cost_model_names()
+    path = CalibratedCost(fixed=0.02, linear=1e-5, quadratic=1e-9).save(tmp_path / "Fit.json")  # path keeps its case
+    strategy = build_strategy("llm_balance", num_microbatches=2, cap=4096, model=f"calibrated:{path}")
+    assert isinstance(strategy._cost, CalibratedCost) and strategy._cost.fixed == 0.02
+    with pytest.raises(ConfigError, match=r"calibration file .*nope\.json.* does not exist"):
+        build_strategy("llm_balance", num_microbatches=2, model=f"calibrated:{tmp_path / 'nope.json'}")
