@@ -71,10 +71,19 @@ def row_problem(record: Any, spec: SourceSpec, base_dir: str) -> str | None:
     return None
 
 
-def scan_jsonl(path: str, spec: SourceSpec) -> tuple[np.ndarray, np.ndarray, list[BadRow], np.ndarray]:
-    """One pass over ``path``: byte offsets and 1-based line numbers of its rows (non-blank lines),
-    the bad ones, and a mask of the bad ones among the rows."""
-    offsets, lines, bad, is_bad = [], [], [], []
+@dataclass(slots=True, kw_only=True)
+class JsonlScan:
+    """One file's rows (its non-blank lines), as opening found them."""
+
+    offsets: np.ndarray  # byte offset of each row
+    lines: np.ndarray  # 1-based line number of each row
+    is_bad: np.ndarray  # which rows are bad
+    bad_rows: list[BadRow]
+
+
+def scan_jsonl(path: str, spec: SourceSpec) -> JsonlScan:
+    """Parse and check every line of ``path`` once (blank lines are neither rows nor bad)."""
+    offsets, lines, is_bad, bad = [], [], [], []
     base, pos = os.path.dirname(path), 0
     with open(path, "rb") as fh:
         for lineno, raw in enumerate(fh, 1):
@@ -89,8 +98,8 @@ def scan_jsonl(path: str, spec: SourceSpec) -> tuple[np.ndarray, np.ndarray, lis
                 if problem is not None:
                     bad.append(BadRow(path=path, line=lineno, reason=problem))
             pos += len(raw)
-    return (np.asarray(offsets, dtype=np.int64), np.asarray(lines, dtype=np.int64), bad,
-            np.asarray(is_bad, dtype=bool))
+    return JsonlScan(offsets=np.asarray(offsets, dtype=np.int64), lines=np.asarray(lines, dtype=np.int64),
+                     is_bad=np.asarray(is_bad, dtype=bool), bad_rows=bad)
 
 
 def describe_bad_rows(bad: list[BadRow]) -> str:
@@ -110,8 +119,8 @@ class JsonlSource(RowSource):
         super().__init__(spec, tokenizer=tokenizer)
         self.paths = resolve_files(spec.name, spec.paths, suffixes=(".jsonl", ".json"))
         scans = [scan_jsonl(p, spec) for p in self.paths]
-        self.bad_rows: list[BadRow] = [b for s in scans for b in s[2]]
-        rows = sum(len(s[0]) for s in scans)
+        self.bad_rows: list[BadRow] = [b for s in scans for b in s.bad_rows]
+        rows = sum(len(s.offsets) for s in scans)
         key = f"sources.{spec.name}"
         skip = spec.on_bad_rows == "skip"
         if self.bad_rows and not skip and len(self.bad_rows) > spec.max_bad_fraction * rows:
@@ -122,13 +131,13 @@ class JsonlSource(RowSource):
                 f"leave them out of the source, or raise `{key}.max_bad_fraction`"
             )
         # Under "error" the few bad rows max_bad_fraction allows stay samples that read() skips and counts.
-        self._offsets = [s[0][~s[3]] if skip else s[0] for s in scans]
-        self._lines = [s[1][~s[3]] if skip else s[1] for s in scans]
-        # ``row`` in skip reports: the row's place among its file's rows (non-blank lines), as lint counts.
-        self._rows = [np.flatnonzero(~s[3]) if skip else np.arange(len(s[0])) for s in scans]
+        # A sample's ``row`` (in skip reports) is its place among its file's rows, as lint counts them.
+        self._rows = [np.flatnonzero(~s.is_bad) if skip else np.arange(len(s.offsets)) for s in scans]
+        self._offsets = [s.offsets[r] for s, r in zip(scans, self._rows, strict=True)]
+        self._lines = [s.lines[r] for s, r in zip(scans, self._rows, strict=True)]
         self._start = np.concatenate([[0], np.cumsum([len(o) for o in self._offsets], dtype=np.int64)])
         if len(self) == 0:
-            why = f" (all {len(self.bad_rows)} rows are bad: {describe_bad_rows(self.bad_rows)})" if self.bad_rows else ""
+            why = f" (all {len(self.bad_rows)} rows are bad: {describe_bad_rows(self.bad_rows)})" * bool(self.bad_rows)
             raise empty_source_error(self.name, f"no usable lines in {self.paths[:3]}{why}")
         if self.bad_rows:
             _log.warning("source %r: %s %d bad row(s): %s", self.name,
