@@ -283,7 +283,8 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     for s in sorted({r["sources"] for r in rows}):
         rs = [r for r in rows if r["sources"] == s]
         x = [r["ranks"] for r in rs]
-        ax.plot(x, [r["colocated_mib"] / 1024 for r in rs], "o--", label=f"per-rank dataset + DataLoader workers, S={s}")
+        ax.plot(x, [r["colocated_mib"] / 1024 for r in rs], "o--",
+                label=f"per-rank dataset + DataLoader workers, S={s}")
         ax.plot(x, [r["service_mib"] / 1024 for r in rs], "s-", label=f"service loaders+planner, S={s}")
         ax.plot(x, [(r["service_mib"] + r["constructors_mib"]) / 1024 for r in rs], "^:",
                 label=f"service + constructor sidecars, S={s}")

@@ -75,8 +75,8 @@ class PartitionLimits:
         out = [f"`{k}` must be > 0, got {getattr(self, k)!r}" for k in
                ("samples_per_step", "step_seconds", "actor_memory_bytes", "buffer_steps", "max_workers_per_actor",
                 "max_workers_per_source") if not getattr(self, k) > 0]
-        out += [f"`{k}` must be >= 0, got {getattr(self, k)!r}" for k in ("actor_base_bytes", "worker_bytes",
-                                                                            "cpus_per_worker") if not getattr(self, k) >= 0]
+        out += [f"`{k}` must be >= 0, got {getattr(self, k)!r}"
+                for k in ("actor_base_bytes", "worker_bytes", "cpus_per_worker") if not getattr(self, k) >= 0]
         return out
 
 

@@ -117,8 +117,9 @@ class ProfileJournal:
             data = json.loads(p.read_text())
         except json.JSONDecodeError as exc:
             raise ConfigError(f"profile journal {str(p)!r} is not JSON ({exc}); delete it and profile again") from exc
-        if not isinstance(data, dict) or data.get("version") != JOURNAL_VERSION:
-            raise ConfigError(f"profile journal {str(p)!r} has version {data.get('version') if isinstance(data, dict) else None!r}, "
+        version = data.get("version") if isinstance(data, dict) else None
+        if version != JOURNAL_VERSION:
+            raise ConfigError(f"profile journal {str(p)!r} has version {version!r}, "
                               f"expected {JOURNAL_VERSION}; delete it and run `megascale-data profile` again")
         return cls(SourceProfile.from_dict(v) for v in data.get("profiles", {}).values())
 

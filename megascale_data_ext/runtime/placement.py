@@ -78,7 +78,8 @@ class Placement:
             raise ConfigError(f"`ranks_per_node` must be >= 1, got {ranks_per_node!r}")
         for name in trainer_nodes:
             nodes.node_id(name)  # a named error now, not a pending actor later
-        self.nodes, self.trainer_nodes, self.ranks_per_node, self.soft = nodes, list(trainer_nodes), ranks_per_node, soft
+        self.nodes, self.trainer_nodes = nodes, list(trainer_nodes)
+        self.ranks_per_node, self.soft = ranks_per_node, soft
 
     def _on(self, name: str) -> dict[str, Any]:
         return {"scheduling_strategy": NodeAffinitySchedulingStrategy(self.nodes.node_id(name), soft=self.soft)}
