@@ -157,3 +157,18 @@ def test_config_schema_has_the_tokenizer_keys():
     names = {f for f in SourceConfig.__dataclass_fields__}
     assert {"tokenizer", "tokenizer_type", "merge_file", "on_bad_rows"} <= names
     assert "HuggingFaceTokenizer" in tokenizer_types()
+
+
+def test_data_config_takes_megatron_tokenizer_keys_and_names_bad_ones(files, tmp_path):
+    from megascale_data_ext.config import load_config
+
+    (tmp_path / "d.jsonl").write_text('{"text": "hello"}\n')
+    source = {"name": "web", "format": "jsonl", "path": "d.jsonl", "tokenizer": str(files / "sp.model"),
+              "tokenizer_type": "SentencePieceTokenizer"}
+    cfg = {"data_root": str(tmp_path), "seq_length": 64, "sources": [source]}
+    (spec,) = load_config(cfg).source_specs()
+    assert isinstance(open_source(spec).tokenizer, SentencePieceTokenizer)
+    with pytest.raises(ConfigError) as err:
+        load_config({**cfg, "sources": [{**source, "tokenizer_type": "Llama", "on_bad_rows": "drop"}]})
+    assert "`data.sources[0].tokenizer_type`: must be one of ['ByteTokenizer', " in str(err.value)
+    assert "`data.sources[0].on_bad_rows`: must be one of ['error', 'skip'], got 'drop'" in str(err.value)
