@@ -265,6 +265,8 @@ class ScalingPlannerActor:
 
         def on_planned(plan: Any, _seconds: float) -> None:
             self.scaler.observe(plan.step, np.bincount(plan.source, minlength=n))
+            # a step whose plan the Planner dropped can no longer be fetched: its loaders may go
+            self.scaler.release(plan.step - self.planner.keep - 1)
 
         self.planner = Planner(config, topology, summarize, on_planned=on_planned)
 
