@@ -179,6 +179,7 @@ class SourceLoaderActor:
         self.shadow = shadow
         self.read_ahead = 0 if shadow else read_ahead
         self.rereads = 0
+        self.direct_fetches = 0
         self.snapshots = LoaderSnapshots(snapshot_dir, snapshot_every) if snapshot_dir and not shadow else None
         self._snapshot_step = -snapshot_every
         self.restored_step: int | None = None
@@ -245,6 +246,7 @@ class SourceLoaderActor:
     def fetch_direct(self, step: int, buckets: list[int]):
         """Read exactly `buckets`' samples of `step` from its plan, staging nothing (shadows, failover)."""
         out = read_buckets(self.loader, self._get_plan(step, self.loader.source_id), buckets)
+        self.direct_fetches += 1
         self._served(out)
         return out
 
@@ -253,8 +255,8 @@ class SourceLoaderActor:
         service_metrics().source_read(self.loader.spec.name, samples=samples, tokens=tokens, skipped=skipped)
 
     def stats(self) -> dict:
-        return {**self.loader.stats(), "rereads": self.rereads, "restored_step": self.restored_step,
-                "shadow": self.shadow}
+        return {**self.loader.stats(), "rereads": self.rereads, "direct_fetches": self.direct_fetches,
+                "restored_step": self.restored_step, "shadow": self.shadow}
 
     def rss_bytes(self) -> int:
         """This process's resident memory (what a shadow costs)."""

@@ -11,9 +11,10 @@ serving a fetch keep that exactly-once:
 * ``fetch_direct`` (shadows, and anyone while the primary is suspect): reads exactly the
   requested buckets from the plan, staging nothing, so a shadow never holds samples nobody takes.
 
-`LoaderFailover` is what constructors and the Planner call: the primary with a timeout, then
-(on death, unavailability or timeout) the shadow, which keeps serving for ``suspect_s`` while
-Ray restarts the primary; without a shadow it retries the restarting primary until
+`LoaderFailover` is what constructors and the Planner call: the primary, hedged by the shadow
+when it died, is unavailable or has not answered within ``hedge_s`` (a primary Ray is
+restarting queues calls silently: the hedge is what detects it); the first answer wins (both
+are the same samples). The shadow is asked first for ``suspect_s`` after a primary failure; without a shadow it retries the restarting primary until
 ``recovery_timeout_s`` and then raises `ServiceUnavailableError` naming the source.
 """
 
@@ -100,28 +101,57 @@ class LoaderFailover:
             return [shadow, primary]
         return [primary, shadow]
 
-    def _call(self, source: int, method: str, *args: Any) -> Any:
-        deadline = time.monotonic() + self.ft.recovery_timeout_s
-        attempt, last = 0, None
-        while True:
-            for role, handle, name in self._targets(source, method):
-                if role == "primary" and self._suspect_until[source] > time.monotonic() and self.shadows:
-                    timeout = min(self.ft.rpc_timeout_s, 1.0)  # the shadow failed too: a short probe
-                else:
-                    timeout = self.ft.rpc_timeout_s
+    def _failed(self, source: int, role: str, name: str, exc: BaseException) -> None:
+        if role == "primary":
+            self.failovers += 1
+            self._suspect_until[source] = time.monotonic() + self.ft.suspect_s
+        _log.warning("loader/%d (%s) failed on %s: %s", source, role, name, type(exc).__name__)
+
+    def _attempt(self, source: int, method: str, args: tuple) -> tuple[bool, Any]:
+        """One round: the first target, hedged by the second after ``hedge_s`` without an answer
+        (or at once when the first fails); ``(True, result)`` from whichever answers first."""
+        targets = self._targets(source, method)
+        pending: dict[Any, tuple[str, str]] = {}
+
+        def submit() -> None:
+            role, handle, name = targets.pop(0)
+            pending[getattr(handle, name).remote(*args)] = (role, name)
+
+        submit()
+        end = time.monotonic() + self.ft.rpc_timeout_s
+        last: BaseException | None = None
+        while pending:
+            wait = end - time.monotonic()
+            if targets:
+                wait = min(wait, self.ft.hedge_s)
+            ready, _ = ray.wait(list(pending), num_returns=1, timeout=max(0.0, wait))
+            for ref in ready:
+                role, name = pending.pop(ref)
                 try:
-                    return ray.get(getattr(handle, name).remote(*args), timeout=timeout)
+                    return True, ray.get(ref)
                 except ACTOR_FAILURES as exc:
                     last = exc
-                    if role == "primary":
-                        self.failovers += 1
-                        self._suspect_until[source] = time.monotonic() + self.ft.suspect_s
-                    _log.warning("loader/%d (%s) failed on %s%s: %s", source, role, name, args[:1], type(exc).__name__)
+                    self._failed(source, role, name, exc)
+            if targets and (not ready or not pending):  # slow or failed: hedge with the next loader
+                submit()
+            elif not ready and time.monotonic() >= end:
+                for role, name in pending.values():
+                    self._failed(source, role, name, GetTimeoutError(f"no answer within {self.ft.rpc_timeout_s:g} s"))
+                return False, GetTimeoutError(f"{method} timed out")
+        return False, last
+
+    def _call(self, source: int, method: str, *args: Any) -> Any:
+        deadline = time.monotonic() + self.ft.recovery_timeout_s
+        attempt = 0
+        while True:
+            ok, out = self._attempt(source, method, args)
+            if ok:
+                return out
             if time.monotonic() > deadline:
                 raise ServiceUnavailableError(
                     f"source loader/{source} (and its shadow, if any) did not answer `{method}` within "
-                    f"{self.ft.recovery_timeout_s:g} s (fault_tolerance.recovery_timeout_s): last error {last!r}. "
+                    f"{self.ft.recovery_timeout_s:g} s (fault_tolerance.recovery_timeout_s): last error {out!r}. "
                     "Check the actor's log in the Ray dashboard / `ray logs`, raise the timeout, or enable "
-                    "fault_tolerance.shadow_loaders") from last
+                    "fault_tolerance.shadow_loaders") from out
             time.sleep(min(0.05 * 2 ** attempt, 1.0))
             attempt += 1

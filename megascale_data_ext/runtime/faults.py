@@ -52,6 +52,7 @@ class FaultToleranceConfig:
         rpc_timeout_s: One wait on a loader or constructor call before it counts as failed.
         recovery_timeout_s: Longest a client or constructor waits for a killed actor to come back.
         retries: Most re-resolutions of a dead actor per request before `ServiceUnavailableError`.
+        hedge_s: A loader call unanswered this long is also sent to the shadow (first answer wins).
         suspect_s: After a loader failure, how long its shadow serves before the primary is tried again.
         inject: Fault schedule (see module docstring); ``MEGASCALE_FAULTS`` adds to it.
     """
@@ -65,6 +66,7 @@ class FaultToleranceConfig:
     rpc_timeout_s: float = 30.0
     recovery_timeout_s: float = 120.0
     retries: int = 8
+    hedge_s: float = 1.0
     suspect_s: float = 5.0
     inject: str = ""
 
@@ -75,7 +77,7 @@ class FaultToleranceConfig:
         if not isinstance(self.client_prefetch, int) or self.client_prefetch < 0:
             problems.append(("client_prefetch", f"must be an integer >= 0, got {self.client_prefetch!r}"))
         problems += [(k, f"must be > 0 seconds, got {getattr(self, k)!r}")
-                     for k in ("rpc_timeout_s", "recovery_timeout_s", "suspect_s") if not getattr(self, k) > 0]
+                     for k in ("rpc_timeout_s", "recovery_timeout_s", "hedge_s", "suspect_s") if not getattr(self, k) > 0]
         if problems:
             raise ConfigError("invalid fault_tolerance config:\n  - " +
                               "\n  - ".join(f"`fault_tolerance.{k}`: {m}" for k, m in problems))
