@@ -81,12 +81,13 @@ class Placement:
         self.nodes, self.trainer_nodes = nodes, list(trainer_nodes)
         self.ranks_per_node, self.soft = ranks_per_node, soft
 
-    def _on(self, name: str) -> dict[str, Any]:
+    def on_node(self, name: str) -> dict[str, Any]:
+        """Options pinning an actor to node `name` (hard unless `soft`)."""
         return {"scheduling_strategy": NodeAffinitySchedulingStrategy(self.nodes.node_id(name), soft=self.soft)}
 
     def loader(self, assignment: LoaderAssignment) -> dict[str, Any]:
         """A loader actor on the node the partitioner chose."""
-        return self._on(assignment.node)
+        return self.on_node(assignment.node)
 
     def node_of_rank(self, rank: int) -> str:
         i = rank // self.ranks_per_node
@@ -97,7 +98,7 @@ class Placement:
 
     def constructor(self, ranks: Sequence[int]) -> dict[str, Any]:
         """A constructor as a sidecar on the node of (the first of) the ranks it serves."""
-        return self._on(self.node_of_rank(min(ranks)))
+        return self.on_node(self.node_of_rank(min(ranks)))
 
     @staticmethod
     def planner() -> dict[str, Any]:

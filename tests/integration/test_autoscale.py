@@ -91,9 +91,10 @@ def test_loaders_and_constructor_sidecars_land_on_their_nodes(specs):
     from megascale_data_ext.runtime.actors import DataConstructorActor, PlannerActor
     from megascale_data_ext.runtime.placement import ClusterNodes, Placement
 
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
-    for i in range(3):
-        cluster.add_node(num_cpus=2, resources={f"msd_node:trainer-{i}": 1, "trainer": 1})
+    # three nodes (the head is one of them): fewer raylets on a small test box
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "resources": {"msd_node:trainer-0": 1}})
+    for i in (1, 2):
+        cluster.add_node(num_cpus=2, resources={f"msd_node:trainer-{i}": 1})
     ray.init(address=cluster.address, include_dashboard=False, configure_logging=False, log_to_driver=False)
     try:
         cluster.wait_for_nodes()
@@ -121,7 +122,7 @@ def test_loaders_and_constructor_sidecars_land_on_their_nodes(specs):
         topo = ServiceTopology.of(cfg, tree)
         from megascale_data_ext.runtime.actors import SourceLoaderActor
 
-        loader = SourceLoaderActor.options(**place._on("trainer-2")).remote(0, specs[0], cfg.seed, cfg.shuffle)
+        loader = SourceLoaderActor.options(**place.on_node("trainer-2")).remote(0, specs[0], cfg.seed, cfg.shuffle)
         planner = PlannerActor.options(**place.planner()).remote(cfg, topo, [loader])
         ray.get(loader.set_planner.remote(planner))
         ranks = place.constructor_ranks(topo)[0]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -66,3 +68,52 @@ def test_save_load_equivalence() -> None:
     check_save_load(lambda: ScalingPolicy(cfg), advance, steps=24, resume_at=[0, 5, 11, 17])
     other = ScalingPolicy(ScalingConfig(capacity=(0.2, 0.5, 0.5), window=4))
     refuses(other, ScalingPolicy(cfg).state_dict(), "`config` changed")
+
+
+def test_autoscaler_reshards_in_process_with_exact_accounting(tmp_path) -> None:
+    """The AutoScaler over in-process loader groups (no Ray): shards follow the ramp, every planned
+    position is delivered once, each sample equals the never-rescaled loader's, old shards are reclaimed."""
+    import dataclasses
+
+    from megascale_data_ext.dataplane.placetree import ClientPlaceTree
+    from megascale_data_ext.runtime.autoscaler import AutoScaler
+    from megascale_data_ext.runtime.config import ServiceConfig
+    from megascale_data_ext.runtime.inprocess import InProcessService
+    from megascale_data_ext.runtime.loader_group import LoaderGroup, merge_fetches
+    from megascale_data_ext.sources.demo_data import make_demo_data
+
+    specs = [dataclasses.replace(s, truncate=True, max_tokens=2048) for s in
+             make_demo_data(tmp_path, seed=1, rows=60, text_sources=2, image_sources=0, megatron_source=False)]
+    mixing = {"type": "piecewise", "boundaries": [0, 3, 9], "weights": [[1, 4], [9, 1], [1, 4]]}
+    cfg = ServiceConfig(sources=specs, seed=3, samples_per_step=12, num_microbatches=2, seq_length=2048,
+                        strategy="vanilla", buffer_size=48, mixing=mixing)
+    svc = InProcessService(cfg, ClientPlaceTree.from_sizes(dp=2))
+    killed: list = []
+    spawned: list = []
+
+    def spawn(members, workers):
+        spawned.append([(ref.shard, ref.num_shards) for ref, _ in members])
+        return LoaderGroup(members, seed=cfg.seed, shuffle=cfg.shuffle, workers=workers,
+                           get_plan=svc.planner.loader_plan)
+
+    policy = ScalingPolicy(ScalingConfig(capacity=(0.3, 1.0), window=1, patience=1, max_shards=3))
+    scaler = AutoScaler(cfg.sources, policy, spawn=spawn, kill=killed.append, interval_steps=1, lead_steps=1)
+    scaler.start()
+    shards = []
+    for step in range(14):
+        plan = svc.planner.plan(step)
+        scaler.observe(step, np.bincount(plan.source, minlength=2))
+        for s in range(2):
+            got = merge_fetches([g.fetch(s, step, [0, 1]) for g in scaler.route(step, s)])
+            want = svc.loaders[s].fetch(step, [0, 1])
+            assert [(b, p) for b, p, _ in got["samples"]] == sorted((b, p) for b, p, _ in want["samples"])
+            ref = {p: x.tokens.tolist() for _, p, x in want["samples"]}
+            assert all(x.tokens.tolist() == ref[p] for _, p, x in got["samples"])
+        shards.append(scaler.shards(step, 0))
+        scaler.release(step)
+    assert max(shards) == 3 and shards[0] == 1 and shards[-1] == 1, shards
+    assert len(killed) == len(spawned) - 2  # every retired shard actor reclaimed; one per source left
+    state = scaler.state_dict()
+    fresh = AutoScaler(cfg.sources, ScalingPolicy(policy.config), spawn=spawn, kill=killed.append)
+    fresh.load_state_dict(json.loads(json.dumps(state)))
+    assert fresh.layout_table() == [[[0, 1]], [[0, 1]]] and fresh.policy.shards == policy.shards
