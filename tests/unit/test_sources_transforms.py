@@ -123,7 +123,7 @@ def test_hf_tokenizer_errors(tmp_path):
     with pytest.raises(ConfigError, match="not found"):
         HFTokenizer(tmp_path / "missing.json")
     (tmp_path / "bad.json").write_text("{nope")
-    with pytest.raises(ConfigError, match="cannot load tokenizer"):
+    with pytest.raises(ConfigError, match=r"`tokenizer`: cannot load .*bad.json. as a Hugging Face tokenizer.json"):
         HFTokenizer(tmp_path / "bad.json")
     from tokenizers import Tokenizer, models
 
