@@ -80,7 +80,9 @@ class GPTModelConfig:
     ``vpp`` is the number of model chunks per pipeline rank (None: no interleaving).
     ``attention`` picks the attention backend (`megatron.attention.resolve_attention`); ``cp``
     > 1 needs a per-document one (``te``/``flex``/``auto``). ``bf16`` trains in Megatron's bf16
-    mixed precision.
+    mixed precision. ``per_token_loss`` is Megatron's ``--calculate-per-token-loss``: gradients of
+    the global token-mean loss whatever the DP/CP split (else each microbatch and CP slice is
+    averaged over its own tokens first).
     """
 
     vocab_size: int = 512
@@ -100,6 +102,7 @@ class GPTModelConfig:
     seed: int = 1234
     attention: AttentionBackend = "auto"
     bf16: bool = False
+    per_token_loss: bool = False
 
     def validate(self, world_size: int | None = None) -> None:
         """Raise one error listing every problem (ParallelLayoutError if the layout is bad)."""
@@ -141,31 +144,19 @@ class GPTModelConfig:
         self.validate()
         dtype = torch.bfloat16 if self.bf16 else torch.float32
         return TransformerConfig(
-            num_layers=self.num_layers,
-            hidden_size=self.hidden_size,
-            num_attention_heads=self.num_attention_heads,
-            ffn_hidden_size=self.ffn_hidden_size or 4 * self.hidden_size,
-            tensor_model_parallel_size=self.tp,
-            pipeline_model_parallel_size=self.pp,
-            context_parallel_size=self.cp,
-            virtual_pipeline_model_parallel_size=self.vpp,
-            pipeline_dtype=dtype,
-            params_dtype=dtype,
-            bf16=self.bf16,
-            hidden_dropout=self.hidden_dropout,
-            attention_dropout=self.attention_dropout,
-            init_method_std=self.init_method_std,
+            num_layers=self.num_layers, hidden_size=self.hidden_size, num_attention_heads=self.num_attention_heads,
+            ffn_hidden_size=self.ffn_hidden_size or 4 * self.hidden_size, tensor_model_parallel_size=self.tp,
+            pipeline_model_parallel_size=self.pp, context_parallel_size=self.cp,
+            virtual_pipeline_model_parallel_size=self.vpp, pipeline_dtype=dtype, params_dtype=dtype, bf16=self.bf16,
+            calculate_per_token_loss=self.per_token_loss, hidden_dropout=self.hidden_dropout,
+            attention_dropout=self.attention_dropout, init_method_std=self.init_method_std,
             use_cpu_initialization=not torch.cuda.is_available(),
             # Balanced microbatches have different lengths; PP stages must exchange shapes.
             variable_seq_lengths=True,
             # The default "allgather" dispatcher rejects variable_seq_lengths (even without MoE).
             moe_token_dispatcher_type="alltoall",
-            bias_activation_fusion=False,
-            bias_dropout_fusion=False,
-            masked_softmax_fusion=False,
-            gradient_accumulation_fusion=False,
-            persist_layer_norm=False,
-            apply_rope_fusion=False,
+            bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
+            gradient_accumulation_fusion=False, persist_layer_norm=False, apply_rope_fusion=False,
             # VPP sends to both neighbours per call; batch_isend_irecv posts them in the same order on
             # every rank, so with pp=2 (prev == next) receives match the wrong sends. Megatron-LM's VPP
             # default (overlap on, batching off) orders p2p even/odd, one direction per call.
@@ -195,12 +186,8 @@ def initialize_parallel(cfg: GPTModelConfig, *, backend: str | None = None) -> l
         dist.init_process_group(backend=backend or ("cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"))
     cfg.validate(world_size=dist.get_world_size())
     shims = apply_cpu_shims()
-    parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=cfg.tp,
-        pipeline_model_parallel_size=cfg.pp,
-        virtual_pipeline_model_parallel_size=cfg.vpp,
-        context_parallel_size=cfg.cp,
-    )
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=cfg.tp, pipeline_model_parallel_size=cfg.pp,
+                                             virtual_pipeline_model_parallel_size=cfg.vpp, context_parallel_size=cfg.cp)
     set_random_seed(cfg.seed)
     return shims
 
@@ -211,14 +198,8 @@ def set_random_seed(seed: int) -> None:
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
 
-def build_gpt_model(
-    cfg: GPTModelConfig,
-    *,
-    pre_process: bool,
-    post_process: bool,
-    vp_stage: int | None = None,
-    transformer_config: TransformerConfig | None = None,
-) -> GPTModel:
+def build_gpt_model(cfg: GPTModelConfig, *, pre_process: bool, post_process: bool, vp_stage: int | None = None,
+                    transformer_config: TransformerConfig | None = None) -> GPTModel:
     """Build one GPTModel chunk on this process's device, untied output weights, the attention
     `cfg.attention` resolves to (usable on one process for benchmarks: call
     `initialize_parallel` first; bf16 params when ``cfg.bf16``).
@@ -233,17 +214,10 @@ def build_gpt_model(
     """
     config = transformer_config or cfg.to_transformer_config()
     backend = resolve_attention(cfg.attention, cp=cfg.cp)
-    model = GPTModel(
-        config=config,
-        transformer_layer_spec=gpt_layer_spec(backend),
-        vocab_size=cfg.vocab_size,
-        max_sequence_length=cfg.seq_length,
-        pre_process=pre_process,
-        post_process=post_process,
-        share_embeddings_and_output_weights=False,
-        position_embedding_type=cfg.position_embedding_type,
-        vp_stage=vp_stage,
-    )
+    model = GPTModel(config=config, transformer_layer_spec=gpt_layer_spec(backend), vocab_size=cfg.vocab_size,
+                     max_sequence_length=cfg.seq_length, pre_process=pre_process, post_process=post_process,
+                     share_embeddings_and_output_weights=False, position_embedding_type=cfg.position_embedding_type,
+                     vp_stage=vp_stage)
     model.megascale_attention = backend  # forward_step builds THD params or a dense mask from it
     # Norms (torch LayerNorm) are created on the CPU even when megatron initialises on the GPU.
     model.to(device())
@@ -273,12 +247,9 @@ def build_model_chunks(cfg: GPTModelConfig, *, ddp: bool = True) -> list[torch.n
         if cfg.bf16:
             model = Float16Module(config, model)
         if ddp:
-            model = DistributedDataParallel(
-                config=config,
-                ddp_config=DistributedDataParallelConfig(overlap_grad_reduce=False, grad_reduce_in_fp32=cfg.bf16),
-                module=model,
-                disable_bucketing=vp > 0,
-            )
+            ddp_config = DistributedDataParallelConfig(overlap_grad_reduce=False, grad_reduce_in_fp32=cfg.bf16)
+            model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model,
+                                            disable_bucketing=vp > 0)
             model.broadcast_params()
         chunks.append(model)
     if ddp:

@@ -4,13 +4,18 @@ Fast tests check the shims in-process (apply/remove, RNG stream semantics, the s
 ``device="cuda"`` redirect) and the forward-step batch contract against a stub model. Slow
 tests train a real GPTModel through megatron's pipeline schedules on gloo ranks with packed,
 variable-length microbatches; with layout-invariant weights every layout (TP2·PP2, PP2·VPP2,
-TP2·DP2) must reproduce a single-process run's losses step for step.
+TP2·DP2) must reproduce a single-process run's losses step for step, and context parallelism
+over per-document (THD) attention must reproduce the CP=1 run.
+
+Run as a script (``CP_WORKER=1``) this file is the torchrun worker of the CP test.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -226,3 +231,73 @@ def test_tp2_dp2_matches_single_process_on_the_same_global_batch(
     assert sorted(r["dp_rank"] for r in records) == [0, 0, 1, 1] and records[0]["dp_size"] == 2
     assert records[0]["steps"][0]["num_tokens"] == TOKENS  # summed over both DP ranks
     _assert_matches(records, reference)
+
+
+# ------------------------------------------------------------- context parallelism (THD)
+
+def _cp_packs() -> list[dict[str, np.ndarray]]:
+    """Two packs of arithmetic-progression documents (uneven lengths, a one-token document)."""
+    from megascale_data_ext.dataplane.packing import pack_microbatch
+
+    rng = np.random.default_rng(5)
+    packs = []
+    for lens in ((13, 5, 22, 1, 9), (17, 30, 6)):
+        docs = [{"tokens": (int(rng.integers(0, VOCAB)) + int(rng.integers(1, 5)) * np.arange(n)) % VOCAB}
+                for n in lens]
+        packs.append(pack_microbatch(docs, seq_length=SEQ, pad_id=0, pad_to_multiple_of=4, variable_length=True))
+    return packs
+
+
+def _cp_worker(out: Path) -> None:
+    """Train 2 steps at CP=2 (flex attention over THD slices), then 2 steps at CP=1 on the same packs.
+
+    The CP=1 phase runs the same 2 processes as DP=2, each rank on the whole packs: with
+    per-token loss its gradients (sum over ranks / tokens over ranks) equal one process's.
+    """
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from megascale_data_ext.dataplane.cp_slicing import slice_for_cp
+    from megascale_data_ext.megatron.model import (
+        GPTModelConfig, build_model_chunks, init_layout_invariant, initialize_parallel, train_step,
+    )
+
+    torch.set_num_threads(1)
+    results: dict[str, list[dict[str, float]]] = {}
+    for cp in (2, 1):
+        cfg = GPTModelConfig(vocab_size=VOCAB, hidden_size=32, num_layers=2, num_attention_heads=4, seq_length=SEQ,
+                             cp=cp, attention="flex", per_token_loss=True)
+        initialize_parallel(cfg)
+        chunks = build_model_chunks(cfg)
+        init_layout_invariant(chunks, seed=cfg.seed)
+        optimizer = torch.optim.Adam([p for c in chunks for p in c.parameters()], lr=3e-3)
+        rank = ps.get_context_parallel_rank()
+        batches = [slice_for_cp(p, cp_size=cp, cp_rank=rank) for p in _cp_packs()]
+        results[f"cp{cp}"] = [train_step(chunks, optimizer, iter(batches), num_microbatches=len(batches),
+                                         seq_length=SEQ, clip_grad=1.0) for _ in range(2)]
+        results[f"cp{cp}_tokens"] = [[int(b["tokens"].shape[1]) for b in batches]]
+        ps.destroy_model_parallel()
+    if dist.get_rank() == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "cp.json").write_text(json.dumps(results))
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_cp2_thd_training_equals_cp1(tmp_path: Path) -> None:
+    run_torchrun(Path(__file__), nproc=2, timeout=180, args=[str(tmp_path)], env={"CP_WORKER": "1"})
+    got = json.loads((tmp_path / "cp.json").read_text())
+    packs = _cp_packs()
+    # each CP rank holds half of every document padded to a multiple of 2*cp
+    assert got["cp2_tokens"] == [[sum(-(-int(n) // 4) * 4 for n in np.diff(p["cu_seqlens"])) // 2 for p in packs]]
+    assert got["cp1_tokens"] == [[p["tokens"].shape[1] for p in packs]]
+    for cp2, cp1 in zip(got["cp2"], got["cp1"], strict=True):
+        loss_tokens = sum(float(p["loss_mask"].sum()) for p in packs)
+        assert cp2["num_tokens"] == loss_tokens and cp1["num_tokens"] == 2 * loss_tokens  # CP=1 phase is DP=2
+        assert cp2["loss"] == pytest.approx(cp1["loss"], rel=1e-5)
+        assert cp2["grad_norm"] == pytest.approx(cp1["grad_norm"], rel=1e-4)
+    assert got["cp2"][1]["loss"] < got["cp2"][0]["loss"]  # it trains
+
+
+if __name__ == "__main__" and os.environ.get("CP_WORKER"):
+    _cp_worker(Path(sys.argv[1]))

@@ -233,22 +233,27 @@ def _megatron_cp_slice(batch: dict[str, np.ndarray], cp_size: int, cp_rank: int,
     return {k: v.numpy() for k, v in mutils.get_batch_on_this_cp_rank(torch_batch).items()}
 
 
+def _one_sequence(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The pack as one SBHD sequence: without document boundaries."""
+    return {k: v for k, v in batch.items() if k not in ("cu_seqlens", "max_seqlen")}
+
+
 @settings(max_examples=25, deadline=None)
 @given(
     lens=st.lists(st.integers(1, 9), min_size=1, max_size=5),
     cp_size=st.sampled_from([1, 2, 4]),
     mask=st.booleans(),
 )
-def test_cp_slice_roundtrip_and_equals_megatron(lens, cp_size, mask):
+def test_cp_slice_of_one_sequence_roundtrips_and_equals_megatron(lens, cp_size, mask):
     multiple = 2 * cp_size
     seq_length = -(-sum(lens) // multiple) * multiple
-    batch = pack_microbatch(
+    batch = _one_sequence(pack_microbatch(
         [{"tokens": doc(n)} for n in lens],
         seq_length=seq_length,
         pad_id=PAD,
         with_attention_mask=mask,
         pad_to_multiple_of=multiple,
-    )
+    ))
     slices = [slice_for_cp(batch, cp_size=cp_size, cp_rank=r) for r in range(cp_size)]
     rebuilt = reassemble_cp(slices, cp_size)
     assert rebuilt.keys() == batch.keys()
@@ -260,14 +265,35 @@ def test_cp_slice_roundtrip_and_equals_megatron(lens, cp_size, mask):
             for key, value in theirs.items():
                 assert piece[key].dtype == value.dtype, key
                 np.testing.assert_array_equal(piece[key], value, err_msg=f"{key} cp_rank={rank}")
-            # THD metadata stays global.
-            np.testing.assert_array_equal(piece["cu_seqlens"], batch["cu_seqlens"])
-            np.testing.assert_array_equal(piece["max_seqlen"], batch["max_seqlen"])
             check_megatron_batch(piece, cp_size=cp_size)
 
 
+@settings(max_examples=25, deadline=None)
+@given(
+    lens=st.lists(st.integers(1, 9), min_size=1, max_size=5),
+    cp_size=st.sampled_from([1, 2, 4]),
+    slack=st.integers(0, 9),
+)
+def test_thd_cp_slices_roundtrip_to_the_pack(lens, cp_size, slack):
+    """Per-document padding and zigzag slicing lose nothing (Megatron equality: test_cp_thd.py)."""
+    multiple = 2 * cp_size
+    seq_length = -(-(sum(lens) + slack) // multiple) * multiple
+    batch = pack_microbatch([{"tokens": doc(n)} for n in lens], seq_length=seq_length, pad_id=PAD,
+                            pad_to_multiple_of=multiple, source_ids=list(range(len(lens))))
+    slices = [slice_for_cp(batch, cp_size=cp_size, cp_rank=r) for r in range(cp_size)]
+    rebuilt = reassemble_cp(slices, cp_size)
+    assert rebuilt.keys() == batch.keys()
+    for key in batch:
+        np.testing.assert_array_equal(rebuilt[key], batch[key], err_msg=key)
+    for piece in slices:
+        check_megatron_batch(piece, cp_size=cp_size)
+        assert int(piece["loss_mask"].sum()) <= int(batch["loss_mask"].sum())
+    assert sum(int(p["loss_mask"].sum()) for p in slices) == int(batch["loss_mask"].sum())
+
+
 def test_cp_slice_exact_chunks():
-    batch = pack_microbatch([{"tokens": np.arange(3, 11)}], seq_length=8, pad_id=PAD, with_attention_mask=True)
+    batch = _one_sequence(pack_microbatch([{"tokens": np.arange(3, 11)}], seq_length=8, pad_id=PAD,
+                                          with_attention_mask=True))
     ranks = [slice_for_cp(batch, cp_size=2, cp_rank=r) for r in range(2)]
     np.testing.assert_array_equal(ranks[0]["tokens"], [[3, 4, 9, 10]])
     np.testing.assert_array_equal(ranks[1]["tokens"], [[5, 6, 7, 8]])
@@ -275,14 +301,34 @@ def test_cp_slice_exact_chunks():
     np.testing.assert_array_equal(ranks[0]["attention_mask"][0, 0], batch["attention_mask"][0, 0][[0, 1, 6, 7]])
 
 
+def test_thd_cp_slice_pads_each_document_and_cuts_it_zigzag():
+    batch = pack_microbatch([{"tokens": [3, 4, 5, 6, 7]}, {"tokens": [20, 21, 22]}], seq_length=8, pad_id=PAD,
+                            with_attention_mask=True)
+    ranks = [slice_for_cp(batch, cp_size=2, cp_rank=r) for r in range(2)]
+    # documents padded to 8 and 4 (multiples of 2*cp), padding repeats the last token, loss mask 0
+    np.testing.assert_array_equal(ranks[0]["tokens"], [[3, 4, 7, 7, 20, 22]])
+    np.testing.assert_array_equal(ranks[1]["tokens"], [[5, 6, 7, 7, 21, 22]])
+    np.testing.assert_array_equal(ranks[0]["position_ids"], [[0, 1, 6, 7, 0, 3]])
+    np.testing.assert_array_equal(ranks[0]["loss_mask"], [[1, 1, 0, 0, 1, 0]])
+    for piece in ranks:
+        np.testing.assert_array_equal(piece["cu_seqlens"], [0, 5, 8])
+        np.testing.assert_array_equal(piece["cu_seqlens_padded"], [0, 8, 12])
+        np.testing.assert_array_equal(piece["max_seqlen"], [8])
+        assert "attention_mask" not in piece  # no CP form of the dense mask: attention uses cu_seqlens
+
+
 def test_cp_errors():
-    batch = pack_microbatch([{"tokens": doc(3)}], seq_length=6, pad_id=PAD)
+    batch = _one_sequence(pack_microbatch([{"tokens": doc(3)}], seq_length=6, pad_id=PAD))
     with pytest.raises(PlanError, match="pad_to_multiple_of=4"):
         slice_for_cp(batch, cp_size=2, cp_rank=0)
     with pytest.raises(ParallelLayoutError, match="cp_rank"):
         slice_for_cp(batch, cp_size=2, cp_rank=2)
     with pytest.raises(ParallelLayoutError, match="one slice per CP rank"):
         reassemble_cp([batch], 2)
+    thd = pack_microbatch([{"tokens": doc(3)}], seq_length=6, pad_id=PAD)
+    thd["tokens"] = thd["tokens"][:, :4]
+    with pytest.raises(PlanError, match="`tokens` has shape"):
+        slice_for_cp(thd, cp_size=2, cp_rank=0)
 
 
 # ---------------------------------------------------------------- pipeline stages
