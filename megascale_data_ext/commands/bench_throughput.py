@@ -302,7 +302,8 @@ def _progress(msg: str) -> None:
 def service_config(prefixes: list[str], *, strategy: str, seq_length: int, seed: int, attention_mask: bool,
                    dp: int = DP) -> Any:
     """The service's config: token-budget steps of dp·m·L tokens with Megatron-style document
-    splitting for a balancing strategy; one whole document per microbatch for vanilla."""
+    splitting for a balancing strategy; one whole document per microbatch for vanilla. One
+    constructor serves every DP bucket, as the Megatron side runs one loader for all of them."""
     from megascale_data_ext.runtime.config import RayConfig, ServiceConfig
     from megascale_data_ext.sources.base import SourceSpec
 
@@ -314,8 +315,26 @@ def service_config(prefixes: list[str], *, strategy: str, seq_length: int, seed:
         tokens_per_step=dp * NUM_MICROBATCHES * seq_length if tokens else None, split_documents=tokens,
         seq_length=seq_length, strategy=strategy, strategy_args={"model": "gpt-tiny"}, prefetch=2,
         with_attention_mask=attention_mask, buffer_size=1024,
+        constructor_group=dp,  # one constructor process for the whole global batch, as Megatron's one loader
         ray=RayConfig(namespace=f"bench-throughput-{os.getpid()}-{strategy}", num_cpus=2),
     )
+
+
+_RAY_INIT_S: list[float] = []  # how long this process's ray.init took (it runs once)
+
+
+def start_ray(config: Any) -> float:
+    """Start the embedded Ray once per process (every service of the run shares it, as a job
+    would); returns the seconds ``ray.init`` took."""
+    import ray
+
+    if not ray.is_initialized():
+        _progress("ray.init ...")
+        t0 = time.perf_counter()
+        ray.init(**config.ray.init_kwargs(), include_dashboard=False, log_to_driver=False, configure_logging=False)
+        _RAY_INIT_S[:] = [time.perf_counter() - t0]
+        _progress(f"ray.init took {_RAY_INIT_S[0]:.1f} s")
+    return _RAY_INIT_S[0] if _RAY_INIT_S else 0.0
 
 
 def run_service(prefixes: list[str], *, strategy: str, seq_length: int, steps: int, seed: int,
@@ -332,14 +351,13 @@ def run_service(prefixes: list[str], *, strategy: str, seq_length: int, steps: i
     config = service_config(prefixes, strategy=strategy, seq_length=seq_length, seed=seed,
                             attention_mask=attention_mask, dp=dp)
     all_meter = _CpuMeter(lambda: [os.getpid(), *_descendants()])
-    t0 = time.perf_counter()
-    _progress(f"service {strategy}: ray.init ...")
-    ray.init(**config.ray.init_kwargs(), include_dashboard=False, log_to_driver=False, configure_logging=False)
+    init_s = start_ray(config)
     t_init = time.perf_counter()
+    t0 = t_init - init_s  # a Ray this process started before counts as started for this service too
     service = DataService(config, ClientPlaceTree.from_sizes(dp=dp))
-    startup = {"ray.init (s)": t_init - t0}
+    startup = {"ray.init (s)": init_s}
     try:
-        _progress(f"service {strategy}: ray.init {t_init - t0:.1f} s; starting {len(prefixes)} loaders, planner, "
+        _progress(f"service {strategy}: starting {len(prefixes)} loaders, planner, "
                   f"{service.topology.num_constructors} constructors ...")
         handles = service.start()
         startup["actors ready (s)"] = time.perf_counter() - t_init
@@ -381,7 +399,6 @@ def run_service(prefixes: list[str], *, strategy: str, seq_length: int, steps: i
         rss = _rss_mib(actor_pids)
     finally:
         service.stop()
-        ray.shutdown()
     return LoaderResult(name=f"service {strategy}", batches=batches, tokens=tokens, first_batch_s=first,
                         steady_s=steady, fetch_ms=fetch_ms, cpu_loader_s=loader_cpu, cpu_all_s=all_cpu,
                         cpu_loader_total_s=startup_cpu + loader_cpu, samples_per_step=config.samples_per_step
@@ -444,9 +461,14 @@ def run(args: argparse.Namespace) -> int:
     batches = args.steps * args.dp * NUM_MICROBATCHES
     results = [run_megatron(prefixes, seq_length=args.seq_length, batches=batches, seed=args.seed,
                             cache=work / "megatron-cache", attention_mask=args.attention_mask)]
-    for strategy in strategies:
-        results.append(run_service(prefixes, strategy=strategy, seq_length=args.seq_length, steps=args.steps,
-                                   seed=args.seed, attention_mask=args.attention_mask, dp=args.dp))
+    try:
+        for strategy in strategies:
+            results.append(run_service(prefixes, strategy=strategy, seq_length=args.seq_length, steps=args.steps,
+                                       seed=args.seed, attention_mask=args.attention_mask, dp=args.dp))
+    finally:
+        import ray
+
+        ray.shutdown()
     print(format_table(results))
     for r in results[1:]:
         per_step = (f"{r.tokens_per_step} tokens per step (documents split as Megatron's windows)"

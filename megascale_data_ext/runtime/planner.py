@@ -41,7 +41,7 @@ import numpy as np
 from megascale_data_ext.dataplane.dgraph import DGraph
 from megascale_data_ext.dataplane.mixing import Mixer
 from megascale_data_ext.dataplane.mixing import build_schedule
-from megascale_data_ext.dataplane.mixing.budget import OFFER_FRACTION, Pool, draw_size, fill_rooms, offer_prefix
+from megascale_data_ext.dataplane.mixing.budget import OFFER_FRACTION, SLACK_MICROBATCHES, Pool, draw_size, fill_rooms, offer_prefix
 from megascale_data_ext.dataplane.plan import LoaderPlan, StepPlan
 from megascale_data_ext.dataplane.plan_store import PlanStore
 from megascale_data_ext.dataplane.summary import BufferSummary, SourceSummary
@@ -237,8 +237,9 @@ class Planner:
         target, length = int(cfg.tokens_per_step), cfg.seq_length
         carry = Pool.of(self.carry)
         seq = [s.text_tokens + s.image_patches_total() for s in summaries]
-        # One microbatch of slack beyond the budget gives the room filling something to choose from.
-        n = draw_size(lambda b: self.mixer.preview(step, b), seq, target + length - int(carry.seq_len.sum()))
+        # Slack beyond the budget gives the room filling documents to choose from.
+        need = target + SLACK_MICROBATCHES * length - int(carry.seq_len.sum())
+        n = draw_size(lambda b: self.mixer.preview(step, b), seq, need)
         counts = self.mixer.counts(step, n)
         pool = carry.concat(_fresh(summaries, counts, self.mixer.order(step, counts)))
         if cfg.split_documents:
