@@ -124,9 +124,14 @@ def resolve_shape(*, hidden: int | None, layers: int | None, heads: int | None, 
 
 
 @contextlib.contextmanager
-def single_process_megatron(seed: int = 1234) -> Iterator[None]:
+def single_process_megatron(seed: int = 1234, *, device: str = "cpu") -> Iterator[None]:
     """A one-rank gloo group and megatron's parallel state (TP = PP = DP = 1) for the block,
-    torn down afterwards if this block created them; reuses what a caller already set up."""
+    torn down afterwards if this block created them; reuses what a caller already set up.
+
+    On CPU the block runs torch with one intra-op thread: the smoke shape's matmuls are tiny,
+    and on a shared machine extra threads made each pack 10-50× slower and far noisier.
+    """
+    import torch
     import torch.distributed as dist
     from megatron.core import parallel_state
 
@@ -142,9 +147,13 @@ def single_process_megatron(seed: int = 1234) -> Iterator[None]:
             parallel_state.initialize_model_parallel()
         apply_cpu_shims()
         set_random_seed(seed)
+        threads = torch.get_num_threads()
+        if not device.startswith("cuda"):
+            torch.set_num_threads(1)
         try:
             yield
         finally:
+            torch.set_num_threads(threads)
             if own_mp:
                 parallel_state.destroy_model_parallel()
             if own_pg:
@@ -304,8 +313,8 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                             "else flex), te, flex or dense (default auto)")
     group.add_argument("--model-repeats", type=int, default=3, help="timed runs per pack, median kept (3)")
     group.add_argument("--model-out", type=Path, default=None,
-                       help="where to save the fit (default: model_calibration.json in the profile's output "
-                            "directory, else the current directory); use it as cost model 'calibrated:<path>'")
+                       help="where to save the fit (default: model_calibration.json in profile's --out "
+                            "directory); strategies use it as model 'calibrated:<path>'")
 
 
 def _default_out(args: argparse.Namespace) -> Path:
@@ -332,7 +341,7 @@ def run_model_profile(args: argparse.Namespace) -> int:
     smoke = "" if shape.device.startswith("cuda") else " (CPU smoke shape: not a GPU calibration)"
     print(f"profile --model: {shape.describe()}{smoke}")
     packs = profile_packs(shape.seq)
-    with single_process_megatron():
+    with single_process_megatron(device=shape.device):
         timer = ModelTimer(shape)
         seconds = measure_packs(timer, packs, repeats=args.model_repeats)
     model, report = fit_calibration([[p] for p in packs], seconds, fitted_for=shape.fitted_for())

@@ -270,9 +270,9 @@ def run(args: argparse.Namespace) -> int:
     kind = "" if cuda else " — CPU smoke test (tiny shape; not a GPU measurement)"
     print(f"bench gpu-balance on {shape.describe()}{kind}; DP {args.dp} × m {args.microbatches}, fill {args.fill}, "
           f"balancer {args.method} interleaved, {repeats} timed run(s) per rank, "
-          f"{'CUDA events' if cuda else 'time.perf_counter'}")
+          f"{'CUDA events' if cuda else 'time.perf_counter, 1 torch thread'}")
     rows: list[Row] = []
-    with pm.single_process_megatron():
+    with pm.single_process_megatron(device=shape.device):
         timer = pm.ModelTimer(shape)
         if calibration is None:
             packs = pm.profile_packs(max(caps), seed=args.seed)
