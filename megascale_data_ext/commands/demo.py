@@ -3,8 +3,10 @@
 Creates sample data (coyo-like image-text Parquet with real JPEG bytes, long-short text
 Parquet, a Megatron .bin/.idx source), starts the service on an embedded local Ray
 (loaders, planner, constructors), launches a torchrun job whose ranks build Megatron's
-`parallel_state` on gloo and train a megatron-core GPTModel on the delivered batches, and
-prints per step: loss, per-rank cost imbalance (vanilla vs balanced), tokens/s, fetch latency.
+`parallel_state` (gloo on CPU; NCCL for CUDA tensors when CUDA is present) and train a
+megatron-core GPTModel with per-document attention on the delivered batches (with ``--cp`` > 1
+on each rank's zigzag slice of every document), and prints per step: loss, per-rank cost
+imbalance (vanilla vs balanced), samples (deferred, per source), tokens/s, data wait.
 """
 
 from __future__ import annotations
@@ -27,6 +29,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tp", type=int, default=2)
     p.add_argument("--pp", type=int, default=2)
     p.add_argument("--dp", type=int, default=2)
+    p.add_argument("--cp", type=int, default=1, help="context parallel size (THD slices per document)")
+    p.add_argument("--attention", default="auto", choices=["auto", "te", "flex", "dense"])
+    p.add_argument("--bf16", action="store_true", help="Megatron bf16 mixed precision (GPU)")
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--strategy", default="llm_balance", choices=["vanilla", "llm_balance", "vlm_balance"])
     p.add_argument("--samples-per-step", type=int, default=12)
@@ -57,15 +62,15 @@ def run(args: argparse.Namespace) -> int:
     ]
     print(f"[demo] sample data: {len(specs)} sources ({', '.join(s.name for s in specs)}) "
           f"in {time.perf_counter() - t0:.1f} s", flush=True)
-    world = args.tp * args.pp * args.dp
-    tree = ClientPlaceTree.from_sizes(tp=args.tp, pp=args.pp, dp=args.dp)
+    world = args.tp * args.pp * args.cp * args.dp
+    tree = ClientPlaceTree.from_sizes(tp=args.tp, pp=args.pp, cp=args.cp, dp=args.dp)
     strategy_args = {"model": "gpt-tiny"}
     if args.strategy == "vlm_balance":
         strategy_args["encoder_model"] = "vit-1b"
     cfg = ServiceConfig(
         sources=specs, seed=args.seed, samples_per_step=args.samples_per_step,
         num_microbatches=args.num_microbatches, seq_length=args.seq_length, strategy=args.strategy,
-        strategy_args=strategy_args, buffer_size=512,
+        strategy_args=strategy_args, buffer_size=512, with_attention_mask=args.attention == "dense",
         ray=RayConfig(namespace=f"megascale-demo-{os.getpid()}", num_cpus=2),
     )
     service = DataService(cfg, tree)
@@ -78,13 +83,14 @@ def run(args: argparse.Namespace) -> int:
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
         "-m", "megascale_data_ext.megatron.train_worker",
-        "--tp", str(args.tp), "--pp", str(args.pp), "--steps", str(args.steps),
+        "--tp", str(args.tp), "--pp", str(args.pp), "--cp", str(args.cp), "--steps", str(args.steps),
+        "--attention", args.attention, *(["--bf16"] if args.bf16 else []), "--samples-per-step", str(args.samples_per_step),
         "--num-microbatches", str(args.num_microbatches), "--seq-length", str(args.seq_length),
         "--vocab-size", str(vocab), "--namespace", handles.namespace, "--address", handles.address,
         "--out", str(out),
     ]
     env = dict(os.environ, OMP_NUM_THREADS="1", RAY_ADDRESS=handles.address)
-    print(f"[demo] torchrun {world} ranks (TP{args.tp} PP{args.pp} DP{args.dp}, gloo) ...", flush=True)
+    print(f"[demo] torchrun {world} ranks (TP{args.tp} PP{args.pp} CP{args.cp} DP{args.dp}) ...", flush=True)
     t1 = time.perf_counter()
     try:
         proc = subprocess.run(cmd, env=env)

@@ -175,7 +175,8 @@ def _problems(batch: Mapping[str, Any], cp_size: int) -> list[str]:
         if max_seqlen.shape != (1,):
             problems.append(f"`max_seqlen` must have shape (1,), got {max_seqlen.shape}")
         elif bounds is not None and int(max_seqlen[0]) < int(np.diff(bounds).max()):
-            problems.append(f"`max_seqlen`={int(max_seqlen[0])} is below the longest segment {int(np.diff(bounds).max())}")
+            longest = int(np.diff(bounds).max())
+            problems.append(f"`max_seqlen`={int(max_seqlen[0])} is below the longest segment {longest}")
     images, image_seqlens = fields.get("images"), fields.get("image_seqlens")
     if images is not None and images.ndim != 2:
         problems.append(f"`images` must be [total_patches, patch_dim], got shape {images.shape}")

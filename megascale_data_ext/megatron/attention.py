@@ -288,7 +288,7 @@ class DocumentAttention(MegatronModule):
         if packed_seq_params is None or packed_seq_params.qkv_format != "thd":
             if self.dense is None:
                 raise SampleError("context parallel attention needs per-document boundaries: the batch has no "
-                                  "`cu_seqlens` (give the model's stage cu_seqlens; data.middle_stage_masks for PP > 2)")
+                                  "`cu_seqlens` (give every stage cu_seqlens: data.middle_stage_masks for PP > 2)")
             return self.dense(query, key, value, attention_mask, attn_mask_type=attn_mask_type,
                               attention_bias=attention_bias, packed_seq_params=packed_seq_params)
         lay = getattr(packed_seq_params, "_megascale_layout", None)

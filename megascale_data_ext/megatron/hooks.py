@@ -145,7 +145,7 @@ class Installation:
         for report in outputs or []:
             values = report.get("source loss") if isinstance(report, dict) else None
             if values is not None:
-                v = values.detach().double().view(2, -1)
+                v = values.detach().double().cpu().view(2, -1)  # CPU sums: gloo reduces them
                 sums[:, : v.shape[1]] += v
         dist.all_reduce(sums, group=ps.get_data_parallel_group(with_context_parallel=True))
         if ps.get_data_parallel_rank(with_context_parallel=True) == 0 and ps.get_tensor_model_parallel_rank() == 0:

@@ -5,8 +5,13 @@ broadcasts how to reach it; every rank builds its `ClientPlaceTree` from Megatro
 `parallel_state`, a `Client`, its model chunks, and installs the schedule hooks, so
 `get_forward_backward_func` is fed balanced microbatches step by step.
 
+The optimizer recipe is `build_optimizer`'s: AdamW, linear warm-up (``train.lr_warmup_iters``),
+cosine decay to ``train.min_lr`` over ``train.lr_decay_iters`` (default ``train_iters``), global
+grad-norm clipping (``train.clip_grad``); ``train.bf16`` trains in Megatron's bf16 mixed precision
+(fp32 master weights here). Model and batches live on ``cuda:LOCAL_RANK`` when CUDA is present.
+
 Checkpoints (``train.save`` every ``train.save_interval`` steps) hold, per rank, the model
-chunks, the optimizer and the client's data position, and on rank 0 the Planner state before
+chunks, the optimizer, the LR schedule and the client's data position, and on rank 0 the Planner state before
 the next step (``data_state.json``). ``train.load`` restores all of them; the data stream after
 a resume is identical to an uninterrupted run, and an incompatible data config or parallel
 layout is refused with a `ResumeError` naming the field.
@@ -15,8 +20,9 @@ layout is refused with a `ResumeError` naming the field.
 from __future__ import annotations
 
 import json
+import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +30,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megascale_data_ext.errors import ResumeError
+from megascale_data_ext.errors import ConfigError, ResumeError
 
 CHECKPOINT_VERSION = 1
 
@@ -50,14 +56,16 @@ def _ckpt_dir(root: str | Path, step: int) -> Path:
     return Path(root) / f"step_{step:07d}"
 
 
-def save_checkpoint(root: str | Path, step: int, chunks: list, optimizer: Any, hooks: Any, service: Any) -> Path:
-    """Save model, optimizer and data state after `step` steps (the next step to run is `step`)."""
+def save_checkpoint(root: str | Path, step: int, chunks: list, optimizer: Any, hooks: Any, service: Any,
+                    scheduler: Any = None) -> Path:
+    """Save model, optimizer, LR schedule and data state after `step` steps (the next step to run is `step`)."""
     path = _ckpt_dir(root, step)
     path.mkdir(parents=True, exist_ok=True)
     rank = dist.get_rank()
     torch.save(
         {"version": CHECKPOINT_VERSION, "step": step, "model": [c.state_dict() for c in chunks],
-         "optimizer": optimizer.state_dict(), "data": hooks.state_dict()},
+         "optimizer": optimizer.state_dict(), "data": hooks.state_dict(),
+         "scheduler": None if scheduler is None else scheduler.state_dict()},
         path / f"rank_{rank:05d}.pt",
     )
     if service is not None:
@@ -79,7 +87,8 @@ def load_data_state(root: str | Path, step: int) -> dict:
     return json.loads((_ckpt_dir(root, step) / "data_state.json").read_text())
 
 
-def load_checkpoint(root: str | Path, step: int, chunks: list, optimizer: Any, hooks: Any) -> None:
+def load_checkpoint(root: str | Path, step: int, chunks: list, optimizer: Any, hooks: Any,
+                    scheduler: Any = None) -> None:
     path = _ckpt_dir(root, step) / f"rank_{dist.get_rank():05d}.pt"
     if not path.exists():
         raise ResumeError(f"{path} is missing: was the checkpoint written with another world size?")
@@ -89,7 +98,100 @@ def load_checkpoint(root: str | Path, step: int, chunks: list, optimizer: Any, h
     for chunk, sd in zip(chunks, blob["model"], strict=True):
         chunk.load_state_dict(sd)
     optimizer.load_state_dict(blob["optimizer"])
+    if scheduler is not None and blob.get("scheduler") is not None:
+        scheduler.load_state_dict(blob["scheduler"])
     hooks.load_state_dict(blob["data"])
+
+
+class Fp32MasterOptimizer:
+    """Megatron's mixed-precision optimizer shape for bf16 params: fp32 master copies stepped by
+    a torch optimizer from DDP's fp32 ``main_grad``, then copied back into the bf16 params.
+
+    ``param_groups`` are the inner optimizer's (the LR scheduler drives them). Checkpoint schema:
+    ``{"inner": inner.state_dict(), "masters": [fp32 tensors]}``. One per rank, single-threaded.
+    """
+
+    reads_main_grad = True  # train_step leaves param.grad alone
+
+    def __init__(self, params: Iterable[torch.nn.Parameter], make: Callable[[list], torch.optim.Optimizer]) -> None:
+        self.params = list(params)
+        self.masters = [p.detach().float().clone().requires_grad_(True) for p in self.params]
+        self.inner = make(self.masters)
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.inner.param_groups
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.inner.zero_grad(set_to_none=set_to_none)
+        for p in self.params:
+            p.grad = None
+
+    @torch.no_grad()
+    def step(self) -> None:
+        for p, m in zip(self.params, self.masters, strict=True):
+            grad = getattr(p, "main_grad", None)
+            if grad is None:
+                grad = p.grad
+            m.grad = None if grad is None else grad.float()
+        self.inner.step()
+        for p, m in zip(self.params, self.masters, strict=True):
+            p.copy_(m)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"inner": self.inner.state_dict(), "masters": [m.detach().clone() for m in self.masters]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.inner.load_state_dict(state["inner"])
+        with torch.no_grad():
+            for p, m, saved in zip(self.params, self.masters, state["masters"], strict=True):
+                m.copy_(saved)
+                p.copy_(saved)
+
+
+def lr_factor(step: int, *, warmup: int, decay: int, min_ratio: float, style: str) -> float:
+    """Megatron-style LR multiplier: linear warm-up over `warmup` steps, then `style` decay
+    ("cosine", "linear" or "constant") to `min_ratio` at step `decay`, flat after it."""
+    if warmup > 0 and step < warmup:
+        return (step + 1) / warmup
+    if style == "constant" or decay <= warmup:
+        return 1.0
+    progress = min(1.0, (step - warmup) / (decay - warmup))
+    shape = 0.5 * (1.0 + math.cos(math.pi * progress)) if style == "cosine" else 1.0 - progress
+    return min_ratio + (1.0 - min_ratio) * shape
+
+
+def build_optimizer(chunks: list, train: Any, *, bf16: bool = False) -> tuple[Any, Any]:
+    """AdamW + warm-up/decay schedule from the run's ``train`` node; returns (optimizer, scheduler).
+
+    Keys (all optional but ``lr``): ``weight_decay`` (0), ``adam_beta1``/``adam_beta2`` (0.9/0.999),
+    ``lr_warmup_iters`` (0), ``lr_decay_style`` (constant|linear|cosine; constant), ``lr_decay_iters``
+    (``train_iters``), ``min_lr`` (0). Grad clipping is ``train.clip_grad``, applied by `train_step`.
+    """
+    lr, iters = float(train.lr), int(train.train_iters)
+    warmup, style = int(train.get("lr_warmup_iters", 0) or 0), str(train.get("lr_decay_style", "constant"))
+    decay, min_lr = int(train.get("lr_decay_iters") or iters), float(train.get("min_lr", 0.0) or 0.0)
+    problems = []
+    if style not in ("constant", "linear", "cosine"):
+        problems.append(f"`train.lr_decay_style` must be one of ['constant', 'linear', 'cosine'], got {style!r}")
+    if warmup < 0 or decay < 0:
+        problems.append(f"`train.lr_warmup_iters`={warmup} and `train.lr_decay_iters`={decay} must be >= 0")
+    if not 0 <= min_lr <= lr:
+        problems.append(f"`train.min_lr`={min_lr} must be in [0, train.lr={lr}]")
+    if problems:
+        raise ConfigError("optimizer recipe: " + "; ".join(problems))
+
+    def make(params: list) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(params, lr=lr, weight_decay=float(train.get("weight_decay", 0.0) or 0.0),
+                                 betas=(float(train.get("adam_beta1", 0.9)), float(train.get("adam_beta2", 0.999))))
+
+    params = [p for c in chunks for p in c.parameters() if p.requires_grad]
+    optimizer = Fp32MasterOptimizer(params, make) if bf16 else make(params)
+    inner = optimizer.inner if bf16 else optimizer
+    ratio = min_lr / lr if lr > 0 else 0.0
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        inner, lambda s: lr_factor(s, warmup=warmup, decay=decay, min_ratio=ratio, style=style))
+    return optimizer, scheduler
 
 
 def gpt_model_config(cfg: Any, service_cfg: Any, vocab: int) -> Any:
@@ -103,6 +205,8 @@ def gpt_model_config(cfg: Any, service_cfg: Any, vocab: int) -> Any:
         num_attention_heads=int(mcfg.num_attention_heads), seq_length=service_cfg.seq_length, tp=tp,
         pp=int(par.pipeline_model_parallel_size), cp=int(par.get("context_parallel_size", 1)),
         vpp=par.get("virtual_pipeline_model_parallel_size"), seed=int(cfg.train.get("seed", 1234)),
+        attention=str(mcfg.get("attention", "auto")), bf16=bool(cfg.train.get("bf16", False)),
+        per_token_loss=bool(cfg.train.get("per_token_loss", False)),
     )
 
 
@@ -152,6 +256,7 @@ class TrainingSession:
         chunks: list,
         optimizer: Any,
         *,
+        scheduler: Any = None,
         transform: Callable[[Any, Any], Any] | None = None,
         before_step: Callable[[int], dict] | None = None,
         report: Callable[[int, dict], None] | None = None,
@@ -170,7 +275,7 @@ class TrainingSession:
         hooks = install(client, num_model_chunks=len(chunks), start_step=self.start, transform=transform,
                         report_loss=self.service_cfg.feedback_mixing)
         if self.load_dir:
-            load_checkpoint(self.load_dir, self.start, chunks, optimizer, hooks)
+            load_checkpoint(self.load_dir, self.start, chunks, optimizer, hooks, scheduler)
         log: list[dict] = []
         save_dir, interval = tcfg.get("save"), int(tcfg.get("save_interval") or 0)
         try:
@@ -178,11 +283,13 @@ class TrainingSession:
                 t0 = time.perf_counter()
                 client.drain()
                 extra = before_step(step) if before_step is not None else {}
-                result = train_step(chunks, optimizer, None, num_microbatches=m, seq_length=self.service_cfg.seq_length)
+                result = train_step(chunks, optimizer, None, num_microbatches=m, seq_length=self.service_cfg.seq_length,
+                                    clip_grad=float(tcfg.get("clip_grad", 0.0) or 0.0), scheduler=scheduler)
                 dt = time.perf_counter() - t0
                 records = client.drain()
                 fetch = records["fetch_seconds"]
                 entry = {"step": step, "loss": result["loss"], "num_tokens": result["num_tokens"], "seconds": dt,
+                         "lr": result["lr"], "grad_norm": result["grad_norm"],
                          "fetch_p50_ms": float(np.median(fetch)) * 1e3 if fetch else 0.0,
                          "data_wait_ms": float(np.sum(fetch)) * 1e3,  # time this rank waited on the service
                          "digests": records["digests"],
@@ -192,7 +299,7 @@ class TrainingSession:
                     (report or self._report)(step, entry)
                 log.append(entry)
                 if save_dir and interval and (step + 1) % interval == 0:
-                    save_checkpoint(save_dir, step + 1, chunks, optimizer, hooks, self.service)
+                    save_checkpoint(save_dir, step + 1, chunks, optimizer, hooks, self.service, scheduler)
         except BaseException:
             hooks.uninstall()  # no barrier: peers may be blocked in a collective; torchrun tears the job down
             self._stop()
@@ -204,14 +311,24 @@ class TrainingSession:
 
     def _report(self, step: int, entry: dict) -> None:
         s = self.plan(step).summary()
-        print(f"step {step:4d} | loss {entry['loss']:.4f} | max/mean cost vanilla {s['vanilla_max_over_mean']:.3f} -> "
-              f"{s['max_over_mean']:.3f} | {entry['num_tokens'] / entry['seconds']:,.0f} loss-tokens/s | "
+        print(f"step {step:4d} | loss {entry['loss']:.4f} | {step_counts(s, self.service_cfg)} | max/mean cost "
+              f"vanilla {s['vanilla_max_over_mean']:.3f} -> {s['max_over_mean']:.3f} | lr {entry['lr']:.2e} | "
+              f"grad norm {entry['grad_norm']:.2f} | {entry['num_tokens'] / entry['seconds']:,.0f} loss-tokens/s | "
               f"data wait {entry['data_wait_ms']:.1f} ms | {entry['seconds']:.2f} s", flush=True)
 
     def _stop(self) -> None:
         if self.service is not None:
             self.service.stop()
             self.service = None
+
+
+def step_counts(summary: dict, service_cfg: Any) -> str:
+    """``samples N (deferred D) per source [a, b, ...]`` of a step's plan summary; deferred counts the
+    mixed samples a samples-per-step plan pushed to later steps because they did not fit."""
+    want = getattr(service_cfg, "samples_per_step", None)
+    deferred = max(0, int(want) - int(summary["samples"])) if want and not getattr(
+        service_cfg, "tokens_per_step", None) else 0
+    return f"samples {summary['samples']} (deferred {deferred}) per source {list(summary.get('per_source', []))}"
 
 
 def pretrain_gpt(cfg: Any) -> list[dict]:
@@ -226,6 +343,5 @@ def pretrain_gpt(cfg: Any) -> list[dict]:
     model_cfg = gpt_model_config(cfg, service_cfg, vocab)
     session = TrainingSession(cfg, service_cfg, model_cfg)
     chunks = build_model_chunks(model_cfg)
-    params = [p for c in chunks for p in c.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=float(cfg.train.lr), weight_decay=0.0)
-    return session.run(chunks, optimizer)
+    optimizer, scheduler = build_optimizer(chunks, cfg.train, bf16=model_cfg.bf16)
+    return session.run(chunks, optimizer, scheduler=scheduler)

@@ -20,10 +20,9 @@ import time
 from typing import Any
 
 import numpy as np
-import torch
 
 from megascale_data_ext.errors import ConfigError
-from megascale_data_ext.megatron.pretrain import TrainingSession, gpt_model_config
+from megascale_data_ext.megatron.pretrain import TrainingSession, build_optimizer, gpt_model_config
 
 __all__ = ["encoder_balance", "pretrain_vlm"]
 
@@ -73,8 +72,7 @@ def pretrain_vlm(cfg: Any) -> list[dict]:
     first = next((get_attr_wrapped_model(c, "projector", return_model_obj=True) for c in chunks
                   if get_attr_wrapped_model(c, "pre_process")), None)
     feed = VLMFeed(first, vision_hidden=vit_cfg.hidden_size)
-    params = [p for c in chunks for p in c.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=float(cfg.train.lr), weight_decay=0.0)
+    optimizer, scheduler = build_optimizer(chunks, cfg.train, bf16=model_cfg.bf16)
 
     def encode(step: int) -> dict:
         """Encode this rank's WORLD-balanced images and share the features (frozen ViT)."""
@@ -99,7 +97,7 @@ def pretrain_vlm(cfg: Any) -> list[dict]:
               f"({len(plan.encoder.sample)} images, patches/rank {e['patches_per_rank']}) | "
               f"encode+exchange {entry['encode_seconds']:.2f} s | {entry['seconds']:.2f} s", flush=True)
 
-    log = session.run(chunks, optimizer, transform=feed, before_step=encode, report=report)
+    log = session.run(chunks, optimizer, scheduler=scheduler, transform=feed, before_step=encode, report=report)
     # image tokens embedded during each step (VLMFeed counts cumulatively)
     totals = [e.pop("_image_tokens_before") for e in log] + [feed.image_tokens]
     for e, a, b in zip(log, totals, totals[1:], strict=False):

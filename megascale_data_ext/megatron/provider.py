@@ -20,16 +20,22 @@ then asked of its Planner:
 
 Contract with Megatron's `get_batch` (pretrain_gpt.py at core_v0.16.1): only TP rank 0 of the
 first and last pipeline stage calls `next()`; it then broadcasts the microbatch to its TP group
-itself, so the client runs without its TP broadcast (which would deadlock). The service already
-slices for context parallelism, which Megatron's `get_batch` would do a second time, so CP > 1
-is refused here. Batches come out as Megatron's DataLoader with ``--micro-batch-size 1`` would
-yield them (see `megatron_view`).
+itself, so the client runs without its TP broadcast (which would deadlock). With CP > 1 the
+service already hands each rank its slice, cut exactly as Megatron's THD path
+(``get_thd_batch_on_this_cp_rank``: every document padded to a multiple of 2·cp, zigzag per
+document); the provider therefore turns Megatron's own CP slicing in the loaded modules
+(``pretrain_gpt``'s imported names) into the unsliced call (`install_cp_passthrough`), and
+sends the padded document boundaries as ``cu_seqlens``, which is how Megatron-LM's packed
+datasets describe padded documents (``get_batch_on_this_tp_rank`` forwards no
+``cu_seqlens_padded``). Batches come out as Megatron's DataLoader with ``--micro-batch-size 1``
+would yield them (see `megatron_view`).
 """
 
 from __future__ import annotations
 
 import importlib
 import os
+import sys
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
@@ -144,6 +150,9 @@ def megatron_view(batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     fields, so absent ones are filled with zeros of the sequence shape (never read there).
     """
     out = dict(batch)
+    padded = out.pop("cu_seqlens_padded", None)
+    if padded is not None:  # CP slice: Megatron-LM's packed format lists the padded documents
+        out["cu_seqlens"] = padded
     cu = out.get("cu_seqlens")
     if cu is not None and cu.dim() == 1:
         out["cu_seqlens"] = cu.unsqueeze(0)
@@ -277,9 +286,10 @@ def configure(
 
 
 def reset() -> None:
-    """Forget `configure`: the next provider call reads the environment again."""
+    """Forget `configure` (the next provider call reads the environment again) and undo the CP pass-through."""
     global _SETTINGS
     _SETTINGS = _Settings()
+    remove_cp_passthrough()
 
 
 def train_valid_test_datasets_provider(
@@ -302,9 +312,6 @@ def train_valid_test_datasets_provider(
     if args is not None and getattr(args, "dataloader_type", "external") != "external":
         problems.append(f"--dataloader-type is {args.dataloader_type!r}; pass --dataloader-type external")
     tree = ClientPlaceTree.from_megatron()
-    if tree.cp > 1:
-        problems.append(f"context parallel size {tree.cp} > 1: the service slices for CP and Megatron's "
-                        "get_batch slices again; run with --context-parallel-size 1 or use megatron.train_worker")
     num_microbatches = config.num_microbatches or _megatron_num_microbatches()
     if num_microbatches is None:
         problems.append(f"number of microbatches unknown: set {ENV_NUM_MICROBATCHES} "
@@ -314,6 +321,8 @@ def train_valid_test_datasets_provider(
     start = config.start_step
     if start is None:
         start = int(getattr(args, "iteration", 0) or 0) if args is not None else 0
+    if tree.cp > 1:
+        install_cp_passthrough()
     rank = _global_rank()
     topology = _SETTINGS.topology_factory(tree, config)
     reads = _chunk_reads_data(tree, rank, vp_stage)
@@ -328,6 +337,60 @@ def train_valid_test_datasets_provider(
 
 
 train_valid_test_datasets_provider.is_distributed = True  # type: ignore[attr-defined]
+
+
+def _thd_already_sliced(batch: Any, cu_seqlens: Any, cu_seqlens_padded: Any, max_seqlen: Any,
+                        cp_size: int | None = None, cp_rank: int | None = None) -> Any:
+    """Megatron's ``get_thd_batch_on_this_cp_rank`` for a batch the service already sliced: its
+    PackedSeqParams, no second slicing (the real function with cp_size=1)."""
+    from megatron.core import utils
+
+    original = getattr(utils.get_thd_batch_on_this_cp_rank, "__megascale_original__",
+                       utils.get_thd_batch_on_this_cp_rank)
+    return original(batch, cu_seqlens, cu_seqlens_padded, max_seqlen, cp_size=1, cp_rank=0)
+
+
+def _sbhd_already_sliced(batch: Any) -> Any:
+    """Megatron's ``get_batch_on_this_cp_rank`` for a batch the service already sliced."""
+    return batch
+
+
+def install_cp_passthrough() -> list[str]:
+    """Replace Megatron's CP slicing functions wherever a loaded module holds them (idempotent).
+
+    Returns:
+        ``module.name`` of every replacement made by this call.
+    """
+    targets = []
+    core = sys.modules.get("megatron.core.utils")
+    if core is not None and hasattr(core, "get_thd_batch_on_this_cp_rank"):
+        thd = getattr(core.get_thd_batch_on_this_cp_rank, "__megascale_original__", core.get_thd_batch_on_this_cp_rank)
+        targets.append((thd, _thd_already_sliced))
+    for name in ("megatron.core.utils", "megatron.training.utils"):
+        mod = sys.modules.get(name)
+        if mod is not None and hasattr(mod, "get_batch_on_this_cp_rank"):
+            fn = mod.get_batch_on_this_cp_rank
+            targets.append((getattr(fn, "__megascale_original__", fn), _sbhd_already_sliced))
+    done = []
+    for original, replacement in targets:
+        replacement.__megascale_original__ = original  # type: ignore[attr-defined]
+        for mod_name, mod in list(sys.modules.items()):
+            for attr in ("get_thd_batch_on_this_cp_rank", "get_batch_on_this_cp_rank"):
+                if getattr(mod, attr, None) is original:
+                    setattr(mod, attr, replacement)
+                    _PASSTHROUGH.append((mod, attr, original))
+                    done.append(f"{mod_name}.{attr}")
+    return done
+
+
+def remove_cp_passthrough() -> None:
+    """Restore what `install_cp_passthrough` replaced."""
+    while _PASSTHROUGH:
+        mod, attr, original = _PASSTHROUGH.pop()
+        setattr(mod, attr, original)
+
+
+_PASSTHROUGH: list[tuple[Any, str, Any]] = []  # (module, name, original) replaced by install_cp_passthrough
 
 
 def _chunk_reads_data(tree: ClientPlaceTree, rank: int, vp_stage: int | None) -> bool:

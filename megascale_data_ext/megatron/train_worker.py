@@ -1,10 +1,12 @@
 """One trainer rank of the main job: megatron-core GPT trained on the service's batches.
 
 Run under torchrun (``python -m torch.distributed.run ... -m megascale_data_ext.megatron.train_worker``).
-Each rank initialises gloo + Megatron's `parallel_state`, builds its `ClientPlaceTree` from
-Megatron; rank 0 asks the service's Planner for its `ServiceTopology` and shares it, fetching
+Each rank initialises torch.distributed (gloo on CPU; NCCL for CUDA tensors on ``cuda:LOCAL_RANK``
+when CUDA is present) + Megatron's `parallel_state`, builds its `ClientPlaceTree` from Megatron; rank 0 asks the service's Planner for its `ServiceTopology` and shares it, fetching
 ranks join the Ray cluster of the service on their first fetch, and every rank trains through
-`get_forward_backward_func` on the delivered microbatches. Rank 0 prints one line per step;
+`get_forward_backward_func` on the delivered microbatches (per-document attention; with CP > 1
+each rank trains on its zigzag slice of every document). Optimizer: `pretrain.build_optimizer`'s
+AdamW with warm-up + cosine decay, clipped grads. Rank 0 prints one line per step;
 every rank writes ``rank<N>.json`` (losses, delivered sample ids, fetch latencies) to ``--out``.
 """
 
@@ -16,7 +18,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-import torch
 import torch.distributed as dist
 
 
@@ -28,11 +29,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--start-step", type=int, default=0)
     p.add_argument("--num-microbatches", type=int, required=True)
+    p.add_argument("--samples-per-step", type=int, default=None, help="the service's (to count deferred samples)")
     p.add_argument("--seq-length", type=int, required=True)
     p.add_argument("--vocab-size", type=int, required=True)
     p.add_argument("--hidden", type=int, default=64)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--attention", default="auto", help="auto|te|flex|dense (megatron/attention.py)")
+    p.add_argument("--bf16", action="store_true", help="Megatron bf16 mixed precision")
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--warmup", type=int, default=1, help="linear LR warm-up steps")
+    p.add_argument("--clip-grad", type=float, default=1.0)
     p.add_argument("--namespace", required=True)
     p.add_argument("--address", required=True)
     p.add_argument("--record-digests", action="store_true", help="log a SHA-1 of every delivered microbatch")
@@ -43,11 +50,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from megatron.core import parallel_state
+    from omegaconf import OmegaConf
 
     from megascale_data_ext.dataplane.placetree import ClientPlaceTree
     from megascale_data_ext.megatron.groups import broadcast_group
     from megascale_data_ext.megatron.model import GPTModelConfig, build_model_chunks, initialize_parallel, train_step
+    from megascale_data_ext.megatron.pretrain import build_optimizer, step_counts
     from megascale_data_ext.runtime.client import Client
     from megascale_data_ext.runtime.remote import RemoteConstructors, fetch_topology
     from megascale_data_ext.runtime.topology import PLANNER_NAME
@@ -55,20 +63,9 @@ def main(argv: list[str] | None = None) -> int:
     vocab = -(-args.vocab_size // (64 * args.tp)) * 64 * args.tp  # pad like --make-vocab-size-divisible-by
     cfg = GPTModelConfig(
         vocab_size=vocab, hidden_size=args.hidden, num_layers=args.layers, num_attention_heads=args.heads,
-        seq_length=args.seq_length, tp=args.tp, pp=args.pp, cp=1,
+        seq_length=args.seq_length, tp=args.tp, pp=args.pp, cp=args.cp, attention=args.attention, bf16=args.bf16,
     )
-    if args.cp > 1:
-        # The local (non-TE) attention has no CP; the data path still slices per CP rank.
-        dist.init_process_group("gloo")
-        from megascale_data_ext.patches.cpu import apply_cpu_shims
-
-        apply_cpu_shims()
-        parallel_state.initialize_model_parallel(
-            tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp, context_parallel_size=args.cp
-        )
-        args.no_train = True
-    else:
-        initialize_parallel(cfg)
+    initialize_parallel(cfg)
     rank = dist.get_rank()
     tree = ClientPlaceTree.from_megatron()
     shared = [fetch_topology(args.address, args.namespace) if rank == 0 else None]
@@ -80,11 +77,14 @@ def main(argv: list[str] | None = None) -> int:
         topology, rank, source=RemoteConstructors(topology, args.address), num_microbatches=args.num_microbatches,
         broadcast_group=broadcast_group(topology), record_digests=args.record_digests,
     )
-    chunks = optimizer = None
+    chunks = optimizer = scheduler = None
     if not args.no_train:
         chunks = build_model_chunks(cfg)
-        params = [p for c in chunks for p in c.parameters() if p.requires_grad]
-        optimizer = torch.optim.AdamW(params, lr=3e-3, weight_decay=0.0)
+        recipe = OmegaConf.create({"lr": args.lr, "train_iters": args.start_step + args.steps,
+                                   "lr_warmup_iters": args.warmup, "lr_decay_style": "cosine", "min_lr": args.lr / 10})
+        optimizer, scheduler = build_optimizer(chunks, recipe, bf16=cfg.bf16)
+        for _ in range(args.start_step):  # a resumed job continues the schedule where it was
+            scheduler.step()
     planner = None
     if rank == 0:
         import ray
@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
             result = {"loss": float("nan"), "num_tokens": float(tokens)}
         else:
             result = train_step(chunks, optimizer, client.step_iterator(step), num_microbatches=args.num_microbatches,
-                                seq_length=args.seq_length)
+                                seq_length=args.seq_length, clip_grad=args.clip_grad, scheduler=scheduler)
         dt = time.perf_counter() - t0
         records = client.drain()
         infos, fetch = records["delivered"], records["fetch_seconds"]
@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
             wait = float(np.sum(fetch)) * 1e3  # rank 0's time waiting on the service this step
             print(
                 f"step {step:3d} | loss {result['loss']:.4f} | imbalance max/mean vanilla {s.get('vanilla_max_over_mean', float('nan')):.3f}"
-                f" -> balanced {s['max_over_mean']:.3f} | samples {s['samples']} tokens {s['tokens']}"
+                f" -> balanced {s['max_over_mean']:.3f} | {step_counts(s, args)} tokens {s['tokens']}"
                 f" | {tps:,.0f} loss-tokens/s | data wait {wait:.1f} ms | step {dt:.2f} s",
                 flush=True,
             )

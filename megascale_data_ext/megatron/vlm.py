@@ -18,6 +18,10 @@ The data service balances *images* over WORLD (every rank is an encoder rank) an
 * `VLMFeed`: the per-microbatch transform of `hooks.install`; as Megatron's ``forward_step``
   pulls a microbatch it hands that microbatch's features to the first-stage chunk, so megatron's own
   ``forward_step``/``train_step`` run unchanged.
+
+Devices: encoder, projector, features and backbone live on `model.device()` (``cuda:LOCAL_RANK``
+with CUDA); features cross ranks through the CPU (``all_gather_object``). Under ``cfg.bf16`` each
+chunk (backbone and projector) is wrapped in megatron's ``Float16Module``; the frozen ViT stays fp32.
 """
 
 from __future__ import annotations
@@ -39,12 +43,12 @@ from megatron.core.models.vision.multimodal_projector import MultimodalProjector
 from megatron.core.models.vision.vit_layer_specs import get_vit_layer_with_local_spec
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.enums import AttnMaskType
-from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.module import Float16Module, MegatronModule
 from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megascale_data_ext.errors import ConfigError, SampleError
-from megascale_data_ext.megatron.model import GPTModelConfig, build_gpt_model
+from megascale_data_ext.megatron.model import GPTModelConfig, build_gpt_model, device
 
 __all__ = ["FrozenViT", "ViTConfig", "VLMChunk", "VLMFeed", "build_vlm_chunks", "exchange_features"]
 
@@ -92,7 +96,8 @@ class FrozenViT(torch.nn.Module):
         self.cfg = cfg
         config = TransformerConfig(
             num_layers=cfg.num_layers, hidden_size=cfg.hidden_size, num_attention_heads=cfg.num_attention_heads,
-            use_cpu_initialization=True, params_dtype=torch.float32, pipeline_dtype=torch.float32,
+            use_cpu_initialization=not torch.cuda.is_available(), params_dtype=torch.float32,
+            pipeline_dtype=torch.float32,
             bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
             gradient_accumulation_fusion=False, persist_layer_norm=False,
         )
@@ -111,12 +116,13 @@ class FrozenViT(torch.nn.Module):
                 else:
                     param.copy_(torch.randn(param.shape, generator=gen) * 0.02)
             param.requires_grad_(False)
+        self.to(device())
         self.eval()
 
     @torch.no_grad()
     def encode(self, patches: np.ndarray | torch.Tensor, seqlens: np.ndarray | torch.Tensor) -> list[torch.Tensor]:
         """Features ``[n_i, hidden]`` of each image of ``patches`` ``[sum n_i, patch_dim]``."""
-        x = torch.as_tensor(np.asarray(patches, dtype=np.float32))
+        x = torch.as_tensor(np.asarray(patches, dtype=np.float32)).to(device())
         if x.ndim != 2 or (x.shape[0] and x.shape[1] != self.cfg.patch_dim):
             raise SampleError(f"encoder input must be [patches, {self.cfg.patch_dim}], got {tuple(x.shape)}; "
                               "set vision.patch_dim to the sources' patch_size**2 * 3")
@@ -134,7 +140,7 @@ def exchange_features(keys: np.ndarray, features: list[torch.Tensor]) -> dict[Im
     O(world x step images); an all-to-all sending only to the first-stage ranks of the DP rank
     that packed each image would cut it to what each rank needs.
     """
-    mine = (np.asarray(keys, dtype=np.int64).reshape(-1, 3), [f.numpy() for f in features])
+    mine = (np.asarray(keys, dtype=np.int64).reshape(-1, 3), [f.detach().float().cpu().numpy() for f in features])
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, mine)
     out: dict[ImageKey, torch.Tensor] = {}
@@ -142,7 +148,7 @@ def exchange_features(keys: np.ndarray, features: list[torch.Tensor]) -> dict[Im
         for key, f in zip(map(tuple, rank_keys.tolist()), feats, strict=True):
             if key in out:
                 raise SampleError(f"image {key} was encoded by two ranks; the EncoderPlan must give each image one rank")
-            out[key] = torch.from_numpy(f)
+            out[key] = torch.from_numpy(f).to(device())
     return out
 
 
@@ -164,6 +170,7 @@ class VLMChunk(MegatronModule):
             mlp = get_gpt_layer_local_spec().submodules.mlp.submodules
             self.projector = MultimodalProjector(gpt.config, mlp, "mlp", vision_hidden,
                                                  tp_group=parallel_state.get_tensor_model_parallel_group())
+            self.projector.to(device())
         self._pending: collections.deque[torch.Tensor] = collections.deque()
 
     def __getattr__(self, name: str) -> Any:
@@ -187,7 +194,8 @@ class VLMChunk(MegatronModule):
         if int(slots.sum()) != features.shape[0]:
             raise SampleError(f"microbatch has {int(slots.sum())} image placeholder tokens but {features.shape[0]} "
                               "patch features; image_keys and the packed tokens disagree")
-        projected = self.projector(features[:, None, :]).reshape(-1, emb.shape[-1])
+        dtype = next(self.projector.parameters()).dtype
+        projected = self.projector(features.to(emb.device, dtype)[:, None, :]).reshape(-1, emb.shape[-1])
         return emb.masked_scatter(slots[..., None], projected.to(emb.dtype))
 
     def forward(self, input_ids: Any, position_ids: Any, attention_mask: Any, labels: Any = None, **kwargs: Any) -> Any:
@@ -212,9 +220,13 @@ def build_vlm_chunks(cfg: GPTModelConfig, *, vision_hidden: int, image_token_id:
             post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
             vp_stage=vp_stage, transformer_config=config,
         )
+        module: torch.nn.Module = VLMChunk(gpt, vision_hidden=vision_hidden, image_token_id=image_token_id)
+        if cfg.bf16:
+            module = Float16Module(config, module)
         chunk = DistributedDataParallel(
-            config=config, ddp_config=DistributedDataParallelConfig(overlap_grad_reduce=False),
-            module=VLMChunk(gpt, vision_hidden=vision_hidden, image_token_id=image_token_id), disable_bucketing=vp > 0,
+            config=config, ddp_config=DistributedDataParallelConfig(overlap_grad_reduce=False,
+                                                                    grad_reduce_in_fp32=cfg.bf16),
+            module=module, disable_bucketing=vp > 0,
         )
         chunk.broadcast_params()
         chunks.append(chunk)
@@ -252,7 +264,7 @@ class VLMFeed:
             raise SampleError(f"{where}: no encoder features for images {missing[:3]} "
                               f"(of {len(missing)}); every image must be encoded by some rank")
         feats = [self.features[k] for k in map(tuple, np.asarray(keys).tolist())]
-        merged = torch.cat(feats) if feats else torch.zeros(0, self.vision_hidden)
+        merged = torch.cat(feats) if feats else torch.zeros(0, self.vision_hidden, device=device())
         self.image_tokens += merged.shape[0]
         self.first_chunk.push_features(merged)
         return batch

@@ -193,10 +193,7 @@ def test_a_service_planned_for_another_layout_is_refused(monkeypatch: pytest.Mon
         build_on(monkeypatch, 0, tp=1, pp=1, dp=2)
 
 
-def test_provider_refuses_cp_and_unknown_microbatches(monkeypatch: pytest.MonkeyPatch) -> None:
-    configure(ProviderConfig(namespace="ns", num_microbatches=2))
-    with pytest.raises(ConfigError, match="context parallel size 2"):
-        build_on(monkeypatch, 0, tp=1, pp=1, dp=2, cp=2)
+def test_provider_refuses_unknown_microbatches(monkeypatch: pytest.MonkeyPatch) -> None:
     configure(ProviderConfig(namespace="ns"))
     with pytest.raises(ConfigError, match=prov.ENV_NUM_MICROBATCHES):
         build_on(monkeypatch, 0, tp=1, pp=1, dp=2)
@@ -205,6 +202,40 @@ def test_provider_refuses_cp_and_unknown_microbatches(monkeypatch: pytest.Monkey
     monkeypatch.setitem(sys.modules, "megatron.core.parallel_state", ps)
     with pytest.raises(ParallelLayoutError, match="not initialised"):
         prov.train_valid_test_datasets_provider([1, 0, 0])
+
+
+def test_cp_batches_arrive_sliced_and_megatrons_get_batch_does_not_slice_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With CP > 1 the service slices; Megatron's CP slicing (as pretrain_gpt imports it) becomes a pass-through
+    that still builds megatron-core's THD PackedSeqParams."""
+    import types
+
+    import torch
+    from megatron.core import utils as mutils
+
+    from megascale_data_ext.dataplane.cp_slicing import slice_for_cp
+    from megascale_data_ext.dataplane.packing import pack_microbatch
+
+    pretrain_gpt = types.ModuleType("fake_pretrain_gpt")  # `from megatron.core.utils import get_thd_batch_on_this_cp_rank`
+    pretrain_gpt.get_thd_batch_on_this_cp_rank = mutils.get_thd_batch_on_this_cp_rank
+    monkeypatch.setitem(sys.modules, "fake_pretrain_gpt", pretrain_gpt)
+    original = mutils.get_thd_batch_on_this_cp_rank
+    configure(ProviderConfig(namespace="ns", num_microbatches=2))
+    try:
+        train, _, _ = build_on(monkeypatch, 0, tp=1, pp=1, dp=2, cp=2)
+        assert isinstance(train, prov.MicrobatchIterator)
+        assert pretrain_gpt.get_thd_batch_on_this_cp_rank is not original
+        pack = pack_microbatch([{"tokens": np.arange(3, 8)}, {"tokens": np.arange(20, 23)}], seq_length=8, pad_id=0)
+        piece = {k: torch.from_numpy(np.asarray(v)) for k, v in slice_for_cp(pack, cp_size=2, cp_rank=1).items()}
+        view = prov.megatron_view(piece)
+        assert "cu_seqlens_padded" not in view and view["cu_seqlens"].tolist() == [[0, 8, 12]]
+        fields = {k: view[k] for k in ("tokens", "labels", "loss_mask", "position_ids")}
+        out, params = pretrain_gpt.get_thd_batch_on_this_cp_rank(fields, view["cu_seqlens"][0], None,
+                                                                 view["max_seqlen"])
+        assert out["tokens"].tolist() == [[5, 6, 7, 7, 21, 22]]  # untouched: already this rank's slice
+        assert params.qkv_format == "thd" and params.cu_seqlens_q.tolist() == [0, 8, 12] and params.max_seqlen_q == 8
+    finally:
+        prov.reset()
+    assert pretrain_gpt.get_thd_batch_on_this_cp_rank is original and mutils.get_thd_batch_on_this_cp_rank is original
 
 
 def test_interleaved_pipeline_only_first_and_last_virtual_chunk_fetch(monkeypatch: pytest.MonkeyPatch) -> None:
