@@ -49,7 +49,8 @@ def smoke(tmp_path_factory, calibration) -> tuple[dict, str]:
 def test_cpu_smoke_writes_every_row_field(smoke, capsys) -> None:
     data, calibration = smoke
     assert data["smoke"] is True and data["device"] == "cpu" and data["timing"] == "time.perf_counter"
-    assert data["shape"]["hidden"] == pm.CPU_SMOKE["hidden"] and data["shape"]["attention"] == pm.resolve_attention_choice("auto", device="cpu")
+    assert data["shape"]["hidden"] == pm.CPU_SMOKE["hidden"]
+    assert data["shape"]["attention"] == pm.resolve_attention_choice("auto", device="cpu")
     assert [(r["workload"], r["dp"], r["cap"]) for r in data["rows"]] == [("long-short", 2, 128), ("navit", 2, 128)]
     for row in data["rows"]:
         assert ROW_FIELDS <= set(row)
