@@ -1,7 +1,7 @@
 """A cost model calibrated from measured step times: fixed per-microbatch + FLOPs-shaped terms.
 
 FLOPs alone mispredict small and medium microbatches: on a GPU every microbatch also pays a
-fixed time (kernel launches, embedding and LM head set-up; ≈ 19 ms on an H100 at hidden 2048,
+fixed time (kernel launches, Python and framework work per forward + backward; ≈ 19 ms on an H100 at hidden 2048,
 issue 8) that the FLOPs model lacks, so predicted speedups of balancing come out too high. The calibrated model
 keeps the FLOPs model's shape (linear in tokens, quadratic per document for per-document
 attention) and fits three non-negative coefficients in seconds:
