@@ -59,16 +59,22 @@ class SourceSummary:
 
     def head(self, n: int) -> SourceSummary:
         """The first `n` samples (stream order): what a FIFO buffer serves next."""
-        off = self.image_offsets[: n + 1]
+        return self.window(0, n)
+
+    def window(self, start: int, n: int) -> SourceSummary:
+        """Samples ``[start, start + n)`` of this summary (rows, not stream positions)."""
+        stop = min(start + n, len(self))
+        off = self.image_offsets[start: stop + 1]
+        base = int(off[0]) if len(off) else 0
         return SourceSummary(
             source=self.source,
             name=self.name,
-            positions=self.positions[:n],
-            indices=self.indices[:n],
-            text_tokens=self.text_tokens[:n],
-            image_offsets=off,
-            image_patch_counts=self.image_patch_counts[: off[-1]] if len(off) else self.image_patch_counts[:0],
-            extra={k: v[:n] for k, v in self.extra.items()},
+            positions=self.positions[start:stop],
+            indices=self.indices[start:stop],
+            text_tokens=self.text_tokens[start:stop],
+            image_offsets=off - base,
+            image_patch_counts=self.image_patch_counts[base: off[-1]] if len(off) else self.image_patch_counts[:0],
+            extra={k: v[start:stop] for k, v in self.extra.items()},
         )
 
 

@@ -51,6 +51,8 @@ from megascale_data_ext.runtime.topology import ServiceTopology, make_strategy
 from megascale_data_ext.state import StateSchema
 
 Summarize = Callable[[int, int, int], SourceSummary]
+SUMMARY_EXTRA = 4096
+"""Samples of metadata fetched beyond the buffer per loader round trip (see `Planner._summary`)."""
 
 
 class Planner:
@@ -77,6 +79,7 @@ class Planner:
         self.topology = topology
         self.tree = topology.tree
         self.summarize = summarize
+        self._summaries: dict[int, SourceSummary] = {}  # per source, a window of its (pure) stream metadata
         self.keep = keep
         self.strategy = make_strategy(config)
         names = config.source_names
@@ -185,7 +188,7 @@ class Planner:
         """Plan `step` live: buffer summaries -> mix -> strategy (deferring what does not fit)."""
         self._apply_reports(step)
         window = self.config.buffer_size
-        summaries = [self.summarize(s, int(self.cursors[s]), window) for s in range(len(self.cursors))]
+        summaries = [self._summary(s, int(self.cursors[s]), window) for s in range(len(self.cursors))]
         if self.config.tokens_per_step is not None:
             return self._planned_tokens(step, summaries)
         buffer = BufferSummary.of(summaries)
@@ -198,6 +201,24 @@ class Planner:
             plan = self._fit(buffer, graph, step)
             self.mixer.settle(step, plan.counts_per_source())
         return plan
+
+    def _summary(self, source: int, start: int, count: int) -> SourceSummary:
+        """Metadata of `count` samples from stream position `start`, from a cached window.
+
+        A stream's metadata is a pure function of the position (seed, epoch permutation), so
+        the planner asks a loader for ``SUMMARY_EXTRA`` more samples than the buffer and slices
+        steps out of them: one round trip per source every few dozen steps instead of one per step.
+        """
+        cached = self._summaries.get(source)
+        if cached is None or not (len(cached) and cached.positions[0] <= start
+                                  and start + count <= cached.positions[-1] + 1):
+            n = count + SUMMARY_EXTRA
+            cached = self._summaries[source] = self.summarize(source, start, n)
+            if len(cached) != n or (len(cached) and cached.positions[0] != start):
+                raise PlanError(f"source {source}: summary_buffer({start}, {n}) returned {len(cached)} samples "
+                                f"from position {int(cached.positions[0]) if len(cached) else None}; a loader must "
+                                "return exactly the positions asked for")
+        return cached.window(start - int(cached.positions[0]), count)
 
     def _replayed(self, step: int) -> StepPlan:
         """The plan `megascale-data plan` wrote for `step`; it must continue the streams where they are."""
@@ -377,6 +398,7 @@ class Planner:
             with self._reports_cv:
                 self._reports = {int(k): list(v) for k, v in fields["reports"]}
             self.carry = copy.deepcopy(list(fields["carry"]))
+            self._summaries.clear()
             self.plans.clear()
             self._states.clear()
 
