@@ -163,3 +163,90 @@ def test_client_data_position():
     check_save_load(make, lambda c, _i: c.next_microbatch()["tokens"], steps=10, resume_at=[0, 4, 6])
     other = Client(topo, 1, source=FakeSource(), num_microbatches=4)
     refuses(other, saved(make()), "`num_microbatches` changed: saved 3, now 4", "data.num_microbatches")
+
+
+# -- fault tolerance: what a restarted actor recovers from ------------------------------------
+def test_planner_checkpoints_per_step_replay_identical_plans_after_a_restart(specs, tmp_path):
+    """A Planner restored from the state file of any kept step re-plans exactly the plans it had made."""
+    from megascale_data_ext.runtime.checkpoints import PlannerCheckpoints
+
+    cfg = service_config(specs)
+    ckpt = PlannerCheckpoints(tmp_path, keep=4)
+    ref = InProcessService(cfg, TREE).planner
+    ref.on_planned = lambda plan, seconds: ckpt.save(ref.state_dict())
+    ckpt.save(ref.state_dict())
+    for step in range(8):
+        ref.plan(step)
+    assert ckpt.steps() == [5, 6, 7, 8]  # the newest `keep`, older ones pruned
+    assert ckpt.at(2) is None and ckpt.latest()["step"] == 8
+    assert not list(tmp_path.glob(".*.tmp"))  # written through a rename
+    restarted = InProcessService(cfg, TREE).planner
+    restarted.load_state_dict(ckpt.at(5))  # the rewind of a constructor rebuilding step 5
+    for step in (5, 6, 7):
+        for a, b in zip(plan_rows(restarted, step), plan_rows(ref, step), strict=True):
+            np.testing.assert_array_equal(a, b)
+
+
+def test_loader_snapshots_are_sparse_and_restore_the_stream_position(specs, tmp_path):
+    from megascale_data_ext.runtime.checkpoints import LoaderSnapshots
+
+    snaps = LoaderSnapshots(tmp_path, every=4)
+    assert [s for s in range(12) if snaps.due(s, last=0)] == list(range(4, 12))
+    ld = SourceLoader(0, specs[0], seed=1)
+    ld.next_position = 17
+    snaps.save(0, 8, ld.state_dict())
+    step, state = snaps.load(0)
+    fresh = SourceLoader(0, specs[0], seed=1)
+    fresh.load_state_dict(state)
+    assert (step, fresh.next_position) == (8, 17) and snaps.load(1) is None
+
+
+def test_reading_buckets_from_the_plan_equals_popping_them(specs):
+    """What a shadow (or a restarted loader) reads straight from the plan is what the primary stages."""
+    from megascale_data_ext.runtime.failover import missing_buckets, read_buckets
+
+    plan = LoaderPlan(step=0, source=0, positions=np.arange(6), indices=SourceLoader(0, specs[0], seed=3).indices_at(
+        np.arange(6)), bucket=np.array([0, 1, 0, 1, 1, 0]))
+    primary = SourceLoader(0, specs[0], seed=3, get_plan=lambda step, source: plan)
+    shadow = SourceLoader(0, specs[0], seed=3)
+    popped = primary.fetch(0, [1])
+    direct = read_buckets(shadow, plan, [1])
+    key = lambda out: [(b, p, s.index, s.tokens.tolist()) for b, p, s in out["samples"]]  # noqa: E731
+    assert key(direct) == key(popped) and len(direct["samples"]) == 3
+    assert missing_buckets(plan, [1], primary.fetch(0, [1])) == [1]  # popped before: read again
+    assert missing_buckets(plan, [0], primary.fetch(0, [0])) == []
+
+
+def test_fault_schedules_parse_and_bad_entries_are_named():
+    from megascale_data_ext.errors import ConfigError
+    from megascale_data_ext.runtime.faults import FaultInjector, FaultToleranceConfig, parse_faults
+
+    specs = parse_faults("planner@every15, loader:0-4@10;constructor:1@7")
+    assert [(s.component, s.indices, s.at, s.every) for s in specs] == [
+        ("planner", (0,), None, 15), ("loader", (0, 1, 2, 3, 4), 10, None), ("constructor", (1,), 7, None)]
+    killed = []
+    inj = FaultInjector(specs, lambda c, i: killed.append((c, i)))
+    for step in [0, 7, 7, 10, 15, 30]:  # a step seen twice fires once
+        inj.on_step(step)
+    assert killed == [("constructor", 1)] + [("loader", i) for i in range(5)] + [("planner", 0)] * 2
+    assert (inj.kills("loader"), inj.kills("planner")) == (5, 2)
+    with pytest.raises(ConfigError, match=r"\['planner:1@3', 'disk@4', 'loader@every0'\]"):
+        parse_faults("planner:1@3,disk@4,loader@every0")
+    with pytest.raises(ConfigError, match="(?s)`fault_tolerance.retries`.*`fault_tolerance.hedge_s`"):
+        FaultToleranceConfig(retries=0, hedge_s=0)
+
+
+def test_elastic_resume_restamps_only_the_layout(specs):
+    from megascale_data_ext.errors import ResumeError
+    from megascale_data_ext.runtime.elastic import reshard_planner_state
+
+    dp4 = InProcessService(service_config(specs), ClientPlaceTree.from_sizes(dp=4)).planner
+    dp4.plan(2)
+    dp2 = InProcessService(service_config(specs, num_microbatches=4), ClientPlaceTree.from_sizes(dp=2)).planner
+    state = dp4.state_dict(3)
+    with pytest.raises(ResumeError, match="`world` changed"):
+        dp2.load_state_dict(state)
+    dp2.load_state_dict(reshard_planner_state(state, dp2.fingerprint()))
+    assert dp2.next_step == 3 and dp2.cursors.tolist() == dp4.cursors.tolist()
+    same = sorted(zip(*(a.tolist() for a in plan_rows(dp4, 3)[:2]), strict=True))
+    assert sorted(zip(*(a.tolist() for a in plan_rows(dp2, 3)[:2]), strict=True)) == same  # same samples, new split
