@@ -175,7 +175,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"baseline: {args.steps} steps in {baseline.wall_s:.1f} s, median step wait "
           f"{np.median(baseline.step_wait_s) * 1e3:.1f} ms, {sum(baseline.docs.values())} documents")
     counts = {"loader": args.sources, "planner": 1, "constructor": args.dp}
-    rows = []
+    rows, memory = [], baseline.memory
     for component in args.components.split(","):
         faults = schedule(component, args.kills, args.steps, counts[component])
         got = one(component, faults)
@@ -188,15 +188,15 @@ def run(args: argparse.Namespace) -> int:
         rows.append(row)
         print(json.dumps(asdict(row)))
         if component == "loader":
-            mem = got.memory
-            print(f"memory: primary loaders {mem['loaders_rss'] / 2**20:.0f} MiB, shadows {mem['shadows_rss'] / 2**20:.0f}"
-                  f" MiB ({args.sources} each): x{(mem['loaders_rss'] + mem['shadows_rss']) / max(mem['loaders_rss'], 1):.2f}"
-                  " loader memory with shadows")
+            mem = memory = got.memory
+            ratio = (mem["loaders_rss"] + mem["shadows_rss"]) / max(mem["loaders_rss"], 1)
+            print(f"memory: primary loaders {mem['loaders_rss'] / 2**20:.0f} MiB, shadows "
+                  f"{mem['shadows_rss'] / 2**20:.0f} MiB ({args.sources} each): x{ratio:.2f} loader memory with shadows")
     print(f"load after: {os.getloadavg()}")
     ray.shutdown()
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"steps": args.steps, "step_seconds": args.step_seconds,
                                          "client_prefetch": args.client_prefetch, "shadows": not args.no_shadows,
-                                         "memory": baseline.memory, "rows": [asdict(r) for r in rows]}, indent=1))
+                                         "memory": memory, "rows": [asdict(r) for r in rows]}, indent=1))
     return 0 if all(r.lost == 0 and r.duplicated == 0 for r in rows) else 1

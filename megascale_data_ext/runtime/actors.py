@@ -343,7 +343,8 @@ class DataConstructorActor:
             self._target = step + self.prefetch_depth
             self._wake.set()
         out = take()
-        service_metrics().buffered_steps(self.constructor.buffered_steps(), "+".join(map(str, self.constructor.buckets)))
+        buckets = "+".join(map(str, self.constructor.buckets))
+        service_metrics().buffered_steps(self.constructor.buffered_steps(), buckets)
         return out
 
     def get_encoder_images(self, step: int, rank: int):

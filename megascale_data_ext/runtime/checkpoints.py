@@ -42,7 +42,8 @@ def _read(path: Path) -> dict[str, Any] | None:
     except FileNotFoundError:  # pruned meanwhile
         return None
     except json.JSONDecodeError as exc:
-        raise ResumeError(f"checkpoint {path} is not valid JSON ({exc}); delete it so the previous one is used") from exc
+        raise ResumeError(f"checkpoint {path} is not valid JSON ({exc}); delete it so the previous one "
+                          "is used") from exc
 
 
 class PlannerCheckpoints:

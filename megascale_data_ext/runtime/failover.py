@@ -14,7 +14,8 @@ serving a fetch keep that exactly-once:
 `LoaderFailover` is what constructors and the Planner call: the primary, hedged by the shadow
 when it died, is unavailable or has not answered within ``hedge_s`` (a primary Ray is
 restarting queues calls silently: the hedge is what detects it); the first answer wins (both
-are the same samples). The shadow is asked first for ``suspect_s`` after a primary failure; without a shadow it retries the restarting primary until
+are the same samples). The shadow is asked first for ``suspect_s`` after a primary failure;
+without a shadow it retries the restarting primary until
 ``recovery_timeout_s`` and then raises `ServiceUnavailableError` naming the source.
 """
 

@@ -77,7 +77,8 @@ class FaultToleranceConfig:
         if not isinstance(self.client_prefetch, int) or self.client_prefetch < 0:
             problems.append(("client_prefetch", f"must be an integer >= 0, got {self.client_prefetch!r}"))
         problems += [(k, f"must be > 0 seconds, got {getattr(self, k)!r}")
-                     for k in ("rpc_timeout_s", "recovery_timeout_s", "hedge_s", "suspect_s") if not getattr(self, k) > 0]
+                     for k in ("rpc_timeout_s", "recovery_timeout_s", "hedge_s", "suspect_s")
+                     if not getattr(self, k) > 0]
         if problems:
             raise ConfigError("invalid fault_tolerance config:\n  - " +
                               "\n  - ".join(f"`fault_tolerance.{k}`: {m}" for k, m in problems))

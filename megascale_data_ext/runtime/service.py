@@ -141,7 +141,8 @@ class DataService:
             self.shadows = self._loader_actors(topo.shadow_loader_names(), shadow=True, ckpt=None)
         ray.get([h.size.remote() for h in self.loaders + self.shadows])  # surfaces source errors (missing files...) now
         self._phase("loaders up", t0, f" ({len(self.loaders)} + {len(self.shadows)} shadows)")
-        self.planner = PlannerActor.options(name=PLANNER_NAME, namespace=ns, **ft.actor_options(retry_tasks=True)).remote(
+        planner_opts = ft.actor_options(retry_tasks=True)
+        self.planner = PlannerActor.options(name=PLANNER_NAME, namespace=ns, **planner_opts).remote(
             cfg, topo, self.loaders, ft, ckpt, self.shadows or None)
         ray.get([h.set_planner.remote(self.planner) for h in self.loaders + self.shadows])
         start_step = 0

@@ -68,8 +68,9 @@ def test_loaders_planner_and_constructors_killed_the_trainer_gets_every_sample_o
     cfg, steps = config(text_spec, 16, "faults"), 31
     ft = FaultToleranceConfig(rpc_timeout_s=20, recovery_timeout_s=120, client_prefetch=4)
     got = run_with_faults(cfg, tree, ft, steps, "loader:0-4@3,planner@every15,constructor:1@6,constructor:0@20")
-    assert sorted(got.kill_steps) == sorted([("loader", i, 3) for i in range(5)] + [("planner", 0, 15), ("planner", 0, 30),
-                                            ("constructor", 1, 6), ("constructor", 0, 20)])
+    want_kills = [("loader", i, 3) for i in range(5)] + [("planner", 0, 15), ("planner", 0, 30),
+                                                         ("constructor", 1, 6), ("constructor", 0, 20)]
+    assert sorted(got.kill_steps) == sorted(want_kills)
     want = reference_docs(cfg, tree, steps)
     assert sum(want.values()) > steps * 4
     assert compare(want, got.docs) == (0, 0)  # (lost, duplicated) from the delivered tokens
