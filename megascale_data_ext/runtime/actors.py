@@ -79,10 +79,12 @@ class PlannerActor:
         self.planner = Planner(config, topology, self._loaders.summary, on_planned=self._on_planned)
         self.restored_from: int | None = None
         self.rewinds = 0
+        self._reports: dict[int, list] = {}  # loss reports received, re-fed after every restore or rewind
         if self.checkpoints is not None:
             state = self.checkpoints.latest() if _reconstructed() else None
             if state is not None:
-                self.planner.load_state_dict(state)
+                self._reports = self.checkpoints.reports()
+                self._load(state)
                 self.restored_from = int(state["step"])
                 _log.warning("planner restarted: restored its state before step %d", self.restored_from)
             else:
@@ -100,9 +102,15 @@ class PlannerActor:
             state = self.checkpoints.at(step) if self.checkpoints is not None else None
             if state is None:
                 raise
-            self.planner.load_state_dict(state)  # deterministic: re-planning gives the same plans
+            self._load(state)  # deterministic: re-planning gives the same plans
             self.rewinds += 1
             return self.planner.plan(step)
+
+    def _load(self, state: dict) -> None:
+        """Load a saved state, then hand back the loss reports it predates (feedback mixing)."""
+        self.planner.load_state_dict(state)
+        for step, pairs in sorted(self._reports.items()):
+            self.planner.report_loss(step, dict(pairs))
 
     def topology(self) -> ServiceTopology:
         """The service's topology, for clients that join by namespace alone."""
@@ -148,6 +156,11 @@ class PlannerActor:
 
     def report_loss(self, step: int, losses: dict) -> None:
         self.planner.report_loss(step, losses)
+        if self.checkpoints is not None and self.planner.report_delay is not None:
+            self._reports[step] = [[k, v] for k, v in losses.items()]
+            for old in [k for k in self._reports if k < step - 4 * self.ft.checkpoint_keep]:
+                del self._reports[old]
+            self.checkpoints.save_reports(self._reports)
 
     def stats(self) -> dict:
         return {"next_step": self.planner.next_step, "restored_from": self.restored_from, "rewinds": self.rewinds,

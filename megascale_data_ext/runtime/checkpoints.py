@@ -82,10 +82,20 @@ class PlannerCheckpoints:
         steps = self.steps()
         return _read(self.path(steps[-1])) if steps else None
 
+    def save_reports(self, reports: dict[int, list]) -> None:
+        """Keep the loss reports received (feedback mixing): a state file holds only those
+        before its step, and a report is sent once."""
+        write_atomic(self.directory / "reports.json", {"reports": [[k, v] for k, v in sorted(reports.items())]})
+
+    def reports(self) -> dict[int, list]:
+        got = _read(self.directory / "reports.json")
+        return {} if got is None else {int(k): v for k, v in got["reports"]}
+
     def clear(self) -> None:
         """Remove every state (a fresh service must not restore another run's planner)."""
         for s in self.steps():
             self.path(s).unlink(missing_ok=True)
+        (self.directory / "reports.json").unlink(missing_ok=True)
 
 
 class LoaderSnapshots:
