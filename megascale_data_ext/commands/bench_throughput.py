@@ -77,6 +77,7 @@ class LoaderResult:
     rss_mib: list[float] = field(default_factory=list)
     first_after_init_s: float = float("nan")
     startup: dict[str, float] = field(default_factory=dict)
+    cpu_by_role: dict[str, float] = field(default_factory=dict)
 
     @property
     def tokens_per_s(self) -> float:
@@ -364,6 +365,8 @@ def run_service(prefixes: list[str], *, strategy: str, seq_length: int, steps: i
         _progress(f"service {strategy}: actors ready after {startup['actors ready (s)']:.1f} s; first step ...")
         actors = [*service.loaders, service.planner, *service.constructors]
         actor_pids = ray.get([h.__ray_call__.remote(lambda _self: os.getpid()) for h in actors])
+        nl = len(service.loaders)
+        roles = {"loaders": actor_pids[:nl], "planner": actor_pids[nl:nl + 1], "constructors": actor_pids[nl + 1:]}
         clients = [Client.connect(handles, rank, num_microbatches=m, broadcast=False)
                    for rank in service.topology.fetch_ranks()]
         fetch_ms: list[float] = []
@@ -385,6 +388,7 @@ def run_service(prefixes: list[str], *, strategy: str, seq_length: int, steps: i
                             _progress(f"service {strategy}: first batch {first:.2f} s after start "
                                       f"({first_after_init:.2f} s after ray.init)")
                             startup_cpu = loader_cpu0 = _cpu(actor_pids)
+                            role_cpu0 = {k: _cpu(v) for k, v in roles.items()}
                             all_meter.mark()
                             t_first = now
                             continue
@@ -395,6 +399,7 @@ def run_service(prefixes: list[str], *, strategy: str, seq_length: int, steps: i
                         waits.append((time.perf_counter() - w0) * 1e3)
         steady = time.perf_counter() - t_first
         loader_cpu = _cpu(actor_pids) - loader_cpu0
+        by_role = {k: _cpu(v) - role_cpu0[k] for k, v in roles.items()}
         all_cpu = all_meter.since_mark()
         rss = _rss_mib(actor_pids)
     finally:
@@ -404,7 +409,7 @@ def run_service(prefixes: list[str], *, strategy: str, seq_length: int, steps: i
                         cpu_loader_total_s=startup_cpu + loader_cpu, samples_per_step=config.samples_per_step
                         if config.tokens_per_step is None else None, tokens_per_step=config.tokens_per_step,
                         num_microbatches=m, step_wait_ms=waits, rss_mib=rss, first_after_init_s=first_after_init,
-                        startup=startup)
+                        startup=startup, cpu_by_role=by_role)
 
 
 # -- report ------------------------------------------------------------------------------
@@ -474,7 +479,8 @@ def run(args: argparse.Namespace) -> int:
         per_step = (f"{r.tokens_per_step} tokens per step (documents split as Megatron's windows)"
                     if r.tokens_per_step else f"{r.samples_per_step} documents per step")
         phases = ", ".join(f"{k} {v:.2f}" for k, v in r.startup.items())
-        print(f"{r.name}: {per_step}; start-up: {phases}")
+        roles = ", ".join(f"{k} {v:.2f}" for k, v in r.cpu_by_role.items())
+        print(f"{r.name}: {per_step}; start-up: {phases}; steady loader CPU-s by actor: {roles}")
     if args.json:
         payload: dict[str, Any] = {
             "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if not k.startswith("_")},

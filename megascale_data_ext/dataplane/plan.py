@@ -49,6 +49,7 @@ class ConstructorPlan:
     microbatches: list[list[SampleRef]]
     ranks: tuple[int, ...]
     cap: int | None = None  # token cap the planner packed under; None = no cap (vanilla)
+    encoder: bool = False  # the step has an EncoderPlan (images to hand to encoder ranks)
 
 
 @dataclass(slots=True, kw_only=True)
@@ -170,7 +171,7 @@ class StepPlan:
                           stop=int(self.span_stop[r]) if spans else None)
             )
         return ConstructorPlan(step=self.step, bucket=bucket, microbatches=mbs, ranks=self.bucket_ranks[bucket],
-                               cap=self.cap)
+                               cap=self.cap, encoder=self.encoder is not None)
 
     def summary(self) -> dict[str, float | int | list[int]]:
         """Numbers worth printing per step: sizes, balance and per-source counts."""

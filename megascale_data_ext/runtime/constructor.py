@@ -183,7 +183,8 @@ class DataConstructor:
                 self.skipped_total += 1
         if self.decode is not None:
             pool = {key: self.decode(x) for key, x in pool.items()}
-        rows = self.get_encoder_plan(step, self.buckets) if self.get_encoder_plan is not None else None
+        wants_images = self.get_encoder_plan is not None and any(p.encoder for p in plans.values())
+        rows = self.get_encoder_plan(step, self.buckets) if wants_images else None  # no round trip for text
         mult = self.config.pad_to_multiple_of * 2 * self.tree.cp
         built = _BuiltStep(batches={}, info={})
         for b, plan in plans.items():
