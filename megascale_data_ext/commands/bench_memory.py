@@ -1,15 +1,15 @@
 """``megascale-data bench memory``: loader memory of per-rank (colocated) loading vs this service.
 
 Colocated baseline: every trainer rank builds Megatron's blended GPTDataset over S sources
-and iterates a torch DataLoader with W workers (Megatron's default W = 2). It is **measured**
-as real processes: ``--measure-ranks`` rank processes at once, each with its W worker
-processes, at the source counts of ``--measure-sources``; memory is read from
-``/proc/<pid>/smaps_rollup`` (USS = private pages). A rank's loader memory is what building
-the dataset and iterating added to its own USS (torch and Megatron, held by a trainer anyway,
-are not counted) plus each worker's whole USS; pages shared with the trainer are not counted.
-Other (ranks, sources) are **extrapolated** with the measured costs: per rank
-``main(S) + W * worker(S)``, each a line ``a + b * S`` fitted to the measured points (b is
-the measured per-(source, process) cost), times the ranks.
+and iterates a torch DataLoader with W forked workers (Megatron's default W = 2). It is
+**measured** as real processes: ``--measure-ranks`` rank processes at once, each with its W
+workers, at the source counts of ``--measure-sources``; memory is read from
+``/proc/<pid>/smaps_rollup``. A rank's loader memory is the PSS of its process group (main +
+workers) after building the dataset and serving batches minus its main's PSS before: torch
+and Megatron, held by a trainer anyway, are not counted, nor are the pages forked workers
+still share with their rank. Other (ranks, sources) are **extrapolated** with the measured
+costs: per rank ``a + b * S``, a line through the measured points (b is the measured
+per-source cost of a rank with its W workers), times the ranks.
 
 Service: the partitioner (`dataplane.partitioner`) packs the S sources into loader actors;
 those actors and the Planner run on a real local Ray for every (ranks, sources) of the grid,
@@ -89,12 +89,11 @@ def _rank_process(conn: Any, rank: int, prefixes: list[str], workers: int, seq_l
 
     from megascale_data_ext.commands.bench_throughput import MegatronPretrainingSampler
 
-    from megascale_data_ext.commands.profile import process_memory
-
     torch.set_num_threads(1)
     Path(cache).mkdir(parents=True, exist_ok=True)
     dist.init_process_group("gloo", init_method=f"file://{cache}/pg{rank}", rank=0, world_size=1)
-    trainer_uss = process_memory()["uss"]  # what the rank holds anyway (torch, Megatron): not loader memory
+    conn.send("before")  # the parent measures what the rank holds anyway (torch, Megatron)
+    conn.recv()
     config = GPTDatasetConfig(random_seed=seed, sequence_length=seq_length, blend=(prefixes, [1.0] * len(prefixes)),
                               split="100,0,0", tokenizer=_Tokenizer(), reset_position_ids=False,
                               reset_attention_mask=False, eod_mask_loss=False, create_attention_mask=False,
@@ -102,12 +101,14 @@ def _rank_process(conn: Any, rank: int, prefixes: list[str], workers: int, seq_l
     train, _, _ = BlendedMegatronDatasetBuilder(GPTDataset, [train_samples, 0, 0], lambda: True, config).build()
     sampler = MegatronPretrainingSampler(total_samples=train_samples, consumed_samples=0, micro_batch_size=1,
                                          data_parallel_rank=0, data_parallel_size=1)
+    # fork, as a torchrun rank's DataLoader does on Linux (this process was spawned, so the
+    # default here would be spawn: each worker would import torch again and look far bigger)
     loader = torch.utils.data.DataLoader(train, batch_sampler=sampler, num_workers=workers, persistent_workers=True,
-                                         prefetch_factor=2)
+                                         prefetch_factor=2, multiprocessing_context="fork" if workers else None)
     it = iter(loader)
     for _ in range(8 * max(1, workers)):  # every worker has opened the sources and served batches
         next(it)
-    conn.send(([p.pid for p in it._workers] if workers else [], trainer_uss))
+    conn.send([p.pid for p in it._workers] if workers else [])
     conn.recv()  # measured: exit
     del it, loader
     dist.destroy_process_group()
@@ -117,9 +118,12 @@ def measure_colocated(prefixes: list[str], *, ranks: int, workers: int, seq_leng
                       seed: int, cache: Path) -> dict[str, float]:
     """`ranks` real rank processes at once over `prefixes` (MiB, per rank).
 
-    ``main_uss`` is what building the blended dataset and iterating added to the rank's USS
-    (torch and Megatron, which a trainer holds anyway, are left out); ``worker_uss`` is a
-    DataLoader worker's whole USS (it exists only to load). Shared pages are reported, not counted.
+    A rank's loader memory (``loader_pss``) is the PSS of its process group (main + DataLoader
+    workers) after building the blended dataset and serving batches, minus its main's PSS
+    before (torch, Megatron and the process group, which a trainer holds anyway). PSS, because
+    forked workers share the parent's pages: only what the dataset and the workers' copies
+    add is counted. Every rank is measured at the same point (they wait for the parent), so
+    the pages the ranks share split the same way before and after.
     """
     ctx = mp.get_context("spawn")
     procs, conns = [], []
@@ -131,10 +135,14 @@ def measure_colocated(prefixes: list[str], *, ranks: int, workers: int, seq_leng
         procs.append(p)
         conns.append(parent)
     try:
-        got = [c.recv() for c in conns]
+        for c in conns:
+            c.recv()
+        before = [process_memory(p.pid) for p in procs]
+        for c in conns:
+            c.send("go")
+        pids = [c.recv() for c in conns]
         mains = [process_memory(p.pid) for p in procs]
-        wk = [process_memory(pid) for pids, _ in got for pid in pids]
-        before = [uss for _, uss in got]
+        wk = [[process_memory(pid) for pid in group] for group in pids]
     finally:
         for c in conns:
             c.send("exit")
@@ -142,12 +150,14 @@ def measure_colocated(prefixes: list[str], *, ranks: int, workers: int, seq_leng
             p.join(timeout=60)
             if p.is_alive():
                 p.kill()
-    n_w = max(1, len(wk))
-    return {"main_uss": sum(m["uss"] - b for m, b in zip(mains, before, strict=True)) / ranks / MiB,
-            "main_total_uss": sum(m["uss"] for m in mains) / ranks / MiB,
-            "worker_uss": sum(w["uss"] for w in wk) / n_w / MiB if wk else 0.0,
-            "worker_pss": sum(w["pss"] for w in wk) / n_w / MiB if wk else 0.0,
-            "shared_once": shared_once(mains + wk), "pss_total": sum(m["pss"] for m in mains + wk) / MiB}
+    flat = [w for group in wk for w in group]
+    n_w = max(1, len(flat))
+    group_after = [m["pss"] + sum(w["pss"] for w in g) for m, g in zip(mains, wk, strict=True)]
+    return {"loader_pss": sum(a - b["pss"] for a, b in zip(group_after, before, strict=True)) / ranks / MiB,
+            "main_pss_before": sum(b["pss"] for b in before) / ranks / MiB,
+            "main_uss": sum(m["uss"] for m in mains) / ranks / MiB,
+            "worker_uss": sum(w["uss"] for w in flat) / n_w / MiB if flat else 0.0,
+            "worker_pss": sum(w["pss"] for w in flat) / n_w / MiB if flat else 0.0}
 
 
 def shared_once(mems: list[dict[str, int]]) -> float:
@@ -157,8 +167,8 @@ def shared_once(mems: list[dict[str, int]]) -> float:
 
 def fit_line(xs: list[int], ys: list[float]) -> tuple[float, float]:
     """(a, b) of y = a + b x through the measured points (exact for two, least squares beyond)."""
-    if len(xs) == 1:
-        return 0.0, ys[0] / xs[0]
+    if len(xs) == 1:  # no slope to measure: flat in S (never grows the baseline beyond what was measured)
+        return ys[0], 0.0
     b, a = np.polyfit(np.asarray(xs, float), np.asarray(ys, float), 1)
     return float(a), float(b)
 
@@ -258,19 +268,16 @@ def _progress(msg: str) -> None:
 
 
 def colocated_model(points: dict[int, dict[str, float]], workers: int) -> dict[str, Any]:
-    """Per-rank memory as lines in S fitted to the measured points: main(S) + W * worker(S)."""
+    """A rank's loader memory as a line ``a + b * S`` through the measured points (b: per-source cost)."""
     xs = sorted(points)
-    am, bm = fit_line(xs, [points[s]["main_uss"] for s in xs])
-    aw, bw = fit_line(xs, [points[s]["worker_uss"] for s in xs])
-    return {"main_mib": [am, bm], "worker_mib": [aw, bw], "workers": workers,
-            "shared_once_mib": max(points[s]["shared_once"] for s in xs),
-            "per_source_per_rank_mib": bm + workers * bw}
+    a, b = fit_line(xs, [points[s]["loader_pss"] for s in xs])
+    return {"per_rank_mib": [a, b], "workers": workers, "per_source_per_rank_mib": b,
+            "per_source_per_process_mib": b / (workers + 1)}
 
 
 def colocated_mib(model: dict[str, Any], ranks: int, sources: int) -> float:
-    (am, bm), (aw, bw) = model["main_mib"], model["worker_mib"]
-    per_rank = am + bm * sources + model["workers"] * (aw + bw * sources)
-    return ranks * per_rank
+    a, b = model["per_rank_mib"]
+    return ranks * (a + b * sources)
 
 
 def plot(rows: list[dict[str, Any]], path: Path) -> None:
@@ -350,6 +357,7 @@ def run(args: argparse.Namespace) -> int:
                     "shadow_mib": round(svc["shadow_uss"], 1), "loader_actors": svc["loader_actors"],
                     "loader_mib": round(svc["loader_uss"], 1), "planner_mib": round(svc["planner_uss"], 1),
                     "service_shared_once_mib": round(svc["shared_once"], 1),
+                    "service_pss_mib": round(svc["loader_pss"] + svc["planner_pss"], 1),
                     "colocated": ("measured per rank (x ranks)" if s in measured_s else
                                   "extrapolated in sources (per-source cost) and ranks"),
                     "service": "measured", "constructors": "1 measured x nodes (extrapolated)",

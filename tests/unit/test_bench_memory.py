@@ -13,12 +13,12 @@ from megascale_data_ext.commands.profile import process_memory
 
 def test_extrapolation_is_the_fitted_per_source_cost() -> None:
     assert fit_line([8, 32], [100.0, 160.0]) == pytest.approx((80.0, 2.5))
-    points = {8: {"main_uss": 20.0, "worker_uss": 50.0, "shared_once": 9.0},
-              32: {"main_uss": 44.0, "worker_uss": 74.0, "shared_once": 9.0}}
+    points = {8: {"loader_pss": 20.0}, 32: {"loader_pss": 44.0}}
     model = colocated_model(points, workers=2)
-    assert model["per_source_per_rank_mib"] == pytest.approx(1.0 + 2 * 1.0)
-    assert colocated_mib(model, 16, 32) == pytest.approx(16 * (44.0 + 2 * 74.0))
-    assert colocated_mib(model, 16, 128) == pytest.approx(16 * (140.0 + 2 * 170.0))
+    assert model["per_source_per_rank_mib"] == pytest.approx(1.0)
+    assert colocated_mib(model, 16, 32) == pytest.approx(16 * 44.0)
+    assert colocated_mib(model, 16, 128) == pytest.approx(16 * 140.0)
+    assert fit_line([8], [30.0]) == (30.0, 0.0)  # one point: flat in sources, never extrapolated upwards
     mem = process_memory()
     assert 0 < mem["uss"] <= mem["pss"] <= mem["rss"]
 
