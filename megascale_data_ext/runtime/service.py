@@ -181,20 +181,37 @@ class DataService:
     def load_state_dict(self, state: dict, *, reshard: bool = False) -> None:
         ray.get(self.planner.load_state_dict.remote(state, reshard))
 
+    def _ask(self, handles: list[Any], method: str) -> list[Any]:
+        """Call `method` on every actor, waiting out those Ray is restarting (fault tolerance)."""
+        from ray.exceptions import ActorUnavailableError
+
+        deadline = time.monotonic() + self.ft.recovery_timeout_s
+        out = []
+        for h in handles:
+            while True:
+                try:
+                    out.append(ray.get(getattr(h, method).remote()))
+                    break
+                except ActorUnavailableError:
+                    if time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.2)
+        return out
+
     def stats(self) -> dict:
         return {
-            "loaders": ray.get([h.stats.remote() for h in self.loaders]),
-            "shadows": ray.get([h.stats.remote() for h in self.shadows]),
-            "planner": ray.get(self.planner.stats.remote()),
-            "constructors": ray.get([c.stats.remote() for c in self.constructors]),
+            "loaders": self._ask(self.loaders, "stats"),
+            "shadows": self._ask(self.shadows, "stats"),
+            "planner": self._ask([self.planner], "stats")[0],
+            "constructors": self._ask(self.constructors, "stats"),
             "startup_seconds": self.startup_seconds,
             "phases": dict(self.phases),
         }
 
     def memory(self) -> dict[str, int]:
         """Resident bytes of the primary loaders and of the shadows (the shadows' memory cost)."""
-        return {"loaders_rss": sum(ray.get([h.rss_bytes.remote() for h in self.loaders])),
-                "shadows_rss": sum(ray.get([h.rss_bytes.remote() for h in self.shadows])) if self.shadows else 0}
+        return {"loaders_rss": sum(self._ask(self.loaders, "rss_bytes")),
+                "shadows_rss": sum(self._ask(self.shadows, "rss_bytes"))}
 
     def stop(self) -> None:
         for h in self.constructors + self.loaders + self.shadows + ([self.planner] if self.planner is not None else []):
