@@ -24,13 +24,23 @@ from megascale_data_ext.sources.jsonl import JsonlSource
 from megascale_data_ext.sources.megatron_indexed import MegatronIndexedSource, write_indexed_dataset
 from megascale_data_ext.sources.parquet import ParquetSource
 from megascale_data_ext.sources.registry import open_source, register_source_format
-from megascale_data_ext.sources.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer
+from megascale_data_ext.sources.tokenizer import (
+    ByteTokenizer,
+    GPT2BPETokenizer,
+    HFTokenizer,
+    SentencePieceTokenizer,
+    Tokenizer,
+    TokenizerType,
+    load_tokenizer,
+    tokenizer_types,
+)
 from megascale_data_ext.sources.transforms import decode_images
 from megascale_data_ext.sources.writer import PreparedParquetWriter
 
 __all__ = [
     "METADATA_KEYS",
     "ByteTokenizer",
+    "GPT2BPETokenizer",
     "HFTokenizer",
     "JsonlSource",
     "MegatronIndexedSource",
@@ -38,11 +48,13 @@ __all__ = [
     "PreparedParquetWriter",
     "ReadResult",
     "Sample",
+    "SentencePieceTokenizer",
     "SkippedSample",
     "Source",
     "SourceFormat",
     "SourceSpec",
     "Tokenizer",
+    "TokenizerType",
     "decode_images",
     "decode_patches",
     "image_patch_count",
@@ -54,5 +66,6 @@ __all__ = [
     "register_source_format",
     "source_formats",
     "take_metadata",
+    "tokenizer_types",
     "write_indexed_dataset",
 ]

@@ -23,7 +23,7 @@ import numpy as np
 
 from megascale_data_ext.errors import SourceError
 from megascale_data_ext.sources.base import SourceSpec, text_only_metadata
-from megascale_data_ext.sources.rowsource import RowSource
+from megascale_data_ext.sources.rowsource import RowSource, empty_source_error
 from megascale_data_ext.sources.tokenizer import Tokenizer
 from megascale_data_ext.sources.transforms import RawSample
 
@@ -213,7 +213,7 @@ class MegatronIndexedSource(RowSource):
                     "`paths` must name the prefix shared by the .bin and .idx files"
                 )
             if os.path.getsize(prefix + ".bin") == 0:
-                raise SourceError(f"source {self.name!r} is empty: {prefix + '.bin'!r} holds no tokens")
+                raise empty_source_error(self.name, f"{prefix + '.bin'!r} holds no tokens")
             try:
                 index = _MMapIndex(prefix + ".idx")
             except (ValueError, struct.error, OSError, IndexError) as exc:
@@ -241,7 +241,7 @@ class MegatronIndexedSource(RowSource):
         counts = [len(d) - 1 for d in doc_starts]
         self._ds_start = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)]).astype(np.int64)
         if len(self) == 0:
-            raise SourceError(f"source {self.name!r} is empty: 0 documents in {self.prefixes}")
+            raise empty_source_error(self.name, f"0 documents in {self.prefixes}")
 
     def __len__(self) -> int:
         return int(self._ds_start[-1])

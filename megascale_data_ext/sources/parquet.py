@@ -23,7 +23,7 @@ import pyarrow.parquet as pq
 
 from megascale_data_ext.errors import SourceError
 from megascale_data_ext.sources.base import SourceSpec, metadata_from_counts, text_only_metadata
-from megascale_data_ext.sources.rowsource import RowSource, resolve_files
+from megascale_data_ext.sources.rowsource import RowSource, empty_source_error, resolve_files
 from megascale_data_ext.sources.tokenizer import Tokenizer
 from megascale_data_ext.sources.transforms import RawSample
 
@@ -86,7 +86,7 @@ class ParquetSource(RowSource):
         self._file_start = np.concatenate([[0], np.cumsum(file_rows, dtype=np.int64)]).astype(np.int64)
         if self._rg_start[-1] == 0:
             self.close()
-            raise SourceError(f"source {self.name!r} is empty: 0 rows in {len(self.paths)} file(s) {self.paths[:3]}")
+            raise empty_source_error(self.name, f"0 rows in {len(self.paths)} file(s) {self.paths[:3]}")
         self._cache: OrderedDict[int, pa.Table] = OrderedDict()
         self.io_log: list[tuple[str, str, tuple[str, ...]]] = []
 

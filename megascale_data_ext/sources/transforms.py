@@ -55,7 +55,7 @@ class SampleTransform:
 
     def __init__(self, spec: SourceSpec, tokenizer: Tokenizer | None = None) -> None:
         self.spec = spec
-        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(spec.tokenizer)
+        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(spec)
         self.eod_id = int(spec.eod_token_id) if spec.eod_token_id is not None else self.tokenizer.eod_id
         self.tracker = BadSampleTracker(source=spec.name, max_bad_fraction=spec.max_bad_fraction)
         self._pool: ThreadPoolExecutor | None = None

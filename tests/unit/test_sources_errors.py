@@ -65,7 +65,8 @@ def test_missing_column_lists_existing(tmp_path):
 
 def test_empty_source(tmp_path):
     pq.write_table(pa.table({"text": pa.array([], pa.string())}), tmp_path / "e.parquet")
-    with pytest.raises(SourceError, match=r"source 'src' is empty: 0 rows in 1 file"):
+    with pytest.raises(SourceError, match=r"source 'src' is empty: 0 rows in 1 file.*point `sources.src.paths` at "
+                                          r"data, or remove the source"):
         open_source(_spec(tmp_path / "e.parquet"))
 
 
