@@ -113,6 +113,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seq-length", type=int, default=2048, help="context length L (2048)")
     parser.add_argument("--steps", type=int, default=40, help="global steps of dp × m=4 microbatches (40)")
     parser.add_argument("--dp", type=int, default=DP, help=f"data-parallel ranks the service serves ({DP})")
+    parser.add_argument("--no-restart", action="store_true",
+                        help="service without fault tolerance (no actor restarts, no per-step planner checkpoint)")
     parser.add_argument("--large", action="store_true",
                         help=f"the larger case: {LARGE['sources']} sources x {LARGE['docs']} docs, DP {LARGE['dp']}")
     parser.add_argument("--seed", type=int, default=1234)
@@ -339,7 +341,7 @@ def start_ray(config: Any) -> float:
 
 
 def run_service(prefixes: list[str], *, strategy: str, seq_length: int, steps: int, seed: int,
-                attention_mask: bool, dp: int = DP) -> LoaderResult:
+                attention_mask: bool, dp: int = DP, restart: bool = True) -> LoaderResult:
     """Start a DataService on embedded Ray and consume every step of every fetching rank through
     the trainer's `Client` (whole steps per call, 2 steps ahead)."""
     import ray
@@ -355,7 +357,9 @@ def run_service(prefixes: list[str], *, strategy: str, seq_length: int, steps: i
     init_s = start_ray(config)
     t_init = time.perf_counter()
     t0 = t_init - init_s  # a Ray this process started before counts as started for this service too
-    service = DataService(config, ClientPlaceTree.from_sizes(dp=dp))
+    from megascale_data_ext.runtime.faults import FaultToleranceConfig
+
+    service = DataService(config, ClientPlaceTree.from_sizes(dp=dp), fault_tolerance=FaultToleranceConfig(restart=restart))
     startup = {"ray.init (s)": init_s}
     try:
         _progress(f"service {strategy}: starting {len(prefixes)} loaders, planner, "
@@ -404,7 +408,7 @@ def run_service(prefixes: list[str], *, strategy: str, seq_length: int, steps: i
         rss = _rss_mib(actor_pids)
     finally:
         service.stop()
-    return LoaderResult(name=f"service {strategy}", batches=batches, tokens=tokens, first_batch_s=first,
+    return LoaderResult(name=f"service {strategy}" + ("" if restart else " (no restart)"), batches=batches, tokens=tokens, first_batch_s=first,
                         steady_s=steady, fetch_ms=fetch_ms, cpu_loader_s=loader_cpu, cpu_all_s=all_cpu,
                         cpu_loader_total_s=startup_cpu + loader_cpu, samples_per_step=config.samples_per_step
                         if config.tokens_per_step is None else None, tokens_per_step=config.tokens_per_step,
@@ -469,7 +473,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         for strategy in strategies:
             results.append(run_service(prefixes, strategy=strategy, seq_length=args.seq_length, steps=args.steps,
-                                       seed=args.seed, attention_mask=args.attention_mask, dp=args.dp))
+                                       seed=args.seed, attention_mask=args.attention_mask, dp=args.dp,
+                                       restart=not getattr(args, "no_restart", False)))
     finally:
         import ray
 

@@ -212,6 +212,14 @@ def test_round_trip_equals_hand_built_service_config(base: dict[str, Any], tmp_p
     assert got == want and got.digest() == want.digest()
 
 
+def test_token_budget_keys_reach_the_service(base: dict[str, Any]) -> None:
+    base.update(tokens_per_step=4096, split_documents=True)
+    got = load_config(OmegaConf.create({"data": base})).to_service_config()
+    assert got.tokens_per_step == 4096 and got.split_documents
+    assert all(s.max_tokens is None for s in got.sources)  # split documents are not truncated to seq_length
+    assert got.fingerprint()["tokens_per_step"] == 4096  # a resume under another budget is refused
+
+
 def test_constant_mixing_without_params_uses_source_weights(base: dict[str, Any]) -> None:
     service = load_config(base).to_service_config()
     assert service.mixing is None and service.mixing_config() == {"type": "constant", "weights": [3.0, 1.0]}
@@ -287,7 +295,8 @@ def test_structured_schema_builds_with_omegaconf() -> None:
 
 
 @pytest.mark.parametrize(("key", "value"), [("samples_per_step", 0), ("seed", -1), ("overflow", "never"),
-                                            ("pad_to_multiple_of", 0)])
+                                            ("pad_to_multiple_of", 0), ("tokens_per_step", 0),
+                                            ("split_documents", True)])
 def test_service_config_and_data_config_share_one_check(base: dict[str, Any], key: str, value: Any) -> None:
     base[key] = value
     problem = _one(base, f"data.{key}")
