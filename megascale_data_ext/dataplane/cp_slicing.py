@@ -34,7 +34,7 @@ import numpy as np
 
 from megascale_data_ext.errors import ParallelLayoutError, PlanError
 
-__all__ = ["SEQUENCE_DIMS", "pad_for_cp", "reassemble_cp", "slice_for_cp", "thd_partition_index"]
+__all__ = ["SEQUENCE_DIMS", "pad_for_cp", "reassemble_cp", "slice_for_cp", "thd_padded_length", "thd_partition_index"]
 
 SEQUENCE_DIMS: Mapping[str, int] = {
     "tokens": 1,
@@ -109,6 +109,14 @@ def _padded_layout(cu: np.ndarray, cp_size: int) -> tuple[np.ndarray, np.ndarray
     cu_pad = np.zeros_like(cu)
     np.cumsum(padded, out=cu_pad[1:])
     return cu_pad, _ranges(cu_pad[:-1], lens)
+
+
+def thd_padded_length(cu_seqlens: np.ndarray, cp_size: int) -> int:
+    """Positions of a THD pack after `pad_for_cp` (what its CP slices hold together): byte models
+    and caps count this, not ``cu_seqlens[-1]``."""
+    _check_layout(cp_size)
+    lens = np.diff(np.asarray(cu_seqlens, dtype=np.int64).reshape(-1))
+    return int(lens.sum()) if cp_size == 1 else int((-(-lens // (2 * cp_size)) * 2 * cp_size).sum())
 
 
 def pad_for_cp(batch: Mapping[str, np.ndarray], *, cp_size: int) -> dict[str, np.ndarray]:

@@ -230,20 +230,35 @@ def _compiled_flex() -> Any:
     return _COMPILED["flex"]
 
 
+def _varlen_causal_kwargs() -> dict[str, Any] | None:
+    """How this torch's ``varlen_attn`` is told "causal" (its signature changed across releases)."""
+    if "varlen" not in _COMPILED:
+        import inspect
+
+        try:
+            from torch.nn.attention.varlen import varlen_attn
+        except ImportError:
+            _COMPILED["varlen"] = None
+        else:
+            names = inspect.signature(varlen_attn).parameters
+            _COMPILED["varlen"] = ({"window_size": (-1, 0)} if "window_size" in names
+                                   else {"is_causal": True} if "is_causal" in names else None)
+    return _COMPILED["varlen"]
+
+
 def _varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lay: _Layout, scale: float) -> torch.Tensor:
-    """torch's flash varlen attention (CUDA, fp16/bf16, unpadded documents, CP 1)."""
+    """torch's flash varlen attention (CUDA, fp16/bf16, unpadded documents, CP 1, no GQA)."""
     from torch.nn.attention.varlen import varlen_attn
 
     m = int(lay.lens.max(initial=1))
-    return varlen_attn(q, k, v, lay.cu_device, lay.cu_device, m, m, scale=scale, window_size=(-1, 0),
-                       enable_gqa=q.shape[1] != k.shape[1])
+    return varlen_attn(q, k, v, lay.cu_device, lay.cu_device, m, m, scale=scale, **_varlen_causal_kwargs())
 
 
-def _pick_kernel(q: torch.Tensor, lay: _Layout) -> Kernel:
+def _pick_kernel(q: torch.Tensor, k: torch.Tensor, lay: _Layout) -> Kernel:
     if not q.is_cuda:
         return "sdpa"
-    varlen = importlib.util.find_spec("torch.nn.attention.varlen") is not None
-    if varlen and lay.cp == 1 and lay.unpadded and q.dtype in (torch.bfloat16, torch.float16):
+    if (lay.cp == 1 and lay.unpadded and q.dtype in (torch.bfloat16, torch.float16) and q.shape[1] == k.shape[1]
+            and _varlen_causal_kwargs() is not None):
         return "varlen"
     return "flex"
 
@@ -302,5 +317,5 @@ class DocumentAttention(MegatronModule):
         if self.cp_size > 1:
             key = _GatherSequence.apply(key, self.cp_group).index_select(0, lay.key_order)
             value = _GatherSequence.apply(value, self.cp_group).index_select(0, lay.key_order)
-        out = _KERNELS[self.kernel or _pick_kernel(query, lay)](query, key, value, lay, self.scale)
+        out = _KERNELS[self.kernel or _pick_kernel(query, key, lay)](query, key, value, lay, self.scale)
         return out.reshape(out.shape[0], -1)

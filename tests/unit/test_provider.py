@@ -204,7 +204,7 @@ def test_provider_refuses_unknown_microbatches(monkeypatch: pytest.MonkeyPatch) 
         prov.train_valid_test_datasets_provider([1, 0, 0])
 
 
-def test_cp_batches_arrive_sliced_and_megatrons_get_batch_does_not_slice_again(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_cp_batches_arrive_sliced_and_megatron_does_not_slice_again(monkeypatch: pytest.MonkeyPatch) -> None:
     """With CP > 1 the service slices; Megatron's CP slicing (as pretrain_gpt imports it) becomes a pass-through
     that still builds megatron-core's THD PackedSeqParams."""
     import types
