@@ -78,6 +78,7 @@ class LoaderResult:
     first_after_init_s: float = float("nan")
     startup: dict[str, float] = field(default_factory=dict)
     cpu_by_role: dict[str, float] = field(default_factory=dict)
+    actors_importing_torch: int = 0
 
     @property
     def tokens_per_s(self) -> float:
@@ -369,6 +370,8 @@ def run_service(prefixes: list[str], *, strategy: str, seq_length: int, steps: i
         _progress(f"service {strategy}: actors ready after {startup['actors ready (s)']:.1f} s; first step ...")
         actors = [*service.loaders, service.planner, *service.constructors]
         actor_pids = ray.get([h.__ray_call__.remote(lambda _self: os.getpid()) for h in actors])
+        heavy = sum(ray.get([h.__ray_call__.remote(lambda _self: "torch" in sys.modules or "megatron" in sys.modules)
+                             for h in actors]))
         nl = len(service.loaders)
         roles = {"loaders": actor_pids[:nl], "planner": actor_pids[nl:nl + 1], "constructors": actor_pids[nl + 1:]}
         clients = [Client.connect(handles, rank, num_microbatches=m, broadcast=False)
@@ -413,7 +416,7 @@ def run_service(prefixes: list[str], *, strategy: str, seq_length: int, steps: i
                         cpu_loader_total_s=startup_cpu + loader_cpu, samples_per_step=config.samples_per_step
                         if config.tokens_per_step is None else None, tokens_per_step=config.tokens_per_step,
                         num_microbatches=m, step_wait_ms=waits, rss_mib=rss, first_after_init_s=first_after_init,
-                        startup=startup, cpu_by_role=by_role)
+                        startup=startup, cpu_by_role=by_role, actors_importing_torch=heavy)
 
 
 # -- report ------------------------------------------------------------------------------
@@ -485,7 +488,8 @@ def run(args: argparse.Namespace) -> int:
                     if r.tokens_per_step else f"{r.samples_per_step} documents per step")
         phases = ", ".join(f"{k} {v:.2f}" for k, v in r.startup.items())
         roles = ", ".join(f"{k} {v:.2f}" for k, v in r.cpu_by_role.items())
-        print(f"{r.name}: {per_step}; start-up: {phases}; steady loader CPU-s by actor: {roles}")
+        print(f"{r.name}: {per_step}; start-up: {phases}; steady loader CPU-s by actor: {roles}; "
+              f"RSS per actor (MiB): {[round(x) for x in r.rss_mib]}, {r.actors_importing_torch} import torch/megatron")
     if args.json:
         payload: dict[str, Any] = {
             "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if not k.startswith("_")},

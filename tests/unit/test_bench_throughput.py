@@ -103,3 +103,4 @@ def test_quick_cli_smoke(tmp_path, capsys):
             "fetch p50 (ms)", "fetch p99 (ms)", "actor RSS (MiB)", "trainer wait per step (ms)"}
     assert keys <= set(svc["metrics"]) and keys <= set(meg["metrics"])
     assert 0 < svc["metrics"]["actor RSS (MiB)"] and len(svc["rss_mib"]) == 2 + 1 + 1  # loaders, planner, constructor
+    assert svc["actors_importing_torch"] == 0  # lightweight actors: numpy + pyarrow only
