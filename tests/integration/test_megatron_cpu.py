@@ -172,6 +172,77 @@ def test_forward_step_names_missing_keys() -> None:
         forward_step(iter([{"tokens": np.zeros((1, 4), np.int64)}]), last)
 
 
+# ------------------------------------------------- recipe: schedule, clipping, bf16 mixed precision
+
+
+def test_lr_schedule_warms_up_linearly_then_decays_by_cosine_to_min_lr() -> None:
+    from megascale_data_ext.megatron.pretrain import lr_factor
+
+    f = [lr_factor(s, warmup=4, decay=12, min_ratio=0.1, style="cosine") for s in range(14)]
+    assert f[:4] == [0.25, 0.5, 0.75, 1.0]
+    assert f[4] == pytest.approx(1.0) and f[8] == pytest.approx(0.55) and f[12] == f[13] == pytest.approx(0.1)
+    assert all(a >= b for a, b in zip(f[4:], f[5:]))
+    assert lr_factor(7, warmup=0, decay=10, min_ratio=0.0, style="constant") == 1.0
+
+
+@pytest.fixture(scope="module")
+def one_process() -> Any:
+    """torch.distributed with one gloo process and megatron's parallel state (TP=PP=CP=DP=1)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from megascale_data_ext.megatron.model import initialize_parallel
+    from tests.dist.launch import free_port
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    initialize_parallel(GPTModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4))
+    yield
+    parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()
+    remove_cpu_shims()
+
+
+def _recipe_run(bf16: bool, clip: float, steps: int = 3) -> tuple[list[dict[str, float]], list[torch.nn.Module], Any]:
+    from omegaconf import OmegaConf
+
+    from megascale_data_ext.megatron.model import build_model_chunks, init_layout_invariant, train_step
+    from megascale_data_ext.megatron.pretrain import build_optimizer
+
+    cfg = GPTModelConfig(vocab_size=VOCAB, hidden_size=32, num_layers=2, num_attention_heads=4, seq_length=SEQ,
+                         bf16=bf16)
+    chunks = build_model_chunks(cfg)
+    init_layout_invariant(chunks, seed=cfg.seed)
+    train = OmegaConf.create({"lr": 3e-3, "train_iters": steps, "lr_warmup_iters": 1, "lr_decay_style": "cosine",
+                              "min_lr": 3e-4})
+    optimizer, scheduler = build_optimizer(chunks, train, bf16=bf16)
+    packs = _cp_packs()
+    out = [train_step(chunks, optimizer, iter(packs), num_microbatches=len(packs), seq_length=SEQ, clip_grad=clip,
+                      scheduler=scheduler) for _ in range(steps)]
+    return out, chunks, optimizer
+
+
+def test_bf16_trains_with_fp32_master_weights_close_to_fp32(one_process: Any) -> None:
+    fp32, _, _ = _recipe_run(False, clip=1.0)
+    bf16, chunks, optimizer = _recipe_run(True, clip=1.0)
+    params = [p for c in chunks for p in c.parameters()]
+    assert {p.dtype for p in params} == {torch.bfloat16}
+    assert {m.dtype for m in optimizer.masters} == {torch.float32}
+    assert all(p.main_grad.dtype == torch.float32 for p in params)  # DDP reduces grads in fp32
+    assert bf16[0]["loss"] == pytest.approx(fp32[0]["loss"], rel=2e-2)
+    assert bf16[-1]["loss"] < bf16[0]["loss"] and fp32[-1]["loss"] < fp32[0]["loss"]
+    assert [r["lr"] for r in fp32] == pytest.approx([3e-3, 3e-3, 1.65e-3])  # warm-up 1, then cosine to min_lr
+    state = optimizer.state_dict()
+    optimizer.load_state_dict(state)
+    assert all(torch.equal(p.float(), m.to(torch.bfloat16).float()) for p, m in zip(params, optimizer.masters))
+
+
+def test_grad_clipping_scales_the_global_norm_down(one_process: Any) -> None:
+    result, chunks, _ = _recipe_run(False, clip=1e-3, steps=1)
+    assert result[0]["grad_norm"] > 1e-3  # reported before clipping
+    norm = torch.sqrt(sum((p.main_grad.double() ** 2).sum() for c in chunks for p in c.parameters()))
+    assert float(norm) == pytest.approx(1e-3, rel=1e-3)
+
+
 # ------------------------------------------------------------------- torchrun training
 
 
