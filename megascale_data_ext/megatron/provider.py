@@ -298,10 +298,11 @@ def train_valid_test_datasets_provider(
     """Megatron's dataset-provider hook: per-rank iterators over the service.
 
     Sample counts are ignored: the service plans steps forever and Megatron stops after
-    ``--train-iters``. Call after `initialize_model_parallel` (Megatron does).
+    ``--train-iters``. Call after `initialize_model_parallel` (Megatron does). With CP > 1 it
+    also installs `install_cp_passthrough` (the service already sliced; `reset` undoes it).
 
     Raises:
-        ConfigError: Missing service settings, CP > 1, a service planned for another layout,
+        ConfigError: Missing service settings, a service planned for another layout,
             or ``--dataloader-type`` not external.
         ParallelLayoutError: parallel_state is not initialised.
     """

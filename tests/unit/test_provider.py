@@ -215,7 +215,8 @@ def test_cp_batches_arrive_sliced_and_megatron_does_not_slice_again(monkeypatch:
     from megascale_data_ext.dataplane.cp_slicing import slice_for_cp
     from megascale_data_ext.dataplane.packing import pack_microbatch
 
-    pretrain_gpt = types.ModuleType("fake_pretrain_gpt")  # `from megatron.core.utils import get_thd_batch_on_this_cp_rank`
+    # pretrain_gpt.py does `from megatron.core.utils import get_thd_batch_on_this_cp_rank`
+    pretrain_gpt = types.ModuleType("fake_pretrain_gpt")
     pretrain_gpt.get_thd_batch_on_this_cp_rank = mutils.get_thd_batch_on_this_cp_rank
     monkeypatch.setitem(sys.modules, "fake_pretrain_gpt", pretrain_gpt)
     original = mutils.get_thd_batch_on_this_cp_rank
