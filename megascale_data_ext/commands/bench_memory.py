@@ -296,7 +296,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
         ax.plot(x, [(r["service_mib"] + r["constructors_mib"]) / 1024 for r in rs], "^:",
                 label=f"service + constructor sidecars, S={s}")
     ax.set_xlabel("trainer ranks")
-    ax.set_ylabel("memory (GiB; USS, service + shared once)")
+    ax.set_ylabel("GiB (ranks: group PSS added; service: USS + shared once)", fontsize=8)
     ax.set_xticks(sorted({r["ranks"] for r in rows}))
     ax.set_yscale("log")
     ax.legend(fontsize=7)
