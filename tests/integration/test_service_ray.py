@@ -72,8 +72,12 @@ def test_real_actors_deliver_each_sample_once_and_deterministically(specs, ray_l
     tree = ClientPlaceTree.from_sizes(tp=2, pp=2, dp=2)
     runs = []
     for seed in (21, 21, 22):
-        svc = DataService(config(specs, seed=seed, namespace=f"t{len(runs)}"), tree)
+        lines = []
+        svc = DataService(config(specs, seed=seed, namespace=f"t{len(runs)}"), tree, progress=lines.append)
         svc.start()
+        phases = ["sources checked", "loaders up", "planner up", "first plan", "constructors up"]
+        assert [line.split(" in ")[0] for line in lines] == phases  # start-up progress, in order
+        assert list(svc.phases) == phases and svc.phases["constructors up"] <= svc.startup_seconds
         try:
             runs.append(consume(svc, tree, 10))
         finally:
