@@ -62,10 +62,14 @@ class RayConfig:
     resources: dict[str, float] = field(default_factory=dict)
 
     def init_kwargs(self) -> dict[str, Any]:
-        """Keyword arguments for ``ray.init`` (``num_cpus``/``resources`` only for an embedded Ray)."""
+        """Keyword arguments for ``ray.init`` (``num_cpus``/``resources`` only for an embedded Ray).
+
+        An embedded Ray is ``address="local"``: a new instance, never the latest ``ray start``
+        cluster on the machine (which ``address=None`` would join, refusing ``num_cpus``).
+        """
         local = {"num_cpus": self.num_cpus, "resources": dict(self.resources) or None} if self.address is None else {}
         embedded = {k: v for k, v in local.items() if v is not None}
-        return {"address": self.address, "namespace": self.namespace, **embedded}
+        return {"address": self.address or "local", "namespace": self.namespace, **embedded}
 
     def problems(self) -> list[FieldProblem]:
         """What is wrong with the fields, as ``(field, message)``."""

@@ -113,7 +113,7 @@ def test_default_train_gpt_maps_target_back_to_registered_name() -> None:
 
 def test_ray_cluster_group_and_init_kwargs() -> None:
     local = load_config(compose_config(["data.ray.num_cpus=2", "+data.ray.resources.loader=1"]), check_paths=False)
-    want = {"address": None, "namespace": "megascale", "num_cpus": 2, "resources": {"loader": 1.0}}
+    want = {"address": "local", "namespace": "megascale", "num_cpus": 2, "resources": {"loader": 1.0}}
     assert local.ray.init_kwargs() == local.to_service_config().ray.init_kwargs() == want
     cluster = load_config(compose_config(["ray=cluster", "data.ray.num_cpus=2"]), check_paths=False)
     assert cluster.ray.init_kwargs() == {"address": "auto", "namespace": "megascale"}  # cluster owns its CPUs
@@ -121,8 +121,9 @@ def test_ray_cluster_group_and_init_kwargs() -> None:
 
 
 def test_ray_init_kwargs_embedded_or_cluster() -> None:
-    assert RayConfig(num_cpus=2).init_kwargs() == {"address": None, "namespace": "megascale", "num_cpus": 2}
-    assert RayConfig().init_kwargs() == {"address": None, "namespace": "megascale"}
+    # embedded = a new local instance, never a `ray start` cluster someone left running on the machine
+    assert RayConfig(num_cpus=2).init_kwargs() == {"address": "local", "namespace": "megascale", "num_cpus": 2}
+    assert RayConfig().init_kwargs() == {"address": "local", "namespace": "megascale"}
     joined = RayConfig(address="ray://head:10001", namespace="exp", num_cpus=2, resources={"gpu_host": 1.0})
     assert joined.init_kwargs() == {"address": "ray://head:10001", "namespace": "exp"}
 
