@@ -53,6 +53,9 @@ def pretrain_vlm(cfg: Any) -> list[dict]:
     from megascale_data_ext.sources.tokenizer import load_tokenizer
 
     cp = int(cfg.parallel.get("context_parallel_size", 1))
+    if cp > 1:  # VLMFeed hands a chunk every patch feature of its pack, a CP slice holds only some placeholders
+        raise ConfigError(f"`parallel.context_parallel_size`={cp}: the VLM example does not split image features "
+                          "per CP slice yet; use parallel.context_parallel_size=1 (GPT pretraining supports CP)")
     service_cfg = load_config(cfg.data, context_parallel_size=cp).to_service_config()
     if service_cfg.strategy != "vlm_balance":
         raise ConfigError(f"`data.strategy.name` is {service_cfg.strategy!r}; pretrain_vlm needs the hybrid "
