@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from megascale_data_ext.errors import ConfigError
-from megascale_data_ext.megatron.pretrain import TrainingSession, build_optimizer, gpt_model_config
+from megascale_data_ext.megatron.pretrain import TrainingSession, build_optimizer, gpt_model_config, step_counts
 
 __all__ = ["encoder_balance", "pretrain_vlm"]
 
@@ -94,7 +94,8 @@ def pretrain_vlm(cfg: Any) -> list[dict]:
                                    for r, k in zip(plan.encoder.sample.tolist(), plan.encoder.image.tolist(),
                                                    strict=True)],
                      planned_ranks=plan.encoder.bucket.tolist())
-        print(f"step {step:4d} | loss {entry['loss']:.4f} | backbone max/mean vanilla "
+        counts = step_counts(s, session.service_cfg)
+        print(f"step {step:4d} | loss {entry['loss']:.4f} | {counts} | backbone max/mean vanilla "
               f"{s['vanilla_max_over_mean']:.3f} -> {s['max_over_mean']:.3f} | encoder max/mean vanilla "
               f"{e['encoder_vanilla_max_over_mean']:.3f} -> {e['encoder_max_over_mean']:.3f} "
               f"({len(plan.encoder.sample)} images, patches/rank {e['patches_per_rank']}) | "

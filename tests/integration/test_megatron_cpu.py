@@ -185,6 +185,17 @@ def test_lr_schedule_warms_up_linearly_then_decays_by_cosine_to_min_lr() -> None
     assert lr_factor(7, warmup=0, decay=10, min_ratio=0.0, style="constant") == 1.0
 
 
+def test_step_line_counts_samples_deferred_and_per_source() -> None:
+    from types import SimpleNamespace
+
+    from megascale_data_ext.megatron.pretrain import step_counts
+
+    summary = {"samples": 7, "per_source": [3, 4]}
+    assert step_counts(summary, SimpleNamespace(samples_per_step=8, tokens_per_step=None)) == \
+        "samples 7 (deferred 1) per source [3, 4]"
+    assert "(deferred 0)" in step_counts(summary, SimpleNamespace(samples_per_step=8, tokens_per_step=4096))
+
+
 @pytest.fixture(scope="module")
 def one_process() -> Any:
     """torch.distributed with one gloo process and megatron's parallel state (TP=PP=CP=DP=1)."""
