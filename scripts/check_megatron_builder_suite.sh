@@ -24,6 +24,9 @@ work="$(mktemp -d -t megatron_builder_suite.XXXXXX)"
 deps="${MBT_DEPS:-$work/deps}"
 trap 'rm -rf "$work"' EXIT
 
+python -c "import torch, megatron.core.datasets.helpers_cpp" 2>/dev/null \
+  || { echo "error: python lacks torch or megatron-core's compiled helpers: activate the project venv" \
+            "(source .venv/bin/activate)" >&2; exit 2; }
 git -C "$repo" rev-parse --verify -q "$tag^{commit}" >/dev/null \
   || { echo "error: $repo has no tag $tag (pass a Megatron-LM git dir and tag)" >&2; exit 2; }
 git -C "$repo" archive "$tag" megatron/training megatron/legacy megatron/post_training megatron/rl \
@@ -89,6 +92,7 @@ diff "$data/test_builder.py" "$data/test_builder_swapped.py" || true
 diff "$data/test_builder.py" "$data/test_builder_cross.py" || true
 
 status=0
+mkdir -p "$work/pt"  # pytest creates --basetemp but not its parent
 for variant in megatron swapped cross; do
   file="$data/test_builder.py"; [ "$variant" = megatron ] || file="$data/test_builder_${variant}.py"
   echo "== $variant"

@@ -239,7 +239,8 @@ def test_other_dataset_classes_are_delegated_to_megatron(tmp_path: object, caplo
     for i in range(2):
         paths.append(os.path.join(str(tmp_path), f"{i}.npy"))
         np.save(paths[-1], np.arange(10 * (i + 1) * SEQ).reshape(-1, SEQ))
-    config = BlendedMegatronDatasetConfig(random_seed=1, sequence_length=SEQ, blend_per_split=[(paths, None), None, None])
+    config = BlendedMegatronDatasetConfig(random_seed=1, sequence_length=SEQ,
+                                          blend_per_split=[(paths, None), None, None])
     with caplog.at_level(logging.WARNING, logger="megascale_data_ext.megatron.builder"):
         builder = MegascaleDatasetBuilder(_ArrayDataset, [None, None, None], lambda: True, config)
     assert isinstance(builder.delegate, BlendedMegatronDatasetBuilder)
@@ -287,12 +288,23 @@ def test_unweighted_blend_with_an_empty_source_split_is_refused_like_megatron(pr
         ours([None, None, None], config)
 
 
-def test_oversampling_names_the_source_and_the_surplus_key(prefixes: list[str]) -> None:
+def test_oversampling_names_the_source_and_the_surplus_key(prefixes: list[str],
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Megatron's IndexError when a blend asks a source for more than it built. GPT sources hold
+    whole epochs, so a real blend rarely gets there: the index is made to ask for one sample more."""
+    import megascale_data_ext.megatron.builder as builder_module
+
+    def greedy_plus_one(*args: object, **kwargs: object) -> object:
+        index = build_blend_index(*args, **kwargs)
+        index.counts[0] = 10**6
+        return index
+
+    monkeypatch.setattr(builder_module, "build_blend_index", greedy_plus_one)
     config = make_config(blend=(prefixes[:3], [1, 1, 1]), split="90,8,2", mid_level_dataset_surplus=0.0)
-    try:
+    with pytest.raises(BlendOversampledError, match=r"train blend asks .*src0.* \(source 0\) for 1000000 samples.*"
+                                                    r"`mid_level_dataset_surplus` \(now 0.0\)") as info:
         ours([7, 2, 1], config)
-    except BlendOversampledError as exc:  # Megatron raises IndexError here too
-        assert isinstance(exc, IndexError) and "mid_level_dataset_surplus" in str(exc)
+    assert isinstance(info.value, IndexError)
 
 
 @needs_megatron_helpers
@@ -342,13 +354,6 @@ def test_labels_are_tokens_shifted_and_windows_tile_the_stream(prefixes: list[st
         s = int(index.shuffle_index[i])
         stream = np.concatenate(train.documents.documents(index.document_index))
         assert np.array_equal(text, stream[s * SEQ:s * SEQ + SEQ + 1])
-
-
-def test_split_assigns_disjoint_document_ranges(prefixes: list[str]) -> None:
-    datasets = ours([30, 10, 10], make_config(blend=([prefixes[2]], None), split="50,30,20"))
-    for split, (dataset, bookends) in enumerate(zip(datasets, [(0, 0.5), (0.5, 0.8), (0.8, 1.0)], strict=True)):
-        begin, end = document_range(bookends, 40)
-        assert set(np.unique(dataset.index.document_index).tolist()) == set(range(begin, end)), split
 
 
 def test_split_assigns_disjoint_document_ranges(prefixes: list[str]) -> None:
