@@ -24,9 +24,9 @@ service also from after ``ray.init``), delivered tokens/s after the first batch,
 latency p50/p99, the trainer's wait per (rank, step) (its m microbatches), and CPU seconds
 after the first batch: "loader CPU" is the DataLoader worker + main process for Megatron and
 the Ray actors (loaders, planner, constructors; pids via ``__ray_call__``) for the service;
-"all-in CPU" adds the consumer process and every descendant process (raylet, GCS, idle
-workers). "actor RSS (MiB)" is the sum of VmRSS over the loading processes (Megatron's
-DataLoader worker; every service actor) at the end of the run, shared pages counted in each.
+"all-in CPU" adds the consumer and every descendant process (raylet, GCS, idle workers).
+"actor RSS (MiB)" sums VmRSS over the loading processes (Megatron's DataLoader worker; every
+service actor) at the end of the run, shared pages counted in each.
 """
 
 from __future__ import annotations
@@ -305,9 +305,8 @@ def _progress(msg: str) -> None:
 
 def service_config(prefixes: list[str], *, strategy: str, seq_length: int, seed: int, attention_mask: bool,
                    dp: int = DP) -> Any:
-    """The service's config: token-budget steps of dp·m·L tokens with Megatron-style document
-    splitting for a balancing strategy; one whole document per microbatch for vanilla. One
-    constructor serves every DP bucket, as the Megatron side runs one loader for all of them."""
+    """Token-budget steps of dp·m·L tokens, documents split as Megatron's windows (llm_balance), or
+    one whole document per microbatch (vanilla); one constructor, as Megatron runs one loader."""
     from megascale_data_ext.runtime.config import RayConfig, ServiceConfig
     from megascale_data_ext.sources.base import SourceSpec
 
@@ -319,7 +318,7 @@ def service_config(prefixes: list[str], *, strategy: str, seq_length: int, seed:
         tokens_per_step=dp * NUM_MICROBATCHES * seq_length if tokens else None, split_documents=tokens,
         seq_length=seq_length, strategy=strategy, strategy_args={"model": "gpt-tiny"}, prefetch=2,
         with_attention_mask=attention_mask, buffer_size=1024,
-        constructor_group=dp,  # one constructor process for the whole global batch, as Megatron's one loader
+        constructor_group=dp,
         ray=RayConfig(namespace=f"bench-throughput-{os.getpid()}-{strategy}", num_cpus=2),
     )
 
@@ -360,7 +359,8 @@ def run_service(prefixes: list[str], *, strategy: str, seq_length: int, steps: i
     t0 = t_init - init_s  # a Ray this process started before counts as started for this service too
     from megascale_data_ext.runtime.faults import FaultToleranceConfig
 
-    service = DataService(config, ClientPlaceTree.from_sizes(dp=dp), fault_tolerance=FaultToleranceConfig(restart=restart))
+    service = DataService(config, ClientPlaceTree.from_sizes(dp=dp),
+                          fault_tolerance=FaultToleranceConfig(restart=restart))
     startup = {"ray.init (s)": init_s}
     try:
         _progress(f"service {strategy}: starting {len(prefixes)} loaders, planner, "
@@ -411,12 +411,13 @@ def run_service(prefixes: list[str], *, strategy: str, seq_length: int, steps: i
         rss = _rss_mib(actor_pids)
     finally:
         service.stop()
-    return LoaderResult(name=f"service {strategy}" + ("" if restart else " (no restart)"), batches=batches, tokens=tokens, first_batch_s=first,
-                        steady_s=steady, fetch_ms=fetch_ms, cpu_loader_s=loader_cpu, cpu_all_s=all_cpu,
-                        cpu_loader_total_s=startup_cpu + loader_cpu, samples_per_step=config.samples_per_step
-                        if config.tokens_per_step is None else None, tokens_per_step=config.tokens_per_step,
-                        num_microbatches=m, step_wait_ms=waits, rss_mib=rss, first_after_init_s=first_after_init,
-                        startup=startup, cpu_by_role=by_role, actors_importing_torch=heavy)
+    count_mode = config.tokens_per_step is None
+    return LoaderResult(
+        name=f"service {strategy}" + ("" if restart else " (no restart)"), batches=batches, tokens=tokens,
+        first_batch_s=first, steady_s=steady, fetch_ms=fetch_ms, cpu_loader_s=loader_cpu, cpu_all_s=all_cpu,
+        cpu_loader_total_s=startup_cpu + loader_cpu, samples_per_step=config.samples_per_step if count_mode else None,
+        tokens_per_step=config.tokens_per_step, num_microbatches=m, step_wait_ms=waits, rss_mib=rss,
+        first_after_init_s=first_after_init, startup=startup, cpu_by_role=by_role, actors_importing_torch=heavy)
 
 
 # -- report ------------------------------------------------------------------------------
@@ -438,9 +439,7 @@ def format_table(results: list[LoaderResult]) -> str:
 
 
 def _fmt(x: float) -> str:
-    if x != x:
-        return "n/a"
-    return f"{x:,.0f}" if abs(x) >= 1000 else f"{x:.3g}"
+    return "n/a" if x != x else f"{x:,.0f}" if abs(x) >= 1000 else f"{x:.3g}"
 
 
 def run(args: argparse.Namespace) -> int:
@@ -457,7 +456,8 @@ def run(args: argparse.Namespace) -> int:
                 for k in ("sources", "docs", "seq_length", "steps", "dp") if getattr(args, k) < 1]
     strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
     allowed = ("vanilla", "llm_balance")
-    problems += [f"`--strategies`: {s!r} is not one of {allowed} (text-only blend)" for s in strategies if s not in allowed]
+    problems += [f"`--strategies`: {s!r} is not one of {allowed} (text-only blend)"
+                 for s in strategies if s not in allowed]
     if not os.path.isdir("/proc"):
         problems.append("CPU accounting reads /proc: run this benchmark on Linux")
     if problems:
@@ -491,11 +491,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"{r.name}: {per_step}; start-up: {phases}; steady loader CPU-s by actor: {roles}; "
               f"RSS per actor (MiB): {[round(x) for x in r.rss_mib]}, {r.actors_importing_torch} import torch/megatron")
     if args.json:
-        payload: dict[str, Any] = {
-            "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if not k.startswith("_")},
-            "results": [{**{k: v for k, v in asdict(r).items() if k not in ("fetch_ms", "step_wait_ms")}, "metrics": r.metrics()}
-                        for r in results],
-        }
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(payload, indent=2, default=str))
+        args.json.write_text(json.dumps({
+            "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if not k.startswith("_")},
+            "results": [{**{k: v for k, v in asdict(r).items() if k not in ("fetch_ms", "step_wait_ms")},
+                         "metrics": r.metrics()} for r in results]}, indent=2, default=str))
     return 0

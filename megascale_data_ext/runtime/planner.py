@@ -41,7 +41,14 @@ import numpy as np
 from megascale_data_ext.dataplane.dgraph import DGraph
 from megascale_data_ext.dataplane.mixing import Mixer
 from megascale_data_ext.dataplane.mixing import build_schedule
-from megascale_data_ext.dataplane.mixing.budget import OFFER_FRACTION, SLACK_MICROBATCHES, Pool, draw_size, fill_rooms, offer_prefix
+from megascale_data_ext.dataplane.mixing.budget import (
+    OFFER_FRACTION,
+    SLACK_MICROBATCHES,
+    Pool,
+    draw_size,
+    fill_rooms,
+    offer_prefix,
+)
 from megascale_data_ext.dataplane.plan import LoaderPlan, StepPlan
 from megascale_data_ext.dataplane.plan_store import PlanStore
 from megascale_data_ext.dataplane.summary import BufferSummary, SourceSummary
@@ -192,7 +199,8 @@ class Planner:
         if self.config.tokens_per_step is not None:
             return self._planned_tokens(step, summaries)
         buffer = BufferSummary.of(summaries)
-        graph = DGraph.from_summary(buffer, self.tree, step=step).mix(self.mixer, batch_size=self.config.samples_per_step)
+        graph = DGraph.from_summary(buffer, self.tree, step=step)
+        graph = graph.mix(self.mixer, batch_size=self.config.samples_per_step)
         try:
             plan = self.strategy(graph).plan()
         except CapacityError:
@@ -312,7 +320,8 @@ class Planner:
             sel = np.flatnonzero(pool.source[:k] == s)
             patches = [pool.patches[i] for i in sel.tolist()]
             parts.append(SourceSummary(
-                source=s, name=name, positions=pool.position[sel], indices=pool.index[sel], text_tokens=pool.length[sel],
+                source=s, name=name, positions=pool.position[sel], indices=pool.index[sel],
+                text_tokens=pool.length[sel],
                 image_offsets=np.concatenate([[0], np.cumsum([len(p) for p in patches])]).astype(np.int64),
                 image_patch_counts=np.asarray([x for p in patches for x in p], dtype=np.int64)))
         by_source = np.argsort(pool.source[:k], kind="stable")  # graph row j is pool row by_source[j]

@@ -72,8 +72,9 @@ def test_every_token_once_across_steps_and_full_microbatches(specs):
         cu = batch["cu_seqlens"]
         assert int(batch["num_tokens"][0]) == L  # every microbatch full, as Megatron's windows
         for i, (s, pos, a, b) in enumerate(rows.tolist()):
-            spans.setdefault((s, pos), []).append((a, b, batch["tokens"][0, cu[i]:cu[i + 1]],
-                                                   batch["labels"][0, cu[i + 1] - 1], batch["loss_mask"][0, cu[i + 1] - 1]))
+            end = cu[i + 1] - 1
+            spans.setdefault((s, pos), []).append((a, b, batch["tokens"][0, cu[i]:end + 1], batch["labels"][0, end],
+                                                   batch["loss_mask"][0, end]))
     carry: dict[tuple[int, int], list[tuple[int, int]]] = {}
     for s, pos, _i, a, n, _p in svc.planner.carry:  # remainders and whole pieces not placed yet
         carry.setdefault((s, pos), []).append((a, a + n))
