@@ -57,7 +57,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--train-samples", type=int, default=20000,
                         help="samples the per-rank blended dataset is built for (Megatron builds indices for all)")
     parser.add_argument("--steps", type=int, default=3, help="steps the service serves before it is measured")
-    parser.add_argument("--ranks-per-node", type=int, default=8, help="ranks per trainer node (constructor sidecars)")
+    parser.add_argument("--ranks-per-node", type=int, default=8,
+                        help="ranks per trainer node (one constructor sidecar each); 0 = do not measure constructors")
     parser.add_argument("--actor-cap-mib", type=float, default=1024, help="partitioner's memory cap per loader actor")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=None, metavar="F", help="write the results as JSON to F")
@@ -331,6 +332,7 @@ def run(args: argparse.Namespace) -> int:
                                           seq_length=args.seq_length, train_samples=args.train_samples,
                                           seed=args.seed, cache=root / f"cache{s}")
         model = colocated_model(points, args.workers)
+        _progress(f"colocated measured in {time.perf_counter() - t0:.0f} s")
         from megascale_data_ext.sources.base import SourceSpec
         from megascale_data_ext.commands.bench_throughput import EOD_ID
 
@@ -339,9 +341,11 @@ def run(args: argparse.Namespace) -> int:
         profiles = [profile_source(sp, samples=16, batch=16) for sp in tqdm(specs, desc="profile", file=sys.stderr)]
         ray.init(num_cpus=2, include_dashboard=False, configure_logging=False, log_to_driver=False,
                  namespace="bench-memory")
+        _progress(f"profiled and Ray started at {time.perf_counter() - t0:.0f} s")
         try:
             con_mib = measure_constructor(prefixes, seq_length=args.seq_length, ranks_per_node=args.ranks_per_node,
-                                          seed=args.seed)
+                                          seed=args.seed) if args.ranks_per_node > 0 else 0.0
+            _progress(f"constructor measured at {time.perf_counter() - t0:.0f} s")
             grid = [(r, s) for s in sources_grid for r in ranks_grid]
             rows = []
             for r, s in tqdm(grid, desc="service (measured)", file=sys.stderr):
@@ -349,7 +353,7 @@ def run(args: argparse.Namespace) -> int:
                                       seed=args.seed, cap_mib=args.actor_cap_mib, profiles=profiles[:s])
                 service = svc["loader_uss"] + svc["planner_uss"] + svc["shared_once"]
                 colo = colocated_mib(model, r, s)
-                cons = -(-r // args.ranks_per_node) * con_mib
+                cons = -(-r // args.ranks_per_node) * con_mib if args.ranks_per_node > 0 else 0.0
                 rows.append({
                     "ranks": r, "sources": s, "colocated_mib": round(colo, 1), "service_mib": round(service, 1),
                     "ratio": round(colo / service, 2), "constructors_mib": round(cons, 1),
@@ -360,7 +364,8 @@ def run(args: argparse.Namespace) -> int:
                     "service_pss_mib": round(svc["loader_pss"] + svc["planner_pss"], 1),
                     "colocated": ("measured per rank (x ranks)" if s in measured_s else
                                   "extrapolated in sources (per-source cost) and ranks"),
-                    "service": "measured", "constructors": "1 measured x nodes (extrapolated)",
+                    "service": "measured", "constructors": "1 measured x nodes (extrapolated)"
+                    if args.ranks_per_node > 0 else "not measured (--ranks-per-node 0)",
                     "shadow": "measured",
                 })
         finally:
