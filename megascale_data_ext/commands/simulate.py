@@ -436,7 +436,9 @@ def run(args: argparse.Namespace) -> int:
                     "sequence": "28 B/position (first: tokens+position_ids int64; last: labels int64 + loss_mask "
                                 "float32); pp=1 adds num_tokens int64 per microbatch per copy",
                     "metadata": "per reading stage and copy: cu_seqlens int32 (samples + microbatches + padded) "
-                                "+ max_seqlen int32 per microbatch",
+                                "+ max_seqlen int32 per microbatch; CP slices (copies > 1) also cu_seqlens_padded",
+                    "cp_positions": "with copies > 1 every segment (document or padding) rounded up to 2 * cp, "
+                                    "as CP slices cut per document",
                     "images": "first stage, per copy: float32 patches * patch_dim + int32 image_seqlens",
                     "copies": "cp without cp broadcast (each CP fetcher), 1 with tp-cp broadcast",
                     "encoder": "WORLD delivery, every image once: float32 patches + int32 seqlen + 3 int64 keys",

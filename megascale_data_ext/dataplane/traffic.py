@@ -10,10 +10,13 @@ fields that are not sliced; c = 1 with TP x CP broadcast: one fetcher gets the w
 R reading stages:
 
 * sequence fields: first stage tokens + position_ids (int64, 16 B/position), last stage
-  labels (int64) + loss_mask (float32) = 12 B/position: 28 P, independent of c (CP slices
-  partition the positions); with PP 1 the only stage also gets num_tokens (int64, 8 c M);
+  labels (int64) + loss_mask (float32) = 12 B/position: 28 P; with c > 1 (CP slices, cut per
+  document as Megatron's THD path does) P counts every segment (document or padding) rounded
+  up to a multiple of 2 CP, which the slices partition; with PP 1 the only stage also gets
+  num_tokens (int64, 8 c M);
 * THD metadata, every reading stage, every copy: cu_seqlens int32 (N + M + K entries) and
-  max_seqlen int32 (M): 4 c R (N + 2M + K);
+  max_seqlen int32 (M): 4 c R (N + 2M + K); CP slices also carry cu_seqlens_padded
+  (4 c R (N + M + K) more);
 * images, first stage, every copy (CP slicing keeps images whole): float32 patches 4 d Q and
   image_seqlens int32 4 I: c (4 d Q + 4 I).
 
@@ -42,16 +45,22 @@ def step_totals(plan: StepPlan, *, cp: int, pad_to_multiple_of: int = PAD_TO_MUL
     unit = pad_to_multiple_of * 2 * cp
     real = plan.bin_tokens().ravel()
     packed = np.maximum(-(-real // unit) * unit, unit)
+    pad = packed - real  # the padding segment of each microbatch (0: none)
     enc = plan.encoder
     return {
         "samples": plan.num_samples,
         "tokens": int(plan.tokens.sum()),
         "positions": int(packed.sum()),
+        "cp_positions": int(_round_up(plan.tokens, 2 * cp).sum() + _round_up(pad[pad > 0], 2 * cp).sum()),
         "microbatches": int(real.size),
         "padded_microbatches": int((packed > real).sum()),
         "images": int(len(enc.sample)) if enc is not None else 0,
         "image_patches": int(enc.patches.sum()) if enc is not None else 0,
     }
+
+
+def _round_up(lengths: np.ndarray, unit: int) -> np.ndarray:
+    return -(-np.asarray(lengths, dtype=np.int64) // unit) * unit
 
 
 def reading_stages(pp: int, middle_stage_masks: bool) -> int:
@@ -60,9 +69,11 @@ def reading_stages(pp: int, middle_stage_masks: bool) -> int:
 
 def step_bytes(totals: dict[str, int], *, pp: int, copies: int, stages: int, patch_dim: int) -> dict[str, int]:
     """Bytes from constructors to fetching clients for one step (module docstring's model)."""
-    p, n, m, k = totals["positions"], totals["samples"], totals["microbatches"], totals["padded_microbatches"]
+    n, m, k = totals["samples"], totals["microbatches"], totals["padded_microbatches"]
+    sliced = copies > 1  # CP slices: every segment padded to a multiple of 2 CP, + cu_seqlens_padded
+    p = totals["cp_positions"] if sliced else totals["positions"]
     sequence = 28 * p + (8 * copies * m if pp == 1 else 0)
-    metadata = 4 * copies * stages * (n + 2 * m + k)
+    metadata = 4 * copies * stages * (n + 2 * m + k + (n + m + k if sliced else 0))
     images = copies * (4 * patch_dim * totals["image_patches"] + 4 * totals["images"])
     return {"sequence": sequence, "metadata": metadata, "images": images, "total": sequence + metadata + images}
 

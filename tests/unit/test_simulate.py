@@ -9,7 +9,7 @@ import pytest
 
 from megascale_data_ext.cli import main
 from megascale_data_ext.commands import simulate as sim
-from megascale_data_ext.dataplane.cp_slicing import slice_for_cp
+from megascale_data_ext.dataplane.cp_slicing import slice_for_cp, thd_padded_length
 from megascale_data_ext.dataplane.microbatch import fields_for_stage
 from megascale_data_ext.dataplane.packing import pack_microbatch
 from megascale_data_ext.dataplane.placetree import ClientPlaceTree
@@ -48,8 +48,10 @@ def test_bytes_per_step_follow_the_byte_model_from_the_json_totals(runs) -> None
     assert row["patch_dim"] == d and pp > 1 and row["reading_stages"] == 2
 
     def model(s: dict, copies: int) -> int:  # first: tokens+position_ids 16 B, last: labels+loss_mask 12 B
-        meta = 4 * (s["samples"] + s["microbatches"] + s["padded_microbatches"]) + 4 * s["microbatches"]
-        return 28 * s["positions"] + copies * 2 * meta + copies * (4 * d * s["image_patches"] + 4 * s["images"])
+        segments = s["samples"] + s["microbatches"] + s["padded_microbatches"]  # cu_seqlens entries
+        meta = 4 * segments + 4 * s["microbatches"] + (4 * segments if copies > 1 else 0)  # + cu_seqlens_padded
+        positions = s["cp_positions"] if copies > 1 else s["positions"]  # CP slices pad every document
+        return 28 * positions + copies * 2 * meta + copies * (4 * d * s["image_patches"] + 4 * s["images"])
 
     steps = row["per_step"]
     for s in steps:
@@ -108,8 +110,8 @@ def check_byte_model_against_packing(plan, lay: sim.Layout, *, d: int) -> None:
     enc = plan.encoder
     unit = sim.PAD_TO_MULTIPLE_OF * 2 * lay.cp
     got = {"tp": 0, "tp-cp": 0}
-    totals = dict.fromkeys(("samples", "tokens", "positions", "microbatches", "padded_microbatches", "images",
-                            "image_patches"), 0)
+    totals = dict.fromkeys(("samples", "tokens", "positions", "cp_positions", "microbatches", "padded_microbatches",
+                            "images", "image_patches"), 0)
     for j in range(2):  # two microbatches of bucket 0
         rows = np.flatnonzero((plan.bucket == 0) & (plan.microbatch == j))
         samples = []
@@ -128,6 +130,7 @@ def check_byte_model_against_packing(plan, lay: sim.Layout, *, d: int) -> None:
         real = int(plan.tokens[rows].sum())
         totals = {"samples": totals["samples"] + len(rows), "tokens": totals["tokens"] + real,
                   "positions": totals["positions"] + batch["tokens"].shape[1],
+                  "cp_positions": totals["cp_positions"] + thd_padded_length(batch["cu_seqlens"], lay.cp),
                   "microbatches": totals["microbatches"] + 1,
                   "padded_microbatches": totals["padded_microbatches"] + int(batch["tokens"].shape[1] > real),
                   "images": totals["images"] + n_img,
