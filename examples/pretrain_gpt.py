@@ -9,7 +9,8 @@ Arguments are Hydra overrides of conf/train_gpt.yaml (composed with `defaults: [
 e.g. `strategy=vanilla`, `data.seq_length=2048`, `data.ray.address=auto`, `train.save=ckpt
 train.save_interval=2`, `train.load=ckpt`; `--config-dir DIR --config-name NAME` composes your own
 config, which can use the package's groups (megascale_data_ext/megatron/app.py has the flags).
-Runs on CPU (gloo + the shims in megascale_data_ext/patches/cpu.py).
+Runs on CPU (gloo + the shims in megascale_data_ext/patches/cpu.py) or, where CUDA is present, on
+the rank's GPU (cpu:gloo,cuda:nccl; `train.bf16=true` for bf16; not yet run on a GPU by this project).
 """
 
 from __future__ import annotations
