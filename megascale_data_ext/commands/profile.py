@@ -1,7 +1,8 @@
 """``megascale-data profile <config>``: measure each source's (P, T, M) for the auto-partitioner.
 
-Per source, on the real files: open it (the memory that costs is its file access state M_d,
-measured as the USS the process grew by), read ``--samples`` samples in batches as a Source
+Per source, on the real files: open it (the memory that costs is its file access state M_d:
+the Python/numpy allocations tracemalloc sees plus Arrow's memory pool, held after opening and
+reading the metadata table; memory-mapped file pages are page cache, not counted), read ``--samples`` samples in batches as a Source
 Loader does (P: seconds per sample, and the throughput of one worker), serialize them as Ray
 would ship them (T: seconds per sample), and size the transformed samples (M_b: bytes one
 buffered sample holds). Results are journaled to ``<out>/profiles.json``
@@ -19,6 +20,7 @@ import os
 import pickle
 import sys
 import time
+import tracemalloc
 from glob import glob
 from pathlib import Path
 from typing import Any
@@ -58,6 +60,14 @@ def process_memory(pid: int | None = None) -> dict[str, int]:
             "uss": vals.get("Private_Clean", 0) + vals.get("Private_Dirty", 0)}
 
 
+def _arrow_bytes() -> int:
+    try:
+        import pyarrow as pa
+    except ImportError:  # pragma: no cover - pyarrow is a dependency
+        return 0
+    return int(pa.total_allocated_bytes())
+
+
 def source_files(spec: Any) -> list[str]:
     """The files a spec names (directories walked, globs expanded, Megatron prefixes as .bin/.idx)."""
     out: list[str] = []
@@ -89,23 +99,51 @@ def sample_bytes(sample: Any) -> int:
     return int(n + sys.getsizeof(sample))
 
 
-def profile_source(spec: Any, *, samples: int, batch: int, seed: int = 0) -> SourceProfile:
-    """Measure one source on its files (see the module doc)."""
+def _batches(idx: np.ndarray, batch: int) -> list[list[int]]:
+    return [sorted(int(x) for x in idx[i:i + batch]) for i in range(0, len(idx), batch)]
+
+
+def access_state_bytes(spec: Any, batches: list[list[int]]) -> int:
+    """What an open source retains after its metadata and `batches` were read, samples dropped.
+
+    Counted: Python/numpy allocations (tracemalloc) and Arrow's memory pool: readers, footers,
+    the metadata table, cached row groups. Memory-mapped file pages are page cache: not counted.
+    """
     from megascale_data_ext.sources.registry import open_source
 
     gc.collect()
-    before = process_memory()["uss"]
+    arrow0 = _arrow_bytes()
+    tracemalloc.start()
+    try:
+        src = open_source(spec)
+        try:
+            meta = src.metadata(None)  # the loader keeps the metadata table
+            for b in batches:
+                src.read(b)  # samples dropped at once: only what the source keeps stays
+            gc.collect()
+            held = tracemalloc.get_traced_memory()[0] + _arrow_bytes() - arrow0
+            del meta
+        finally:
+            src.close()
+    finally:
+        tracemalloc.stop()
+    return max(0, int(held))
+
+
+def profile_source(spec: Any, *, samples: int, batch: int, seed: int = 0) -> SourceProfile:
+    """Measure one source on its files (see the module doc): a traced instance for M_d, a fresh
+    untraced one for the timings and sample sizes (tracing would slow the reads)."""
+    from megascale_data_ext.sources.registry import open_source
+
     src = open_source(spec)
     try:
         n = len(src)
-        src.metadata(None)  # the loader keeps the metadata table: part of the access state
-        access = max(0, process_memory()["uss"] - before)
         rng = np.random.default_rng(seed)
-        idx = rng.choice(n, size=min(samples, n), replace=False) if n else np.zeros(0, np.int64)
+        batches = _batches(rng.choice(n, size=min(samples, n), replace=False) if n else np.zeros(0, np.int64), batch)
         got: list[Any] = []
         t0 = time.perf_counter()
-        for i in range(0, len(idx), batch):
-            got += src.read(sorted(int(x) for x in idx[i:i + batch]))
+        for b in batches:
+            got += src.read(b)
         read_s = time.perf_counter() - t0
         t0 = time.perf_counter()
         for s in got:
@@ -113,11 +151,14 @@ def profile_source(spec: Any, *, samples: int, batch: int, seed: int = 0) -> Sou
         ship_s = time.perf_counter() - t0
     finally:
         src.close()
-    k = max(1, len(got))
+    count = len(got)
+    k = max(1, count)
+    per_sample = int(np.mean([sample_bytes(s) for s in got])) if got else 0
+    del got
     return SourceProfile(name=spec.name, fingerprint=source_fingerprint(spec), num_samples=n,
-                         samples_profiled=len(got), latency_s=read_s / k, overhead_s=ship_s / k,
-                         access_state_bytes=int(access), bytes_per_sample=int(np.mean([sample_bytes(s) for s in got]))
-                         if got else 0, throughput=len(got) / read_s if read_s > 0 else 0.0)
+                         samples_profiled=count, latency_s=read_s / k, overhead_s=ship_s / k,
+                         access_state_bytes=access_state_bytes(spec, batches), bytes_per_sample=per_sample,
+                         throughput=k / read_s if read_s > 0 else 0.0)
 
 
 def plot(profiles: list[SourceProfile], path: Path) -> None:
