@@ -182,8 +182,9 @@ class DataService:
         ray.get(self.planner.load_state_dict.remote(state, reshard))
 
     def _ask(self, handles: list[Any], method: str) -> list[Any]:
-        """Call `method` on every actor, waiting out those Ray is restarting (fault tolerance)."""
-        from ray.exceptions import ActorUnavailableError
+        """Call `method` on every actor, waiting out those Ray is restarting (fault tolerance);
+        None for an actor that is dead for good (no restarts)."""
+        from ray.exceptions import ActorDiedError, ActorUnavailableError
 
         deadline = time.monotonic() + self.ft.recovery_timeout_s
         out = []
@@ -191,6 +192,9 @@ class DataService:
             while True:
                 try:
                     out.append(ray.get(getattr(h, method).remote()))
+                    break
+                except ActorDiedError:
+                    out.append(None)
                     break
                 except ActorUnavailableError:
                     if time.monotonic() > deadline:
@@ -209,9 +213,9 @@ class DataService:
         }
 
     def memory(self) -> dict[str, int]:
-        """Resident bytes of the primary loaders and of the shadows (the shadows' memory cost)."""
-        return {"loaders_rss": sum(self._ask(self.loaders, "rss_bytes")),
-                "shadows_rss": sum(self._ask(self.shadows, "rss_bytes"))}
+        """Resident bytes of the live primary loaders and of the shadows (the shadows' memory cost)."""
+        return {"loaders_rss": sum(filter(None, self._ask(self.loaders, "rss_bytes"))),
+                "shadows_rss": sum(filter(None, self._ask(self.shadows, "rss_bytes")))}
 
     def stop(self) -> None:
         for h in self.constructors + self.loaders + self.shadows + ([self.planner] if self.planner is not None else []):

@@ -81,27 +81,26 @@ def test_loaders_planner_and_constructors_killed_the_trainer_gets_every_sample_o
     print(f"step waits: {[round(w, 2) for w in got.step_wait_s]}; recoveries {got.recoveries}")
 
 
-def test_shadow_loaders_serve_while_their_primaries_restart(text_spec, ray_local):
+def test_shadows_replace_dead_loaders_and_a_constructor_that_stays_dead_is_named(text_spec, ray_local):
+    """Without restarts: killed primaries never return, their shadows serve every later step;
+    then a constructor dies for good and the client names it instead of hanging."""
     tree = ClientPlaceTree.from_sizes(dp=2)
-    cfg, steps = config(text_spec, 3, "shadows"), 8
-    ft = FaultToleranceConfig(shadow_loaders=True, hedge_s=0.3, rpc_timeout_s=20, recovery_timeout_s=60)
-    got = run_with_faults(cfg, tree, ft, steps, "loader:0-1@2")
-    assert compare(reference_docs(cfg, tree, steps), got.docs) == (0, 0)
-    assert sum(s["direct_fetches"] for s in got.stats["shadows"]) > 0
-    assert got.memory["shadows_rss"] > 0
-
-
-def test_a_constructor_that_stays_dead_is_named_by_the_client(text_spec, ray_local):
-    tree = ClientPlaceTree.from_sizes(dp=1)
-    ft = FaultToleranceConfig(restart=False, rpc_timeout_s=2, recovery_timeout_s=4, retries=2)
-    svc = DataService(config(text_spec, 1, "dead"), tree, fault_tolerance=ft, progress=None)
+    cfg, steps = config(text_spec, 3, "shadows"), 10
+    ft = FaultToleranceConfig(restart=False, shadow_loaders=True, hedge_s=0.3, rpc_timeout_s=2, recovery_timeout_s=4,
+                              retries=2)
+    svc = DataService(cfg, tree, fault_tolerance=ft, progress=None)
     handles = svc.start()
     try:
+        got = consume(svc, handles, steps, faults="loader:0-1@1", step_seconds=0.05)
+        assert compare(reference_docs(cfg, tree, steps), got.docs) == (0, 0)
+        assert sum(s["direct_fetches"] for s in got.stats["shadows"]) > 0
+        assert got.memory["shadows_rss"] > 0
+        start = steps + ft.client_prefetch + 1  # consume's client already took the steps it prefetched
         client = RemoteConstructors(handles.topology, fault_tolerance=ft, prefetch_steps=1)
-        client.get(0, 0, 0)
+        client.get(start, 0, 0)
         actor_crasher(handles.topology)("constructor", 0)
         with pytest.raises(ServiceUnavailableError, match=r"constructor/0 .*did not deliver step \d"):
-            for step in range(1, 6):
+            for step in range(start + 1, start + 6):
                 client.get(step, 0, 0)
     finally:
         svc.stop()
