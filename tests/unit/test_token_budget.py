@@ -120,3 +120,19 @@ def test_config_errors_name_the_keys(specs):
                          tokens_per_step=4096, split_documents=True)
     assert all(s.max_tokens is None for s in kept.sources)  # split, not truncated
     assert ServiceConfig(sources=specs, tokens_per_step=4096).fingerprint()["tokens_per_step"] == 4096
+
+
+def test_image_samples_stay_whole_and_reach_the_encoder(tmp_path):
+    specs = [s for s in make_demo_data(tmp_path, seed=3, rows=120, image_rows=60, text_sources=1, image_sources=1,
+                                       megatron_rows=0) if s.format != "megatron"]
+    svc = service([dataclasses.replace(s, truncate=True) for s in specs], num_microbatches=2, seq_length=4096,
+                  tokens_per_step=2 * 2 * 4096, split_documents=True, strategy="vlm_balance")
+    image_source = next(i for i, s in enumerate(specs) if s.image_column)
+    for step in range(3):
+        plan = svc.planner.plan(step)
+        assert (plan.bin_tokens() == 4096).all()  # text fills around the images
+        rows = np.flatnonzero(plan.source == image_source)
+        assert (plan.span_start[rows] == 0).all()  # an image sample is never split
+        assert set(np.unique(plan.encoder.sample).tolist()) <= set(rows.tolist())
+        with_images = set(rows[plan.tokens[rows] > plan.span_stop[rows]].tolist())  # rows carrying patches
+        assert with_images <= set(plan.encoder.sample.tolist())  # every image is encoded by some rank
