@@ -116,7 +116,7 @@ class _IndexedSequences:
         self.name = self.path = prefix
         spec = SourceSpec(name=os.path.basename(prefix) or prefix, format="megatron", paths=[prefix], append_eod=False)
         # The reader has no public accessor for its memory-mapped prefix: see docs/dropin_builder.md.
-        self.low_level = MegatronIndexedSource(spec)._datasets[0]
+        self.low_level = MegatronIndexedSource(spec).prefix_data(0)
 
     @property
     def document_lengths(self) -> np.ndarray:

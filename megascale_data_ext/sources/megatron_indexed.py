@@ -246,6 +246,10 @@ class MegatronIndexedSource(RowSource):
     def __len__(self) -> int:
         return int(self._ds_start[-1])
 
+    def prefix_data(self, i: int = 0) -> _MMapIndexedData:
+        """The memory-mapped data of the ``i``-th prefix (the drop-in builder reads its index arrays)."""
+        return self._datasets[i]
+
     def _check_bin_size(self, prefix: str, ds: _MMapIndexedData) -> None:
         """Fail at open, not mid-training, when the .bin is shorter than its index says."""
         index = ds.index
