@@ -13,7 +13,7 @@ import glob
 import inspect
 import os
 from collections.abc import Callable
-from typing import get_args
+from typing import Any, get_args
 
 from megascale_data_ext.config.coerce import Rules
 from megascale_data_ext.config.problems import Problems, did_you_mean
@@ -119,8 +119,21 @@ def check_sources(cfg: MegascaleDataConfig, path: str, problems: Problems, check
                 if miss and not problems.blocked(at):
                     problems.add(at, f"{miss} (configured {p!r}, data_root={cfg.data_root!r}); "
                                      f"check the path or `{path}.data_root`")
-            if s.tokenizer is not None and not os.path.isfile(cfg.resolve_path(s.tokenizer)):
-                problems.add(f"{sp}.tokenizer", f"tokenizer file {cfg.resolve_path(s.tokenizer)!r} does not exist")
+            if s.tokenizer is not None:
+                _check_tokenizer(s, cfg.resolve_path(s.tokenizer), sp, problems)
+
+
+def _check_tokenizer(s: Any, resolved: str, sp: str, problems: Problems) -> None:
+    """The tokenizer loads (a file or a directory holding one, of its `tokenizer_type`) at config time."""
+    from megascale_data_ext.sources.tokenizer import load_tokenizer
+
+    if not os.path.exists(resolved):
+        problems.add(f"{sp}.tokenizer", f"tokenizer file {resolved!r} does not exist")
+        return
+    try:
+        load_tokenizer(resolved, tokenizer_type=s.tokenizer_type, merge_file=s.merge_file, key=f"{sp}.tokenizer")
+    except ConfigError as e:
+        problems.add(f"{sp}.tokenizer", str(e))
 
 
 def check_mixing(cfg: MegascaleDataConfig, path: str, problems: Problems) -> None:
@@ -170,6 +183,8 @@ def check_strategy(cfg: MegascaleDataConfig, path: str, problems: Problems) -> N
         if key in arg_choices and isinstance(value, str):
             allowed = arg_choices[key]()
             norm = value.upper() if key.endswith("axis") else value.strip().lower() if key.endswith("model") else value
+            if key.endswith("model") and norm.startswith("calibrated:"):
+                continue  # a fitted cost model's file: building the strategy below loads and checks it
             if norm not in allowed:
                 problems.add(f"{where}.args.{key}", f"got {value!r}; {did_you_mean(value, allowed)}allowed: {allowed}")
     args = dict(sc.args)

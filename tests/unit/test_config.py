@@ -468,3 +468,19 @@ def test_strategy_model_accepts_every_registered_cost_model_name() -> None:
         assert cfg.strategy.args["model"] == model
     with pytest.raises(ConfigError, match=r"data.strategy.args.model`: got 'no-such'.*allowed: \[.*'tokens'"):
         load_config({**base, "strategy": {"name": "llm_balance", "args": {"model": "no-such"}}}, check_paths=False)
+
+
+def test_a_calibrated_cost_model_is_accepted_by_path_and_a_missing_file_is_named(tmp_path: Path,
+                                                                                 base: dict[str, Any]) -> None:
+    from megascale_data_ext.dataplane.calibration import fit_calibration
+
+    lens = [[64], [32, 32], [16] * 4, [128], [8] * 16, [100, 28]]
+    seconds = [0.01 + 1e-4 * sum(d) + 1e-6 * sum(x * x for x in d) for d in lens]
+    path = tmp_path / "calibration.json"
+    model, _report = fit_calibration([[d] for d in lens], seconds)  # one microbatch per observation
+    model.save(path)
+    cfg = base
+    cfg["strategy"]["args"]["model"] = f"calibrated:{path}"
+    load_config(cfg)
+    cfg["strategy"]["args"]["model"] = f"calibrated:{tmp_path / 'nope.json'}"
+    assert "nope.json" in _one(cfg, "data.strategy.args", "cannot build strategy")

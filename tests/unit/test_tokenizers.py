@@ -172,3 +172,18 @@ def test_data_config_takes_megatron_tokenizer_keys_and_names_bad_ones(files, tmp
         load_config({**cfg, "sources": [{**source, "tokenizer_type": "Llama", "on_bad_rows": "drop"}]})
     assert "`data.sources[0].tokenizer_type`: must be one of ['ByteTokenizer', " in str(err.value)
     assert "`data.sources[0].on_bad_rows`: must be one of ['error', 'skip'], got 'drop'" in str(err.value)
+
+
+def test_the_data_config_loads_the_tokenizer_so_a_wrong_file_or_type_is_a_startup_error(files, tmp_path):
+    from megascale_data_ext.config import load_config
+
+    (tmp_path / "d.jsonl").write_text('{"text": "hello"}\n')
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "tokenizer.json").write_bytes((files / "tokenizer.json").read_bytes())
+    source = {"name": "web", "format": "jsonl", "path": "d.jsonl", "tokenizer": str(tmp_path / "hf")}
+    cfg = {"data_root": str(tmp_path), "seq_length": 64, "sources": [source]}
+    load_config(cfg)  # a directory holding tokenizer.json is a tokenizer
+    wrong = {**source, "tokenizer": str(files / "tokenizer.json"), "tokenizer_type": "SentencePieceTokenizer"}
+    with pytest.raises(ConfigError) as err:
+        load_config({**cfg, "sources": [wrong]})
+    assert "`data.sources[0].tokenizer`: " in str(err.value) and "tokenizer.json" in str(err.value)
