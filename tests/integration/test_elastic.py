@@ -24,8 +24,7 @@ from megascale_data_ext.runtime.elastic import step_of_position
 from megascale_data_ext.runtime.inprocess import InProcessService
 from megascale_data_ext.runtime.service import DataService
 from megascale_data_ext.sources.demo_data import make_demo_data
-from megascale_data_ext.sources.tokenizer import ByteTokenizer
-from tests.dist.launch import REPO_ROOT, run_torchrun
+from tests.dist.launch import run_torchrun
 
 pytestmark = pytest.mark.slow
 STEPS, SAMPLES = 3, 8
@@ -45,11 +44,43 @@ def config(specs, m: int, namespace: str) -> ServiceConfig:
                          ray=RayConfig(namespace=namespace))
 
 
-def job(handles, out: Path, dp: int, m: int, start: int) -> dict[int, dict]:
-    args = ["--steps", STEPS, "--start-step", start, "--num-microbatches", m, "--seq-length", 1024, "--vocab-size",
-            ByteTokenizer().vocab_size, "--namespace", handles.namespace, "--address", handles.address, "--no-train",
-            "--out", out]
-    run_torchrun(REPO_ROOT / "megascale_data_ext" / "megatron" / "train_worker.py", dp, args, env=handles.ray_env,
+def rank_main(argv: list[str]) -> None:
+    """One torchrun rank (this file run as a script): gloo + Megatron parallel_state, a Client
+    resumed at the saved data position, STEPS steps consumed, then its records and position."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from megascale_data_ext.patches.cpu import apply_cpu_shims
+    from megascale_data_ext.runtime.client import Client
+    from megascale_data_ext.runtime.remote import RemoteConstructors, fetch_topology
+
+    address, namespace, m, out = argv[0], argv[1], int(argv[2]), Path(argv[3])
+    position = json.loads(argv[4])
+    dist.init_process_group("gloo")
+    apply_cpu_shims()
+    parallel_state.initialize_model_parallel()
+    rank, tree = dist.get_rank(), ClientPlaceTree.from_megatron()
+    shared = [fetch_topology(address, namespace) if rank == 0 else None]
+    dist.broadcast_object_list(shared, src=0)
+    assert shared[0].tree.layout() == tree.layout(), (shared[0].tree.layout(), tree.layout())
+    client = Client(shared[0], rank, source=RemoteConstructors(shared[0], address), num_microbatches=m)
+    client.load_state_dict({**client.state_dict(), **position})  # the saved position, this job's fingerprint
+    steps = []
+    for _ in range(STEPS):
+        step = client.step
+        batches = list(client.step_iterator())
+        infos = client.drain()["delivered"]
+        steps.append({"step": step, "samples": [i["samples"].tolist() for i in infos], "tokens": [
+            int(b["tokens"].numel()) for b in batches]})
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"rank{rank}.json").write_text(json.dumps({"rank": rank, "steps": steps, "position": client.state_dict()}))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def job(handles, out: Path, dp: int, m: int, position: dict) -> dict[int, dict]:
+    pos = json.dumps({"step": position["step"], "microbatch": position["microbatch"]})
+    run_torchrun(Path(__file__), dp, [handles.address, handles.namespace, m, out, pos], env=handles.ray_env,
                  timeout=300)
     return {json.loads(p.read_text())["rank"]: json.loads(p.read_text()) for p in out.glob("rank*.json")}
 
@@ -64,7 +95,7 @@ def test_dp4_to_dp2_to_dp4_delivers_each_sample_exactly_once(specs, tmp_path):
             handles = svc.start(state=state, reshard=True)
             start = step_of_position(position)
             try:
-                logs = job(handles, tmp_path / f"phase{phase}", dp, m, start)
+                logs = job(handles, tmp_path / f"phase{phase}", dp, m, position)
                 state = svc.state_dict(start + STEPS)  # the planner before the next job's first step
             finally:
                 svc.stop()
@@ -73,7 +104,8 @@ def test_dp4_to_dp2_to_dp4_delivers_each_sample_exactly_once(specs, tmp_path):
                 for entry in log["steps"]:
                     delivered.setdefault(entry["step"], []).extend(
                         (s, p) for mb in entry["samples"] for s, p, _ in mb)
-            position = {"step": start + STEPS, "microbatch": 0}  # each rank's Client.state_dict at the end
+            position = logs[0]["position"]  # the trainer's saved data position (Client.state_dict)
+            assert all(log["position"]["step"] == start + STEPS for log in logs.values())
     finally:
         ray.shutdown()
     keys = [k for step in sorted(delivered) for k in delivered[step]]
@@ -98,3 +130,9 @@ def test_elastic_resume_refuses_a_change_of_data_and_a_mid_step_position(specs):
         reshard_planner_state(a.state_dict(2), b.fingerprint())
     with pytest.raises(ResumeError, match="step boundary"):
         step_of_position({"step": 3, "microbatch": 1})
+
+
+if __name__ == "__main__":
+    import sys
+
+    rank_main(sys.argv[1:])
