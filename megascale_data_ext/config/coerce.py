@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Union, get_args, get_origin, get_type_hints
 
 from megascale_data_ext.config.problems import Problems, did_you_mean
+from megascale_data_ext.errors import ConfigError
 
 MISSING = "???"
 _BAD = object()
@@ -117,4 +118,15 @@ def build(cls: type, value: Any, path: str, problems: Problems, rules: Rules) ->
             problems.add(sub, f"got {v!r}; {did_you_mean(str(v), allowed_now)}allowed: {allowed_now}")
             continue
         kwargs[name] = v
-    return cls(**kwargs)
+    own = getattr(cls, "field_problems", None)
+    if own is not None:  # a runtime dataclass that checks its own fields: report them by config path
+        found = own(kwargs)
+        for key, message in found:
+            problems.add(f"{path}.{key}", message)
+        if found:
+            return cls()
+    try:
+        return cls(**kwargs)
+    except ConfigError as e:
+        problems.add(path, str(e))
+        return cls()

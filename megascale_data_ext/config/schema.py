@@ -20,6 +20,7 @@ from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 from megascale_data_ext.dataplane.mixing import MixMode, ScheduleType
 from megascale_data_ext.errors import ConfigError
 from megascale_data_ext.runtime.config import DEFAULT_STRATEGY, BatchConfig, RayConfig, ServiceConfig
+from megascale_data_ext.runtime.faults import FaultToleranceConfig
 from megascale_data_ext.sources.base import SourceSpec
 
 GLOB_CHARS = frozenset("*?[")
@@ -134,6 +135,7 @@ class MegascaleDataConfig(BatchConfig):
     mixing: MixingConfig = field(default_factory=MixingConfig)
     strategy: StrategyConfig = field(default_factory=StrategyConfig)
     ray: RayConfig = field(default_factory=RayConfig)
+    fault_tolerance: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)
 
     def resolve_path(self, path: str) -> str:
         """Absolute form of a config path: ``~`` expanded, relative ones under ``data_root``."""
@@ -175,5 +177,6 @@ class MegascaleDataConfig(BatchConfig):
         ray = dataclasses.replace(self.ray, resources=dict(self.ray.resources))
         return ServiceConfig(
             sources=self.source_specs(), strategy=self.strategy_name(), strategy_args=dict(self.strategy.args),
-            mixing=mixing, mix_mode=self.mixing.mode, ray=ray, **batch,
+            mixing=mixing, mix_mode=self.mixing.mode, ray=ray,
+            fault_tolerance=dataclasses.replace(self.fault_tolerance), **batch,
         )

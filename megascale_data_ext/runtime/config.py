@@ -17,6 +17,7 @@ from typing import Any
 
 from megascale_data_ext.dataplane.mixing import MixMode
 from megascale_data_ext.errors import ConfigError
+from megascale_data_ext.runtime.faults import FaultToleranceConfig
 from megascale_data_ext.sources.base import FieldProblem, SourceSpec
 
 __all__ = ["DEFAULT_STRATEGY", "MIX_MODES", "OVERFLOW_MODES", "BatchConfig", "FieldProblem", "RayConfig",
@@ -164,6 +165,8 @@ class ServiceConfig(BatchConfig):
         mixing: Mixing schedule mapping for `mixing.build_schedule` (default: source weights).
         mix_mode: "deterministic" (Megatron-like error minimisation) or "random".
         ray: Where the actors run (`RayConfig.init_kwargs` starts or joins Ray).
+        fault_tolerance: How killed actors are recovered (restarts, planner checkpoints,
+            shadow loaders, client prefetch, fault injection).
     """
 
     sources: list[SourceSpec]
@@ -172,6 +175,7 @@ class ServiceConfig(BatchConfig):
     mixing: dict[str, Any] | None = None
     mix_mode: str = MixMode.DETERMINISTIC.value
     ray: RayConfig = field(default_factory=RayConfig)
+    fault_tolerance: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)
 
     def __post_init__(self) -> None:
         # A sample can never be longer than the context: sources without their own limit get

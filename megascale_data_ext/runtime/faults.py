@@ -71,18 +71,29 @@ class FaultToleranceConfig:
     inject: str = ""
 
     def __post_init__(self) -> None:
-        problems = [(k, f"must be an integer >= 1, got {getattr(self, k)!r}")
-                    for k in ("checkpoint_keep", "loader_snapshot_every", "retries")
-                    if not isinstance(getattr(self, k), int) or getattr(self, k) < 1]
-        if not isinstance(self.client_prefetch, int) or self.client_prefetch < 0:
-            problems.append(("client_prefetch", f"must be an integer >= 0, got {self.client_prefetch!r}"))
-        problems += [(k, f"must be > 0 seconds, got {getattr(self, k)!r}")
-                     for k in ("rpc_timeout_s", "recovery_timeout_s", "hedge_s", "suspect_s")
-                     if not getattr(self, k) > 0]
+        problems = self.field_problems({f: getattr(self, f) for f in self.__dataclass_fields__})
         if problems:
             raise ConfigError("invalid fault_tolerance config:\n  - " +
                               "\n  - ".join(f"`fault_tolerance.{k}`: {m}" for k, m in problems))
-        parse_faults(self.inject)  # a bad schedule fails at configuration time
+
+    @classmethod
+    def field_problems(cls, values: dict[str, Any]) -> list[tuple[str, str]]:
+        """What is wrong with these field values, as ``(field, message)`` (the config names them)."""
+        get = values.get
+        problems = [(k, f"must be an integer >= 1, got {get(k)!r}")
+                    for k in ("checkpoint_keep", "loader_snapshot_every", "retries")
+                    if k in values and (not isinstance(get(k), int) or get(k) < 1)]
+        if "client_prefetch" in values and (not isinstance(get("client_prefetch"), int) or get("client_prefetch") < 0):
+            problems.append(("client_prefetch", f"must be an integer >= 0, got {get('client_prefetch')!r}"))
+        problems += [(k, f"must be > 0 seconds, got {get(k)!r}")
+                     for k in ("rpc_timeout_s", "recovery_timeout_s", "hedge_s", "suspect_s")
+                     if k in values and not get(k) > 0]
+        if values.get("inject"):
+            try:
+                parse_faults(values["inject"])  # a bad schedule fails at configuration time
+            except ConfigError as e:
+                problems.append(("inject", str(e)))
+        return problems
 
     def actor_options(self, *, retry_tasks: bool) -> dict[str, int]:
         """Ray restart options; `retry_tasks` re-runs calls in flight on the restarted actor

@@ -71,8 +71,8 @@ class DataService:
     Args:
         config: The service config.
         tree: The trainer's parallel layout.
-        fault_tolerance: Restart, checkpoint, shadow and injection settings (default: restartable
-            actors, per-step planner checkpoints in a temporary directory, no shadows).
+        fault_tolerance: Restart, checkpoint, shadow and injection settings (default:
+            ``config.fault_tolerance``, i.e. the ``data.fault_tolerance`` node).
         progress: Called with one line per start-up phase (None: silent).
     """
 
@@ -82,7 +82,7 @@ class DataService:
         self.config = config
         self.topology = ServiceTopology.of(config, tree)
         self.tree = self.topology.tree
-        self.ft = fault_tolerance or FaultToleranceConfig()
+        self.ft = fault_tolerance or config.fault_tolerance
         self.progress = progress
         self.loaders: list[Any] = []
         self.shadows: list[Any] = []

@@ -484,3 +484,13 @@ def test_a_calibrated_cost_model_is_accepted_by_path_and_a_missing_file_is_named
     load_config(cfg)
     cfg["strategy"]["args"]["model"] = f"calibrated:{tmp_path / 'nope.json'}"
     assert "nope.json" in _one(cfg, "data.strategy.args", "cannot build strategy")
+
+
+def test_fault_tolerance_node_reaches_the_service_config_and_bad_values_are_named(base: dict[str, Any]) -> None:
+    cfg = {**base, "fault_tolerance": {"shadow_loaders": True, "client_prefetch": 6, "inject": "planner@every15"}}
+    ft = load_config(cfg).to_service_config().fault_tolerance
+    assert (ft.shadow_loaders, ft.client_prefetch, ft.inject, ft.restart) == (True, 6, "planner@every15", True)
+    problems = _problems({**base, "fault_tolerance": {"client_prefetch": -1, "shadows": True}})
+    assert any(p.startswith("`data.fault_tolerance.shadows`: unknown key") for p in problems), problems
+    assert any("client_prefetch" in p and "must be an integer >= 0" in p for p in problems), problems
+    assert "router" in _one({**base, "fault_tolerance": {"inject": "router@3"}}, "data.fault_tolerance.inject")
