@@ -42,6 +42,8 @@ _EXPORTS: dict[str, str] = {
     "DataService": "megascale_data_ext.runtime.service",
     "InProcessService": "megascale_data_ext.runtime.inprocess",
     "Client": "megascale_data_ext.runtime.client",
+    "FaultToleranceConfig": "megascale_data_ext.runtime.faults",
+    "ServiceUnavailableError": "megascale_data_ext.runtime.faults",
     # state and errors
     "Stateful": "megascale_data_ext.state",
     "StateSchema": "megascale_data_ext.state",
