@@ -278,6 +278,7 @@ class TrainingSession:
             load_checkpoint(self.load_dir, self.start, chunks, optimizer, hooks, scheduler)
         log: list[dict] = []
         save_dir, interval = tcfg.get("save"), int(tcfg.get("save_interval") or 0)
+        calibration = self._step_calibration()
         try:
             for step in range(self.start, int(tcfg.train_iters)):
                 t0 = time.perf_counter()
@@ -286,6 +287,8 @@ class TrainingSession:
                 result = train_step(chunks, optimizer, None, num_microbatches=m, seq_length=self.service_cfg.seq_length,
                                     clip_grad=float(tcfg.get("clip_grad", 0.0) or 0.0), scheduler=scheduler)
                 dt = time.perf_counter() - t0
+                if calibration is not None:
+                    calibration.observe(step, dt)
                 records = client.drain()
                 fetch = records["fetch_seconds"]
                 entry = {"step": step, "loss": result["loss"], "num_tokens": result["num_tokens"], "seconds": dt,
@@ -305,9 +308,25 @@ class TrainingSession:
             self._stop()
             raise
         hooks.uninstall()
+        if calibration is not None:
+            print(calibration.report(), flush=True)
+            out = save_dir or tcfg.get("log_dir")
+            if out:
+                calibration.save(out)
         dist.barrier()
         self._stop()
         return log
+
+    def _step_calibration(self) -> Any:
+        """Rank 0's online cost-model fit from step times (needs the service this rank started)."""
+        if self.service is None:
+            return None
+        import ray
+
+        from megascale_data_ext.megatron.step_calibration import StepCalibration
+
+        planner = self.service.planner
+        return StepCalibration(lambda step: ray.get(planner.plan.remote(step)), self.service_cfg.strategy_args)
 
     def _report(self, step: int, entry: dict) -> None:
         s = self.plan(step).summary()
