@@ -71,8 +71,7 @@ class PlannerActor:
 
     def __init__(self, config: ServiceConfig, topology: ServiceTopology, loader_handles: list[Any],
                  ft: FaultToleranceConfig | None = None, checkpoint_dir: str | None = None,
-                 shadow_handles: list[Any] | None = None, initial_state: dict | None = None,
-                 reshard: bool = False):
+                 shadow_handles: list[Any] | None = None):
         self._topology = topology
         self.ft = ft or _NO_FAULT_TOLERANCE
         self._loaders = LoaderFailover(loader_handles, shadow_handles, self.ft)
@@ -88,11 +87,8 @@ class PlannerActor:
                 self._load(state)
                 self.restored_from = int(state["step"])
                 _log.warning("planner restarted: restored its state before step %d", self.restored_from)
-            elif initial_state is None:
+            else:
                 self.checkpoints.save(self.planner.state_dict())
-        if initial_state is not None and self.restored_from is None:
-            # a resume: loaded before any call is served, so every actor can start at once
-            self.load_state_dict(initial_state, reshard)
 
     def _on_planned(self, plan: Any, seconds: float) -> None:
         record_plan(plan, seconds)

@@ -136,37 +136,36 @@ class DataService:
         check_sources(cfg.sources)
         ckpt = self._prepare_checkpoint_dir()
         self._phase("sources checked", t0, f" ({len(cfg.sources)} sources)")
-        # One wave: every actor process starts at once (each spawns a Ray worker, seconds apiece);
-        # the Planner takes the resume state in its constructor, so no call sees it unloaded, and
-        # loaders find the Planner by name when they first need a plan.
-        self.loaders = self._loader_actors(topo.loader_names(), shadow=False, ckpt=ckpt)
-        if ft.shadow_loaders:
-            self.shadows = self._loader_actors(topo.shadow_loader_names(), shadow=True, ckpt=None)
-        start_step = 0 if state is None else int(state["step"])
-        planner_opts = ft.actor_options(retry_tasks=True)
-        self.planner = PlannerActor.options(name=PLANNER_NAME, namespace=ns, **planner_opts).remote(
-            cfg, topo, self.loaders, ft, ckpt, self.shadows or None, state, reshard)
-        tok = load_tokenizer(cfg.sources[0])
-        image_id = tok.image_id if any(s.image_column for s in cfg.sources) else None
-        opts = ft.actor_options(retry_tasks=False)
-        self.constructors = [
-            DataConstructorActor.options(name=name, namespace=ns, **opts).remote(
-                list(buckets), cfg, topo, self.planner, self.loaders, tok.pad_id, image_id, start_step, ft,
-                self.shadows or None)
-            for name, buckets in zip(topo.constructor_names(), topo.constructor_groups, strict=True)
-        ]
         try:
+            self.loaders = self._loader_actors(topo.loader_names(), shadow=False, ckpt=ckpt)
+            if ft.shadow_loaders:
+                self.shadows = self._loader_actors(topo.shadow_loader_names(), shadow=True, ckpt=None)
             ray.get([h.size.remote() for h in self.loaders + self.shadows])  # surfaces source errors now
             self._phase("loaders up", t0, f" ({len(self.loaders)} + {len(self.shadows)} shadows)")
+            planner_opts = ft.actor_options(retry_tasks=True)
+            self.planner = PlannerActor.options(name=PLANNER_NAME, namespace=ns, **planner_opts).remote(
+                cfg, topo, self.loaders, ft, ckpt, self.shadows or None)
             ray.get([h.set_planner.remote(self.planner) for h in self.loaders + self.shadows])
-            first_plan = self.planner.plan_summary.remote(start_step)
-            ray.get(self.planner.stats.remote())
+            start_step = 0
+            if state is not None:
+                ray.get(self.planner.load_state_dict.remote(state, reshard))
+                start_step = int(state["step"])
             self._phase("planner up", t0, f" (step {start_step}{', resharded' if reshard and state else ''})")
+            first_plan = self.planner.plan_summary.remote(start_step)  # planned while the constructors start
+            tok = load_tokenizer(cfg.sources[0])
+            image_id = tok.image_id if any(s.image_column for s in cfg.sources) else None
+            opts = ft.actor_options(retry_tasks=False)
+            self.constructors = [
+                DataConstructorActor.options(name=name, namespace=ns, **opts).remote(
+                    list(buckets), cfg, topo, self.planner, self.loaders, tok.pad_id, image_id, start_step, ft,
+                    self.shadows or None)
+                for name, buckets in zip(topo.constructor_names(), topo.constructor_groups, strict=True)
+            ]
             ray.get(first_plan)
             self._phase("first plan", t0)
             ray.get([c.stats.remote() for c in self.constructors])
             self._phase("constructors up", t0, f" ({len(self.constructors)})")
-        except Exception:
+        except Exception:  # a source that cannot open, a bad resume state: leave nothing running
             self._kill_actors()
             raise
         self.startup_seconds = time.perf_counter() - t0
