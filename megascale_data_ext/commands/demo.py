@@ -105,7 +105,8 @@ def run(args: argparse.Namespace) -> int:
     waits = sorted(sum(s["fetch_ms"]) for log in logs for s in log["steps"] if s["fetch_ms"])
     if waits:
         print(f"[demo] data wait per step over {len(waits)} (rank, step) pairs: median {waits[len(waits) // 2]:.1f} "
-              f"ms, max {waits[-1]:.1f} ms (clients fetch whole steps, 2 ahead)")
+              f"ms, max {waits[-1]:.1f} ms (clients fetch whole steps, "
+              f"{cfg.fault_tolerance.client_prefetch} ahead)")
     skipped = sum(c["skipped_total"] for c in stats["constructors"])
     print(f"[demo] {args.steps} steps in {time.perf_counter() - t1:.1f} s; loaders read "
           f"{sum(s['samples_read'] for s in stats['loaders'])} samples, skipped {skipped} bad ones; logs in {out}")
