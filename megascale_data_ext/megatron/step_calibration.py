@@ -67,11 +67,12 @@ class StepCalibration:
         model = self.online.model()
         predicted, measured = self.comparison()
         err = np.abs(predicted - measured) / measured
-        r = float(np.corrcoef(predicted, measured)[0, 1]) if len(measured) > 2 and np.std(predicted) > 0 else float("nan")
+        few = len(measured) < 3 or np.std(predicted) == 0  # the three terms need varied steps to separate
+        r = "n/a (< 3 varied steps)" if few else f"{float(np.corrcoef(predicted, measured)[0, 1]):.3f}"
         return (f"[calibration] fixed {model.fixed * 1e3:.2f} ms/microbatch, linear {model.linear * 1e6:.3f} us/token, "
                 f"quadratic {model.quadratic * 1e9:.4f} ns/token^2 from {self.online.steps} steps | step predicted "
                 f"{predicted.mean():.3f} s vs measured {measured.mean():.3f} s (mean abs error {100 * err.mean():.1f}%, "
-                f"Pearson r {r:.3f})")
+                f"Pearson r {r})")
 
     def save(self, directory: str | Path) -> Path:
         """Write ``calibration.json`` (the fit, reusable as ``model: calibrated:<path>``) and the
