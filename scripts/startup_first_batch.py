@@ -24,6 +24,7 @@ handles = svc.start()
 client = Client.connect(handles, 0, num_microbatches=scfg.num_microbatches)
 mb = client.next_microbatch()
 t2 = time.perf_counter()
-print(json.dumps({"tree": megascale_data_ext.__file__, "ray_init_s": round(t1 - t0, 2), "first_batch_after_init_s": round(t2 - t1, 2),
+print(json.dumps({"tree": megascale_data_ext.__file__, "ray_init_s": round(t1 - t0, 2),
+                  "first_batch_after_init_s": round(t2 - t1, 2),
                   "phases": {k: round(v, 2) for k, v in svc.phases.items()}}))
 svc.stop(); ray.shutdown()

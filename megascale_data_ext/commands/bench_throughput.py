@@ -10,7 +10,8 @@ with EOD, as ``preprocess_data.py --append-eod`` writes them) is consumed twice:
 * **service (<strategy>)**: a `DataService` on embedded Ray (``num_cpus=2``) over the same
   prefixes (``format="megatron"``, ``append_eod=False``); one consumer process plays every
   fetching rank of a DP tree with the trainer's own path: a `Client` per rank
-  (``Client.connect``), whole steps per call with `fault_tolerance.client_prefetch` (4) steps prefetched, torch tensors out.
+  (``Client.connect``), whole steps per call with `fault_tolerance.client_prefetch` (4) steps
+  prefetched, torch tensors out.
   ``llm_balance`` runs in token-budget mode (``tokens_per_step = dp·m·L``, documents split
   across microbatches as Megatron's windows split them); ``vanilla`` takes one whole document
   (truncated to L) per microbatch.

@@ -71,8 +71,8 @@ class StepCalibration:
         r = "n/a (< 3 varied steps)" if few else f"{float(np.corrcoef(predicted, measured)[0, 1]):.3f}"
         return (f"[calibration] fixed {model.fixed * 1e3:.2f} ms/microbatch, linear {model.linear * 1e6:.3f} us/token, "
                 f"quadratic {model.quadratic * 1e9:.4f} ns/token^2 from {self.online.steps} steps | step predicted "
-                f"{predicted.mean():.3f} s vs measured {measured.mean():.3f} s (mean abs error {100 * err.mean():.1f}%, "
-                f"Pearson r {r})")
+                f"{predicted.mean():.3f} s vs measured {measured.mean():.3f} s "
+                f"(mean abs error {100 * err.mean():.1f}%, Pearson r {r})")
 
     def save(self, directory: str | Path) -> Path:
         """Write ``calibration.json`` (the fit, reusable as ``model: calibrated:<path>``) and the
