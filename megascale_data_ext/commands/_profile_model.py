@@ -298,19 +298,25 @@ def fit_report_lines(model: CalibratedCost, report: CalibrationReport, shape: Mo
     ])
 
 
+def add_shape_arguments(parser: Any, prefix: str = "", *, seq: bool = False) -> None:
+    """The model-shape flags (``--<prefix>hidden`` ...) shared by `profile --model` and
+    `bench gpu-balance`; unset ones take `resolve_shape`'s device defaults."""
+    helps = {"hidden": "hidden size", "layers": "layers", "heads": "attention heads", "vocab": "vocabulary",
+             **({"seq": "longest pack in tokens"} if seq else {})}
+    for key, what in helps.items():
+        parser.add_argument(f"--{prefix}{key}", type=int,
+                            help=f"{what} (default {GPU_DEFAULT[key]} on CUDA, {CPU_SMOKE[key]} on CPU)")
+    parser.add_argument(f"--{prefix}attention", default="auto",
+                        help="GPTModelConfig.attention: auto (per-document: te with Transformer Engine on CUDA, "
+                             "else flex), te, flex or dense (default auto)")
+
+
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of the model-profiling part of `megascale-data profile`."""
     group = parser.add_argument_group("model profiling (cost-model calibration)")
     group.add_argument("--model", action="store_true",
                        help="also time the project's model on this machine and fit the cost model")
-    group.add_argument("--model-hidden", type=int, help="hidden size (default 2048 on CUDA, 64 on CPU)")
-    group.add_argument("--model-layers", type=int, help="layers (default 8 on CUDA, 2 on CPU)")
-    group.add_argument("--model-heads", type=int, help="attention heads (default 16 on CUDA, 4 on CPU)")
-    group.add_argument("--model-vocab", type=int, help="vocabulary (default 32000 on CUDA, 128 on CPU)")
-    group.add_argument("--model-seq", type=int, help="longest pack in tokens (default 8192 on CUDA, 256 on CPU)")
-    group.add_argument("--model-attention", default="auto",
-                       help="GPTModelConfig.attention: auto (per-document: te with Transformer Engine on CUDA, "
-                            "else flex), te, flex or dense (default auto)")
+    add_shape_arguments(group, "model-", seq=True)
     group.add_argument("--model-repeats", type=int, default=3, help="timed runs per pack, median kept (3)")
     group.add_argument("--model-out", type=Path, default=None,
                        help="where to save the fit (default: model_calibration.json in profile's --out "

@@ -98,13 +98,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                                          "and balance with it instead of the FLOPs model")
     parser.add_argument("--calibration-out", type=Path,
                         help="without --calibration: save the fit of this run's profile step here")
-    parser.add_argument("--hidden", type=int, help="GPT hidden size (default 2048 on CUDA, 64 on CPU)")
-    parser.add_argument("--layers", type=int, help="GPT layers (default 8 on CUDA, 2 on CPU)")
-    parser.add_argument("--heads", type=int, help="attention heads (default 16 on CUDA, 4 on CPU)")
-    parser.add_argument("--vocab", type=int, help="vocabulary (default 32000 on CUDA, 128 on CPU)")
-    parser.add_argument("--attention", default="auto",
-                        help="GPTModelConfig.attention: auto (per-document: te with Transformer Engine on CUDA, "
-                             "else flex), te, flex or dense (default auto)")
+    pm.add_shape_arguments(parser)
     parser.add_argument("--memory-pack", type=int, default=8192,
                         help="tokens of the pack whose peak memory is compared per-document vs dense (CUDA only; "
                              "0 skips it)")
