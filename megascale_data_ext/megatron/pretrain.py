@@ -283,6 +283,8 @@ class TrainingSession:
             for step in range(self.start, int(tcfg.train_iters)):
                 t0 = time.perf_counter()
                 client.drain()
+                if calibration is not None:
+                    calibration.request(step)
                 extra = before_step(step) if before_step is not None else {}
                 result = train_step(chunks, optimizer, None, num_microbatches=m, seq_length=self.service_cfg.seq_length,
                                     clip_grad=float(tcfg.get("clip_grad", 0.0) or 0.0), scheduler=scheduler)
@@ -326,7 +328,12 @@ class TrainingSession:
         from megascale_data_ext.megatron.step_calibration import StepCalibration
 
         planner = self.service.planner
-        return StepCalibration(lambda step: ray.get(planner.plan.remote(step)), self.service_cfg.strategy_args)
+
+        def plan_of(step: int) -> Any:  # the round trip starts now, ray.get when the step is done
+            ref = planner.plan.remote(step)
+            return lambda: ray.get(ref)
+
+        return StepCalibration(plan_of, self.service_cfg.strategy_args)
 
     def _report(self, step: int, entry: dict) -> None:
         s = self.plan(step).summary()

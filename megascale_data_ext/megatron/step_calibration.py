@@ -31,10 +31,13 @@ def plan_microbatches(plan: Any) -> list[list[list[int]]]:
 
 
 class StepCalibration:
-    """Rank 0's online fit: ``observe(step, seconds)`` every step, ``report()`` / ``save()`` at the end.
+    """Rank 0's online fit: ``request(step)`` before a step, ``observe(step, seconds)`` after it,
+    ``report()`` / ``save()`` at the end.
 
     Args:
-        plan_of: ``step -> StepPlan`` (the Planner's plan of that step).
+        plan_of: ``step -> StepPlan`` (the Planner's plan of that step), or ``step -> () -> StepPlan``
+            when fetching it takes a round trip: `request` starts it before the step runs, so the
+            trainer never waits on it.
         strategy_args: The strategy's arguments; a ``model: calibrated:<path>`` fit is the prior.
         skip: First observed steps left out of the fit (start-up, first-call compilation).
     """
@@ -46,9 +49,15 @@ class StepCalibration:
         self.online = OnlineCalibrator(prior=prior)
         self.skip = skip
         self.steps: list[tuple[list[list[list[int]]], float]] = []
+        self._requested: dict[int, Any] = {}
+
+    def request(self, step: int) -> None:
+        """Start fetching `step`'s plan (overlaps the step itself)."""
+        self._requested[step] = self.plan_of(step)
 
     def observe(self, step: int, seconds: float) -> None:
-        ranks = plan_microbatches(self.plan_of(step))
+        plan = self._requested.pop(step) if step in self._requested else self.plan_of(step)
+        ranks = plan_microbatches(plan() if callable(plan) else plan)
         self.steps.append((ranks, float(seconds)))
         if len(self.steps) > self.skip:
             self.online.observe_synchronous_step(ranks, float(seconds))

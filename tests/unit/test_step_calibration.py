@@ -49,3 +49,19 @@ def test_the_online_fit_follows_the_machine_and_is_saved_for_reuse(tmp_path):
     prior = StepCalibration(lambda step: plans[step], {"model": f"calibrated:{path}"})
     assert prior.online.model().linear == pytest.approx(fitted.linear)  # the saved fit is the starting point
     assert "no step fitted" in prior.report()
+
+
+def test_a_requested_plan_is_fetched_once_and_resolved_after_the_step():
+    rng = np.random.default_rng(1)
+    plan = make_plan(rng)
+    calls = []
+
+    def plan_of(step):
+        calls.append(step)
+        return lambda: plan  # a round trip resolved later
+
+    cal = StepCalibration(plan_of, {}, skip=0)
+    cal.request(0)
+    cal.observe(0, 0.5)
+    cal.observe(1, 0.6)  # not requested: fetched when observed
+    assert calls == [0, 1] and cal.online.steps == 2 and cal.steps[0][0] == plan_microbatches(plan)
