@@ -19,7 +19,14 @@ from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
 from megascale_data_ext.dataplane.mixing import MixMode, ScheduleType
 from megascale_data_ext.errors import ConfigError
-from megascale_data_ext.runtime.config import DEFAULT_STRATEGY, BatchConfig, RayConfig, ServiceConfig
+from megascale_data_ext.runtime.config import (
+    DEFAULT_STRATEGY,
+    AutoscaleConfig,
+    BatchConfig,
+    PlacementConfig,
+    RayConfig,
+    ServiceConfig,
+)
 from megascale_data_ext.runtime.faults import FaultToleranceConfig
 from megascale_data_ext.sources.base import SourceSpec
 
@@ -136,6 +143,8 @@ class MegascaleDataConfig(BatchConfig):
     strategy: StrategyConfig = field(default_factory=StrategyConfig)
     ray: RayConfig = field(default_factory=RayConfig)
     fault_tolerance: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)
+    autoscale: AutoscaleConfig = field(default_factory=AutoscaleConfig)
+    placement: PlacementConfig = field(default_factory=PlacementConfig)
 
     def resolve_path(self, path: str) -> str:
         """Absolute form of a config path: ``~`` expanded, relative ones under ``data_root``."""
@@ -178,5 +187,8 @@ class MegascaleDataConfig(BatchConfig):
         return ServiceConfig(
             sources=self.source_specs(), strategy=self.strategy_name(), strategy_args=dict(self.strategy.args),
             mixing=mixing, mix_mode=self.mixing.mode, ray=ray,
-            fault_tolerance=dataclasses.replace(self.fault_tolerance), **batch,
+            fault_tolerance=dataclasses.replace(self.fault_tolerance),
+            autoscale=dataclasses.replace(self.autoscale, profiles=None if self.autoscale.profiles is None
+                                          else self.resolve_path(self.autoscale.profiles)),
+            placement=dataclasses.replace(self.placement, trainer_nodes=list(self.placement.trainer_nodes)), **batch,
         )

@@ -29,7 +29,11 @@ from typing import Any
 
 import ray
 
-from megascale_data_ext.errors import ResumeError
+import numpy as np
+
+from megascale_data_ext.dataplane.scaling import ScalingPolicy
+from megascale_data_ext.errors import PlanError, ResumeError
+from megascale_data_ext.runtime.autoscaler import AutoScaler, AutoscalePlan, RoutedFetch, spawn_loader_groups
 from megascale_data_ext.runtime.checkpoints import LoaderSnapshots, PlannerCheckpoints
 from megascale_data_ext.runtime.config import ServiceConfig
 from megascale_data_ext.runtime.constructor import DataConstructor, EncoderRows, encoder_rows
@@ -67,16 +71,30 @@ class PlannerActor:
     With a checkpoint directory, the state before every planned step is written there
     (`PlannerCheckpoints`); a restarted actor loads the newest, and a request for an older
     step (a constructor rebuilding) rewinds to that step's saved state and re-plans.
+
+    With an `AutoscalePlan` (``autoscale.enabled``) the Planner owns the loaders: it starts
+    the partition's loader groups and shards, scales them with the mixture it plans
+    (`runtime.autoscaler`) and tells constructors where a step of a source is (`route`).
+    Owned actors die with it; a restarted Planner starts the partition again (any layout
+    serves any step: a shard's samples are a pure function of the plan).
     """
 
     def __init__(self, config: ServiceConfig, topology: ServiceTopology, loader_handles: list[Any],
                  ft: FaultToleranceConfig | None = None, checkpoint_dir: str | None = None,
-                 shadow_handles: list[Any] | None = None):
+                 shadow_handles: list[Any] | None = None, autoscale: AutoscalePlan | None = None):
         self._topology = topology
         self.ft = ft or _NO_FAULT_TOLERANCE
-        self._loaders = LoaderFailover(loader_handles, shadow_handles, self.ft)
+        self.scaler: AutoScaler | None = None
+        if autoscale is None:
+            self._loaders: LoaderFailover | None = LoaderFailover(loader_handles, shadow_handles, self.ft)
+            summarize = self._loaders.summary
+        else:
+            self._loaders = None
+            self.scaler = self._start_autoscaler(config, autoscale)
+            scaler, ft_ = self.scaler, self.ft
+            summarize = lambda source, start, count: scaler.summary(source, start, count, ft_)  # noqa: E731
         self.checkpoints = PlannerCheckpoints(checkpoint_dir, self.ft.checkpoint_keep) if checkpoint_dir else None
-        self.planner = Planner(config, topology, self._loaders.summary, on_planned=self._on_planned)
+        self.planner = Planner(config, topology, summarize, on_planned=self._on_planned)
         self.restored_from: int | None = None
         self.rewinds = 0
         self._reports: dict[int, list] = {}  # loss reports received, re-fed after every restore or rewind
@@ -90,8 +108,23 @@ class PlannerActor:
             else:
                 self.checkpoints.save(self.planner.state_dict())
 
+    def _start_autoscaler(self, config: ServiceConfig, plan: AutoscalePlan) -> AutoScaler:
+        me = ray.get_runtime_context().current_actor
+        n = len(config.sources)
+        scaler = AutoScaler(config.sources, ScalingPolicy(plan.scaling, plan.initial_shards(n)),
+                            spawn=spawn_loader_groups(config, me, plan.restart_options),
+                            kill=lambda h: ray.kill(h, no_restart=True), interval_steps=plan.interval_steps,
+                            lead_steps=plan.lead_steps, workers=plan.shard_workers,
+                            shard_options=plan.shard_options or None, online=plan.online)
+        scaler.start(plan.actors)
+        return scaler
+
     def _on_planned(self, plan: Any, seconds: float) -> None:
         record_plan(plan, seconds)
+        if self.scaler is not None:  # under the planner's lock, so routing sees the decision in order
+            self.scaler.observe(plan.step, np.bincount(plan.source, minlength=len(self.scaler.specs)))
+            # a step whose plan the Planner dropped can no longer be fetched: its old loaders may go
+            self.scaler.release(plan.step - self.planner.keep - 1)
         if self.checkpoints is not None:  # under the planner's lock: the state right after this step
             self.checkpoints.save(self.planner.state_dict())
 
@@ -163,8 +196,43 @@ class PlannerActor:
             self.checkpoints.save_reports(self._reports)
 
     def stats(self) -> dict:
-        return {"next_step": self.planner.next_step, "restored_from": self.restored_from, "rewinds": self.rewinds,
-                "failovers": self._loaders.failovers}
+        out = {"next_step": self.planner.next_step, "restored_from": self.restored_from, "rewinds": self.rewinds,
+               "failovers": self._loaders.failovers if self._loaders is not None else 0}
+        if self.scaler is not None:
+            out["autoscale"] = {"layouts": self.scaler.layout_table(), "live_actors": len(self.scaler.actors),
+                                "events": list(self.scaler.events)}
+        return out
+
+    # -- autoscaled loaders (``autoscale.enabled``) ------------------------------------
+    def _scaler(self) -> AutoScaler:
+        if self.scaler is None:
+            raise PlanError("this service runs one Source Loader per source (autoscale.enabled=false): "
+                            "find loaders by name (`loader/<i>`), not through the Planner")
+        return self.scaler
+
+    def route(self, step: int, source: int) -> list[Any]:
+        """The loader actors holding `source`'s samples of `step`, shard k at index k."""
+        self._plan(step)  # plan (and observe) up to `step` first, so its layout is decided
+        return self._scaler().route(step, source)
+
+    def loaders_of(self, source: int) -> list[Any]:
+        """The actors serving `source` now (newest layout)."""
+        return self._scaler().newest(source)
+
+    def loader_actors(self) -> list[Any]:
+        """Every live loader actor (autoscaled), once."""
+        return self._scaler().live()
+
+    def release(self, done_step: int) -> int:
+        """Reclaim loaders whose steps are all <= `done_step`; how many went."""
+        return self._scaler().release(done_step)
+
+    def layouts(self) -> list[list[list[int]]]:
+        """Per source, ``[from_step, shards]`` of each live layout."""
+        return self._scaler().layout_table()
+
+    def scaling_events(self) -> list[dict[str, Any]]:
+        return list(self._scaler().events)
 
     @ray.method(max_task_retries=0)  # never re-run on the restarted actor
     def crash(self) -> None:
@@ -300,13 +368,18 @@ class DataConstructorActor:
                  loaders: list[Any], pad_id: int, image_token_id: int | None, start_step: int = 0,
                  ft: FaultToleranceConfig | None = None, shadows: list[Any] | None = None):
         self.ft = ft or _NO_FAULT_TOLERANCE
-        self._loaders = LoaderFailover(loaders, shadows, self.ft)
+        if topology.autoscaled:  # the Planner says which shards hold a step of a source
+            self._loaders: Any = RoutedFetch(lambda step, s: ray.get(planner.route.remote(step, s)), self.ft)
+            fetch = self._loaders
+        else:
+            self._loaders = LoaderFailover(loaders, shadows, self.ft)
+            fetch = self._loaders.fetch
         self.constructor = DataConstructor(
             buckets,
             config,
             topology,
             get_plan=lambda step, b: ray.get(planner.constructor_plan.remote(step, b)),
-            fetch=self._loaders.fetch,
+            fetch=fetch,
             pad_id=pad_id,
             image_token_id=image_token_id,
             get_encoder_plan=lambda step, bs: ray.get(planner.encoder_plan.remote(step, bs)),

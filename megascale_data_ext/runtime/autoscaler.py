@@ -15,9 +15,10 @@ from the mixture the Planner realised; the `AutoScaler` carries the decisions ou
 * Old shards are **reclaimed** (`release`) once every step they serve has been delivered;
   an actor still named by a live layout (a shared group from the offline partition) is kept.
 
-`ScalingPlannerActor` wires a `Planner` to an `AutoScaler` in one threaded actor: the
-Planner's ``on_planned`` hook feeds the policy the realised per-source counts, loaders pull
-plans from it, and constructors ask it where a step of a source is (`route`).
+The `PlannerActor` owns the AutoScaler when the service runs with ``autoscale.enabled``
+(`AutoscalePlan`: the offline partition's actors, their placement, the policy): its
+``on_planned`` hook feeds the policy the realised per-source counts, loaders pull plans from
+it, and constructors ask it where a step of a source is (``route``, then `RoutedFetch`).
 
 Checkpoint (`StateSchema` "autoscaler", version 1): fingerprint = sources; fields
 ``policy`` (the policy's state), ``layouts`` (per source, ``[from_step, shards]`` still live),
@@ -27,8 +28,9 @@ Checkpoint (`StateSchema` "autoscaler", version 1): fingerprint = sources; field
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -37,14 +39,57 @@ import ray
 from megascale_data_ext.dataplane.partitioner import ShardRef
 from megascale_data_ext.dataplane.scaling import ScalingConfig, ScalingDecision, ScalingPolicy
 from megascale_data_ext.errors import PlanError
-from megascale_data_ext.runtime.loader_group import GROUP_CONCURRENCY, LoaderGroupActor, merge_fetches
+from megascale_data_ext.runtime.failover import ACTOR_FAILURES
+from megascale_data_ext.runtime.faults import FaultToleranceConfig, ServiceUnavailableError
+from megascale_data_ext.runtime.loader_group import LoaderGroupActor, merge_fetches
 from megascale_data_ext.sources.base import SourceSpec
 from megascale_data_ext.state import StateSchema
 
-__all__ = ["AutoScaler", "RoutedFetch", "ScalingPlannerActor"]
+__all__ = ["AutoScaler", "AutoscalePlan", "LoaderActorSpec", "RoutedFetch", "spawn_loader_groups"]
 
-#: ``(members, workers) -> actor handle``: a ready loader (group) actor with its plans wired.
-Spawn = Callable[[list[tuple[ShardRef, SourceSpec]], int], Any]
+#: ``(members, workers, ray options) -> actor handle``: a ready loader (group) actor with its plans wired.
+Spawn = Callable[[list[tuple[ShardRef, SourceSpec]], int, dict], Any]
+
+
+@dataclass(slots=True, kw_only=True)
+class LoaderActorSpec:
+    """One loader actor to start: its (shards of) sources, read-ahead workers and Ray options (placement)."""
+
+    shards: list[ShardRef]
+    workers: int = 1
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(slots=True, kw_only=True)
+class AutoscalePlan:
+    """What the Planner starts and how it scales (built by `DataService` from the partition).
+
+    Attributes:
+        actors: The offline partition's loader actors.
+        scaling: The policy's thresholds; its capacities are per source.
+        online: Act on the policy (create / reclaim shards); False keeps the partition.
+        interval_steps, lead_steps: As `AutoScaler`.
+        shard_workers: Workers of a shard the scaler creates.
+        shard_options: Ray options of a shard the scaler creates, per source (its node).
+        restart_options: Ray restart options of every loader actor (fault tolerance).
+    """
+
+    actors: list[LoaderActorSpec]
+    scaling: ScalingConfig
+    online: bool = True
+    interval_steps: int = 4
+    lead_steps: int = 2
+    shard_workers: int = 1
+    shard_options: list[dict[str, Any]] = field(default_factory=list)
+    restart_options: dict[str, Any] = field(default_factory=dict)
+
+    def initial_shards(self, num_sources: int) -> list[int]:
+        """Shards per source in the partition (1 for a source no actor names, which then starts alone)."""
+        out = [1] * num_sources
+        for a in self.actors:
+            for sh in a.shards:
+                out[sh.source] = sh.num_shards
+        return out
 
 
 @dataclass(slots=True)
@@ -64,19 +109,24 @@ class AutoScaler:
         interval_steps: Steps per policy interval.
         lead_steps: Steps between a decision and its boundary (>= the constructors' prefetch).
         workers: Worker threads of each spawned shard actor.
+        shard_options: Ray options of the shards spawned for each source (None: Ray's choice).
+        online: Act on the policy; False counts but never rescales.
     """
 
     STATE = StateSchema("autoscaler", 1, ("policy", "layouts", "counts", "steps"),
                         hint="resume with the same sources and scaling config")
 
     def __init__(self, specs: Sequence[SourceSpec], policy: ScalingPolicy, *, spawn: Spawn,
-                 kill: Callable[[Any], None], interval_steps: int = 4, lead_steps: int = 2, workers: int = 1) -> None:
+                 kill: Callable[[Any], None], interval_steps: int = 4, lead_steps: int = 2, workers: int = 1,
+                 shard_options: Sequence[dict] | None = None, online: bool = True) -> None:
         if interval_steps < 1 or lead_steps < 1:
             raise ValueError(f"interval_steps and lead_steps must be >= 1, got {interval_steps}, {lead_steps}")
         self.specs = list(specs)
         self.policy = policy
         self.spawn, self.kill = spawn, kill
         self.interval_steps, self.lead_steps, self.workers = interval_steps, lead_steps, workers
+        self.shard_options = list(shard_options) if shard_options else [{} for _ in self.specs]
+        self.online = online
         self.actors: dict[int, Any] = {}
         self.layouts: list[list[_Layout]] = [[] for _ in self.specs]
         self.counts = np.zeros(len(self.specs), dtype=np.int64)
@@ -87,30 +137,34 @@ class AutoScaler:
         self._lock = threading.RLock()
 
     # -- actors --------------------------------------------------------------------
-    def _new_actor(self, members: list[tuple[ShardRef, SourceSpec]]) -> int:
-        handle = self.spawn(members, self.workers)
+    def _new_actor(self, members: list[tuple[ShardRef, SourceSpec]], workers: int, options: dict) -> int:
+        handle = self.spawn(members, workers, options)
         aid, self._next_id = self._next_id, self._next_id + 1
         self.actors[aid] = handle
         return aid
 
-    def adopt(self, source: int, handle: Any, *, from_step: int = 0) -> None:
-        """Serve `source` (whole) from an existing actor, e.g. a shared group of the offline partition."""
+    def start(self, actors: Sequence[LoaderActorSpec] = ()) -> None:
+        """Spawn `actors` (the offline partition: groups and shards), then the policy's shards of
+        every source they do not cover. A source's shards must all be among `actors` or none."""
         with self._lock:
-            aid = next((a for a, h in self.actors.items() if h is handle), None)
-            if aid is None:
-                aid, self._next_id = self._next_id, self._next_id + 1
-                self.actors[aid] = handle
-            self.layouts[source].append(_Layout(from_step, (aid,)))
-
-    def start(self) -> None:
-        """Spawn the policy's initial shards for every source not adopted."""
-        with self._lock:
+            shards: dict[int, dict[int, int]] = {}
+            for a in actors:
+                aid = self._new_actor([(sh, self.specs[sh.source]) for sh in a.shards], a.workers, dict(a.options))
+                for sh in a.shards:
+                    shards.setdefault(sh.source, {})[sh.shard] = aid
+            for s, by_shard in shards.items():
+                n = next(sh.num_shards for a in actors for sh in a.shards if sh.source == s)
+                if sorted(by_shard) != list(range(n)):
+                    raise PlanError(f"source {self.specs[s].name!r}: the partition gives shards {sorted(by_shard)} "
+                                    f"of {n}; every shard must have exactly one actor")
+                self.layouts[s].append(_Layout(0, tuple(by_shard[k] for k in range(n))))
             for s, spec in enumerate(self.specs):
                 if not self.layouts[s]:
                     self.layouts[s].append(_Layout(0, self._spawn_shards(s, spec, self.policy.shards[s])))
 
     def _spawn_shards(self, source: int, spec: SourceSpec, n: int) -> tuple[int, ...]:
-        return tuple(self._new_actor([(ShardRef(source=source, shard=k, num_shards=n), spec)]) for k in range(n))
+        return tuple(self._new_actor([(ShardRef(source=source, shard=k, num_shards=n), spec)], self.workers,
+                                     dict(self.shard_options[source])) for k in range(n))
 
     # -- routing -------------------------------------------------------------------
     def _layout_at(self, step: int, source: int) -> _Layout:
@@ -132,6 +186,30 @@ class AutoScaler:
         with self._lock:
             return self.actors[self.layouts[source][-1].actors[0]]
 
+    def newest(self, source: int) -> list[Any]:
+        """The actors of `source`'s newest layout (fault injection, stats)."""
+        with self._lock:
+            return [self.actors[a] for a in self.layouts[source][-1].actors]
+
+    def live(self) -> list[Any]:
+        """Every live loader actor, once."""
+        with self._lock:
+            return list(self.actors.values())
+
+    def summary(self, source: int, start: int, count: int, ft: FaultToleranceConfig) -> Any:
+        """`source`'s metadata at positions [start, start + count), waiting out a restarting actor."""
+        deadline = time.monotonic() + ft.recovery_timeout_s
+        while True:
+            handle = self.metadata_actor(source)
+            try:
+                return ray.get(handle.summary_buffer.remote(source, start, count), timeout=ft.rpc_timeout_s)
+            except ACTOR_FAILURES as exc:
+                if time.monotonic() > deadline:
+                    raise ServiceUnavailableError(
+                        f"the loader of source {self.specs[source].name!r} did not answer `summary_buffer` within "
+                        f"{ft.recovery_timeout_s:g} s (fault_tolerance.recovery_timeout_s): {exc!r}") from exc
+                time.sleep(0.2)
+
     def shards(self, step: int, source: int) -> int:
         with self._lock:
             return len(self._layout_at(step, source).actors)
@@ -142,7 +220,7 @@ class AutoScaler:
         with self._lock:
             self.counts += np.asarray(counts, dtype=np.int64)
             self.steps += 1
-            if self.steps % self.interval_steps:
+            if self.steps % self.interval_steps or not self.online:
                 return []
             decisions = self.policy.observe(self.counts.tolist())
             self.counts[:] = 0
@@ -205,90 +283,114 @@ class AutoScaler:
 class RoutedFetch:
     """A constructor's ``fetch(source, step, buckets)`` over the shards a step routes to.
 
-    Asks the router once per (step, source) and merges the shards' disjoint results.
+    Asks the router once per (step, source) and merges the shards' disjoint results. A shard
+    that died (or is restarting) is asked again — the router is asked afresh, since a restarted
+    Planner starts a new fleet — until ``recovery_timeout_s``; a re-sent fetch is exact because
+    a loader reads buckets it handed out before again from the plan.
     """
 
-    def __init__(self, route: Callable[[int, int], list[Any]]) -> None:
+    def __init__(self, route: Callable[[int, int], list[Any]], ft: FaultToleranceConfig | None = None) -> None:
         self.route = route
+        self.ft = ft or FaultToleranceConfig(restart=False)
         self._cache: dict[tuple[int, int], list[Any]] = {}
+        self.failovers = 0
 
-    def __call__(self, source: int, step: int, buckets: list[int]) -> dict[str, list]:
-        handles = self._cache.get((step, source))
+    def _handles(self, step: int, source: int, fresh: bool) -> list[Any]:
+        handles = None if fresh else self._cache.get((step, source))
         if handles is None:
             handles = self.route(step, source)
             if len(self._cache) > 4096:
                 self._cache.clear()
             self._cache[(step, source)] = handles
-        return merge_fetches(ray.get([h.fetch.remote(source, step, buckets) for h in handles]))
+        return handles
+
+    def __call__(self, source: int, step: int, buckets: list[int]) -> dict[str, list]:
+        deadline = time.monotonic() + self.ft.recovery_timeout_s
+        fresh, attempt = False, 0
+        while True:
+            handles = self._handles(step, source, fresh)
+            try:
+                refs = [h.fetch.remote(source, step, buckets) for h in handles]
+                return merge_fetches(ray.get(refs, timeout=self.ft.rpc_timeout_s))
+            except ACTOR_FAILURES as exc:
+                self.failovers += 1
+                if time.monotonic() > deadline:
+                    raise ServiceUnavailableError(
+                        f"the loaders of source {source} did not deliver step {step} within "
+                        f"{self.ft.recovery_timeout_s:g} s (fault_tolerance.recovery_timeout_s): {exc!r}. Check the "
+                        "actors' logs (`ray logs`), or raise the timeout") from exc
+                time.sleep(min(0.05 * 2 ** attempt, 1.0))
+                fresh, attempt = True, attempt + 1
 
 
-@ray.remote(num_cpus=0, max_concurrency=GROUP_CONCURRENCY)
-class ScalingPlannerActor:
-    """A Planner whose loaders are shards the AutoScaler creates and reclaims (see module doc).
+def spawn_loader_groups(config: Any, planner: Any, restart_options: dict[str, Any]) -> Spawn:
+    """The `Spawn` of a Planner actor: `LoaderGroupActor`s with its plans, restartable, ready when returned."""
 
-    Args:
-        config: The service config.
-        topology: The service topology.
-        scaling: The policy's thresholds.
-        interval_steps, lead_steps, workers: As `AutoScaler`.
-        loader_options: Ray options of spawned loader actors (`runtime.placement`).
-        groups: Sources that start in one shared actor (the offline partition's groups);
-            sources in no group start alone.
+    def spawn(members: list[tuple[ShardRef, SourceSpec]], workers: int, options: dict) -> Any:
+        h = LoaderGroupActor.options(**restart_options, **options).remote(
+            members, config.seed, config.shuffle, workers, config.ray.namespace)
+        ray.get(h.set_planner.remote(planner))
+        return h
+
+    return spawn
+
+
+def build_autoscale_plan(config: Any, *, nodes: Any, placement: Any = None, restart_options: dict | None = None,
+                         progress: Callable[[str], None] | None = None) -> tuple[AutoscalePlan, Any]:
+    """The service's `AutoscalePlan` from ``config.autoscale``: profiles (journal, the rest measured
+    now), the offline partition on `nodes` (`placement.ClusterNodes`; the trainer nodes only when
+    ``placement.trainer_nodes`` names them), node affinity per actor and the policy's capacities.
+
+    Returns ``(plan, partition)``. Raises ConfigError naming the ``autoscale.*`` key to change
+    when the partition cannot meet a cap.
     """
+    from megascale_data_ext.dataplane.mixing import build_schedule
+    from megascale_data_ext.dataplane.partitioner import MiB, PartitionLimits, partition
+    from megascale_data_ext.dataplane.scaling import shard_capacity
+    from megascale_data_ext.errors import ConfigError
+    from megascale_data_ext.sources.profiling import profile_sources
 
-    def __init__(self, config: Any, topology: Any, scaling: ScalingConfig, interval_steps: int = 4,
-                 lead_steps: int = 2, workers: int = 1, loader_options: dict | None = None,
-                 groups: list[list[int]] | None = None):
-        from megascale_data_ext.runtime.planner import Planner  # the planner process only
+    auto = config.autoscale
+    profiles, measured, stale = profile_sources(config.sources, auto.profiles, samples=auto.profile_samples)
+    if progress is not None:
+        progress(f"profiles: {len(config.sources) - len(measured)} from the journal, {len(measured)} measured now"
+                 + (f" (stale: {', '.join(stale)})" if stale else "")
+                 + (f", saved to {auto.profiles}" if auto.profiles and measured else ""))
+    weights = build_schedule(config.mixing_config(), source_names=config.source_names).weights(0)
+    trainer_nodes = set(config.placement.trainer_nodes)
+    offered = [n for n in nodes.resources if not trainer_nodes or n.name in trainer_nodes]
+    limits = PartitionLimits(samples_per_step=config.samples_per_step, step_seconds=auto.step_seconds,
+                             actor_memory_bytes=int(auto.actor_memory_mib * MiB),
+                             actor_base_bytes=int(auto.actor_base_mib * MiB), buffer_steps=config.prefetch + 1,
+                             max_workers_per_actor=auto.max_workers_per_actor,
+                             max_workers_per_source=auto.max_workers_per_source, cpus_per_worker=0.0)
+    try:
+        parts = partition(profiles, [float(w) for w in weights], offered, limits)
+    except ConfigError as exc:
+        raise ConfigError(f"autoscale: the loaders cannot be partitioned: {exc}\n(config keys: "
+                          "autoscale.actor_memory_mib, autoscale.max_workers_per_actor, "
+                          "autoscale.max_workers_per_source, autoscale.node_memory_fraction, "
+                          "placement.trainer_nodes)") from exc
 
-        me = ray.get_runtime_context().current_actor
-        opts = dict(loader_options or {})
+    def on_node(name: str) -> dict[str, Any]:
+        return placement.on_node(name) if placement is not None else nodes_affinity(nodes, name)
 
-        def spawn(members: list, w: int) -> Any:
-            h = LoaderGroupActor.options(**opts).remote(members, config.seed, config.shuffle, w)
-            ray.get(h.set_planner.remote(me))
-            return h
+    actors = [LoaderActorSpec(shards=list(a.shards), workers=a.workers, options=on_node(a.node))
+              for a in parts.assignments]
+    node_of = {sh.source: a.node for a in parts.assignments for sh in a.shards}
+    capacity = tuple(shard_capacity(p.cost_s, config.samples_per_step, auto.step_seconds, auto.max_workers_per_actor)
+                     for p in profiles)
+    scaling = ScalingConfig(capacity=capacity, window=auto.window, patience=auto.patience,
+                            hysteresis=auto.hysteresis, max_shards=auto.max_shards)
+    plan = AutoscalePlan(actors=actors, scaling=scaling, online=auto.scaling, interval_steps=auto.interval_steps,
+                         lead_steps=auto.lead_steps, shard_workers=1,
+                         shard_options=[on_node(node_of[s]) for s in range(len(config.sources))],
+                         restart_options=dict(restart_options or {}))
+    return plan, parts
 
-        n = len(config.sources)
-        self.scaler = AutoScaler(config.sources, ScalingPolicy(scaling), spawn=spawn, kill=ray.kill,
-                                 interval_steps=interval_steps, lead_steps=lead_steps, workers=workers)
-        for group in groups or []:
-            handle = spawn([(ShardRef(source=s), config.sources[s]) for s in group], workers)
-            for s in group:
-                self.scaler.adopt(s, handle)
-        self.scaler.start()
 
-        def summarize(source: int, start: int, count: int):
-            return ray.get(self.scaler.metadata_actor(source).summary_buffer.remote(source, start, count))
+def nodes_affinity(nodes: Any, name: str) -> dict[str, Any]:
+    """Soft node affinity to `name` (single-node and unplaced services: Ray may choose elsewhere)."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-        def on_planned(plan: Any, _seconds: float) -> None:
-            self.scaler.observe(plan.step, np.bincount(plan.source, minlength=n))
-            # a step whose plan the Planner dropped can no longer be fetched: its loaders may go
-            self.scaler.release(plan.step - self.planner.keep - 1)
-
-        self.planner = Planner(config, topology, summarize, on_planned=on_planned)
-
-    def loader_plan(self, step: int, source: int):
-        return self.planner.loader_plan(step, source)
-
-    def constructor_plan(self, step: int, bucket: int):
-        return self.planner.plan(step).constructor_do_plan(bucket)
-
-    def route(self, step: int, source: int) -> list[Any]:
-        self.planner.plan(step)  # plan (and observe) up to `step` first, so its layout is decided
-        return self.scaler.route(step, source)
-
-    def release(self, done_step: int) -> int:
-        return self.scaler.release(done_step)
-
-    def layouts(self) -> list[list[list[int]]]:
-        return self.scaler.layout_table()
-
-    def events(self) -> list[dict[str, Any]]:
-        return list(self.scaler.events)
-
-    def live_actors(self) -> int:
-        return len(self.scaler.actors)
-
-    def state_dict(self, step: int | None = None) -> dict:
-        return {"planner": self.planner.state_dict(step), "autoscaler": self.scaler.state_dict()}
+    return {"scheduling_strategy": NodeAffinitySchedulingStrategy(nodes.node_id(name), soft=True)}

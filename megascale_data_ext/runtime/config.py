@@ -20,8 +20,8 @@ from megascale_data_ext.errors import ConfigError
 from megascale_data_ext.runtime.faults import FaultToleranceConfig
 from megascale_data_ext.sources.base import FieldProblem, SourceSpec
 
-__all__ = ["DEFAULT_STRATEGY", "MIX_MODES", "OVERFLOW_MODES", "BatchConfig", "FieldProblem", "RayConfig",
-           "ServiceConfig", "choice_problems", "render_problems"]
+__all__ = ["DEFAULT_STRATEGY", "MIX_MODES", "OVERFLOW_MODES", "AutoscaleConfig", "BatchConfig", "FieldProblem",
+           "PlacementConfig", "RayConfig", "ServiceConfig", "choice_problems", "render_problems"]
 
 DEFAULT_STRATEGY = "llm_balance"
 MIX_MODES: tuple[str, ...] = tuple(m.value for m in MixMode)
@@ -78,6 +78,96 @@ class RayConfig:
         if self.num_cpus is not None and (not _is_int(self.num_cpus) or self.num_cpus < 1):
             out.append(("num_cpus", f"must be an integer >= 1 or null, got {self.num_cpus!r}"))
         out += [(f"resources.{k}", f"must be >= 0, got {a!r}") for k, a in self.resources.items() if not a >= 0]
+        return out
+
+
+@dataclass(slots=True, kw_only=True)
+class AutoscaleConfig:
+    """Loader actors from the offline partition and the mixture (MegaScale-Data Sec. 5, docs/autoscaler.md).
+
+    Off (default): one Source Loader actor per source. On: the sources' profiles (P, T, M)
+    are partitioned into loader actors — small sources share one actor, heavy ones are split
+    into data-parallel shards, each actor gets the workers its load needs, placed on nodes under
+    their memory — and, with ``scaling``, the Planner adds and reclaims shards as a source's
+    share of the mixture moves.
+
+    Attributes:
+        enabled: Partition the loaders instead of one actor per source.
+        profiles: The profile journal (`megascale-data profile <config> --out DIR` writes
+            ``DIR/profiles.json``); sources missing or stale there are profiled at start and
+            added. None: profile every source at start, keep nothing.
+        profile_samples: Samples read per source when profiling at start.
+        actor_memory_mib: M_pod: memory cap of one loader actor.
+        actor_base_mib: Memory of an idle loader actor process (interpreter, numpy, pyarrow).
+        step_seconds: O_up: seconds a loader may take to transform its share of one step.
+        max_workers_per_actor: w_actor: read-ahead workers of one actor.
+        max_workers_per_source: w_src: workers of one source over all its shards.
+        node_memory_fraction: Share of each Ray node's memory offered to loaders.
+        scaling: Follow the mixture online (create and reclaim shards); off = the partition stays.
+        interval_steps: Steps per scaling interval (the moving average's unit).
+        lead_steps: Steps between a scaling decision and the step its new shards serve from.
+        window: Intervals in the moving average of a source's weight.
+        patience: Consecutive intervals a threshold crossing must hold before acting.
+        hysteresis: Scale down only below ``(1 - hysteresis)`` of the smaller count's capacity.
+        max_shards: Most data-parallel shards of one source.
+    """
+
+    enabled: bool = False
+    profiles: str | None = None
+    profile_samples: int = 32
+    actor_memory_mib: float = 2048.0
+    actor_base_mib: float = 80.0
+    step_seconds: float = 1.0
+    max_workers_per_actor: int = 4
+    max_workers_per_source: int = 16
+    node_memory_fraction: float = 0.5
+    scaling: bool = True
+    interval_steps: int = 4
+    lead_steps: int = 2
+    window: int = 4
+    patience: int = 2
+    hysteresis: float = 0.25
+    max_shards: int = 8
+
+    def problems(self) -> list[FieldProblem]:
+        """What is wrong with the fields, as ``(field, message)``."""
+        out = [(k, f"must be an integer >= 1, got {getattr(self, k)!r}") for k in
+               ("profile_samples", "max_workers_per_actor", "max_workers_per_source", "interval_steps", "lead_steps",
+                "window", "patience", "max_shards") if not _is_int(getattr(self, k)) or getattr(self, k) < 1]
+        out += [(k, f"must be > 0, got {getattr(self, k)!r}") for k in ("actor_memory_mib", "step_seconds")
+                if not isinstance(getattr(self, k), int | float) or not getattr(self, k) > 0]
+        if not isinstance(self.actor_base_mib, int | float) or self.actor_base_mib < 0:
+            out.append(("actor_base_mib", f"must be >= 0, got {self.actor_base_mib!r}"))
+        if not isinstance(self.node_memory_fraction, int | float) or not 0 < self.node_memory_fraction <= 1:
+            out.append(("node_memory_fraction", f"must be in (0, 1], got {self.node_memory_fraction!r}"))
+        if not isinstance(self.hysteresis, int | float) or not 0 <= self.hysteresis < 1:
+            out.append(("hysteresis", f"must be in [0, 1), got {self.hysteresis!r}"))
+        return out
+
+
+@dataclass(slots=True, kw_only=True)
+class PlacementConfig:
+    """Where loaders and constructors run (docs/autoscaler.md, "Placement").
+
+    Attributes:
+        trainer_nodes: Ray node names of the trainers in rank order (a node is named by a
+            ``msd_node:<name>`` resource, or its Ray node id): ranks ``[i * ranks_per_node,
+            (i + 1) * ranks_per_node)`` run on ``trainer_nodes[i]``. Each Data Constructor
+            then runs on the node of the ranks it serves; empty = wherever Ray puts it.
+        ranks_per_node: Trainer ranks per node.
+        soft: Let Ray place an actor elsewhere when its node is full or gone (False: fail).
+    """
+
+    trainer_nodes: list[str] = field(default_factory=list)
+    ranks_per_node: int = 8
+    soft: bool = False
+
+    def problems(self) -> list[FieldProblem]:
+        out: list[FieldProblem] = []
+        if not _is_int(self.ranks_per_node) or self.ranks_per_node < 1:
+            out.append(("ranks_per_node", f"must be an integer >= 1, got {self.ranks_per_node!r}"))
+        if len(set(self.trainer_nodes)) != len(self.trainer_nodes):
+            out.append(("trainer_nodes", f"names must be unique, got {self.trainer_nodes}"))
         return out
 
 
@@ -167,6 +257,8 @@ class ServiceConfig(BatchConfig):
         ray: Where the actors run (`RayConfig.init_kwargs` starts or joins Ray).
         fault_tolerance: How killed actors are recovered (restarts, planner checkpoints,
             shadow loaders, client prefetch, fault injection).
+        autoscale: Partitioned and mixture-scaled loader actors instead of one per source.
+        placement: Trainer nodes, for constructor sidecars.
     """
 
     sources: list[SourceSpec]
@@ -176,6 +268,8 @@ class ServiceConfig(BatchConfig):
     mix_mode: str = MixMode.DETERMINISTIC.value
     ray: RayConfig = field(default_factory=RayConfig)
     fault_tolerance: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)
+    autoscale: AutoscaleConfig = field(default_factory=AutoscaleConfig)
+    placement: PlacementConfig = field(default_factory=PlacementConfig)
 
     def __post_init__(self) -> None:
         # A sample can never be longer than the context: sources without their own limit get
@@ -200,6 +294,12 @@ class ServiceConfig(BatchConfig):
         if self.tokens_per_step is not None and self.strategy == "vanilla":
             out.append(("tokens_per_step", "needs a strategy with a token cap (llm_balance, vlm_balance); "
                                            "vanilla packs a fixed sample count without one"))
+        if self.autoscale.enabled and self.fault_tolerance.shadow_loaders:
+            out.append(("autoscale.enabled", "shadow loaders stand by for one actor per source; with autoscaled "
+                                             "loaders set fault_tolerance.shadow_loaders=false (a killed loader "
+                                             "group is restarted and re-reads from the plans)"))
+        out += [(f"autoscale.{key}", msg) for key, msg in self.autoscale.problems()]
+        out += [(f"placement.{key}", msg) for key, msg in self.placement.problems()]
         return out + [(f"ray.{key}", msg) for key, msg in self.ray.problems()]
 
     @property

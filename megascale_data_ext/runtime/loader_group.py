@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
+from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -144,18 +146,48 @@ class LoaderGroup:
 
 @ray.remote(num_cpus=0, max_concurrency=GROUP_CONCURRENCY)
 class LoaderGroupActor:
-    """A `LoaderGroup` in its own process; plans come from the Planner actor (`set_planner`)."""
+    """A `LoaderGroup` in its own process; plans come from the Planner actor.
 
-    def __init__(self, members: list[tuple[ShardRef, SourceSpec]], seed: int, shuffle: bool, workers: int = 1):
-        self.group = LoaderGroup(members, seed=seed, shuffle=shuffle, workers=workers)
+    Restarts (fault tolerance): Ray re-runs ``__init__`` (members, seed and workers are its
+    arguments); the restarted actor finds the Planner by name in `namespace`, stages nothing
+    until asked, and a bucket of a step that was popped before (by the dead instance, or for
+    a constructor that died before building) is read again from the plan, as a Source Loader
+    does (`runtime.failover`).
+    """
+
+    def __init__(self, members: list[tuple[ShardRef, SourceSpec]], seed: int, shuffle: bool, workers: int = 1,
+                 namespace: str | None = None):
+        self.group = LoaderGroup(members, seed=seed, shuffle=shuffle, workers=workers, get_plan=self._get_plan)
+        self._namespace = namespace
+        self._planner: Any = None
+        self._plans: OrderedDict[tuple[int, int], LoaderPlan] = OrderedDict()  # whole-source plans, bounded
+        self._plans_lock = threading.Lock()
+        self.rereads = 0
+
+    def _get_plan(self, step: int, source: int) -> LoaderPlan:
+        key = (step, source)
+        with self._plans_lock:
+            plan = self._plans.get(key)
+        if plan is None:
+            if self._planner is None:
+                from megascale_data_ext.runtime.topology import PLANNER_NAME
+
+                self._planner = ray.get_actor(PLANNER_NAME, namespace=self._namespace)
+            plan = ray.get(self._planner.loader_plan.remote(step, source))
+            with self._plans_lock:
+                self._plans[key] = plan
+                while len(self._plans) > 64 * max(1, len(self.group.loaders)):
+                    self._plans.popitem(last=False)
+        return plan
 
     def set_planner(self, planner: Any) -> None:
-        self.group.set_get_plan(lambda step, source: ray.get(planner.loader_plan.remote(step, source)))
+        self._planner = planner
 
     def ready(self) -> dict[str, Any]:
         """Where the actor runs and what it serves (placement checks and readiness)."""
         ctx = ray.get_runtime_context()
-        return {"node_id": ctx.get_node_id(), "sources": sorted(self.group.loaders), "pid": os.getpid()}
+        return {"node_id": ctx.get_node_id(), "sources": sorted(self.group.loaders), "pid": os.getpid(),
+                "shards": {s: [r.shard, r.num_shards] for s, r in self.group.refs.items()}}
 
     def size(self, source: int) -> int:
         return self.group.size(source)
@@ -167,16 +199,41 @@ class LoaderGroupActor:
         self.group.execute(source, plan)
 
     def fetch(self, source: int, step: int, buckets: list[int]):
-        return self.group.fetch(source, step, buckets)
+        """This member's samples of `step` for `buckets`; buckets popped before are read again."""
+        from megascale_data_ext.runtime.failover import missing_buckets, read_buckets
+        from megascale_data_ext.runtime.metrics import samples_in, service_metrics
+
+        out = self.group.fetch(source, step, buckets)
+        loader = self.group.loaders[source]
+        plan = loader.get_plan(step, source)  # this member's shard of the plan (cached)
+        missing = missing_buckets(plan, buckets, out)
+        if missing:
+            extra = read_buckets(loader, plan, missing)
+            out = {k: out[k] + extra[k] for k in out}
+            self.rereads += len(missing)
+        samples, tokens, skipped = samples_in(out)
+        service_metrics().source_read(loader.spec.name, samples=samples, tokens=tokens, skipped=skipped)
+        return out
 
     def stats(self) -> dict:
-        return self.group.stats()
+        return {"members": self.group.stats(), "rereads": self.rereads, "workers": self.group.workers}
+
+    def rss_bytes(self) -> int:
+        """This process's resident memory."""
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
     def state_dict(self) -> dict:
         return self.group.state_dict()
 
     def load_state_dict(self, state: dict) -> None:
         self.group.load_state_dict(state)
+
+    @ray.method(max_task_retries=0)  # never re-run on the restarted actor
+    def crash(self) -> None:
+        import signal
+
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def merge_fetches(parts: Sequence[Mapping[str, list]]) -> dict[str, list]:

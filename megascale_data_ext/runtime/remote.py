@@ -50,6 +50,11 @@ def actor_crasher(topology: ServiceTopology, *, shadows: bool = False) -> Any:
     def crash(component: str, index: int) -> None:
         if component == "planner":
             name = PLANNER_NAME
+        elif component == "loader" and topology.autoscaled:  # the actors serving the source now
+            planner = ray.get_actor(PLANNER_NAME, namespace=topology.namespace)
+            for handle in ray.get(planner.loaders_of.remote(index)):
+                handle.crash.remote()
+            return
         elif component == "loader":
             name = shadow_loader_name(index) if shadows else topology.loader_names()[index]
         else:

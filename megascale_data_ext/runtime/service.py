@@ -10,6 +10,10 @@ checkpoints every planned step into the checkpoint directory, loaders snapshot t
 with ``shadow_loaders`` a warm standby (``loader/<i>/shadow``) per source serves while its
 primary is down. `start` reports its phases with timings (`progress`), and an elastic resume
 (``reshard=True``) continues a state saved under another parallel layout.
+
+With ``autoscale.enabled`` the loaders are the offline partition's groups and shards
+(`runtime.autoscaler`): started and scaled by the Planner, found through it; with
+``placement.trainer_nodes`` each Data Constructor runs on the node of the ranks it serves.
 """
 
 from __future__ import annotations
@@ -84,7 +88,8 @@ class DataService:
         self.tree = self.topology.tree
         self.ft = fault_tolerance or config.fault_tolerance
         self.progress = progress
-        self.loaders: list[Any] = []
+        self.loaders: list[Any] = []  # one per source; autoscaled: the Planner's, see `loader_actors`
+        self.partition: Any = None
         self.shadows: list[Any] = []
         self.planner: Any = None
         self.constructors: list[Any] = []
@@ -137,15 +142,29 @@ class DataService:
         ckpt = self._prepare_checkpoint_dir()
         self._phase("sources checked", t0, f" ({len(cfg.sources)} sources)")
         try:
-            self.loaders = self._loader_actors(topo.loader_names(), shadow=False, ckpt=ckpt)
-            if ft.shadow_loaders:
-                self.shadows = self._loader_actors(topo.shadow_loader_names(), shadow=True, ckpt=None)
-            ray.get([h.size.remote() for h in self.loaders + self.shadows])  # surfaces source errors now
-            self._phase("loaders up", t0, f" ({len(self.loaders)} + {len(self.shadows)} shadows)")
+            placement = self._placement()
             planner_opts = ft.actor_options(retry_tasks=True)
-            self.planner = PlannerActor.options(name=PLANNER_NAME, namespace=ns, **planner_opts).remote(
-                cfg, topo, self.loaders, ft, ckpt, self.shadows or None)
-            ray.get([h.set_planner.remote(self.planner) for h in self.loaders + self.shadows])
+            if topo.autoscaled:
+                from megascale_data_ext.runtime.autoscaler import build_autoscale_plan
+
+                plan, self.partition = build_autoscale_plan(
+                    cfg, nodes=self._nodes(), placement=placement, progress=self.progress,
+                    restart_options=ft.actor_options(retry_tasks=False))
+                self._phase("loaders partitioned", t0, f" ({len(self.config.sources)} sources -> "
+                                                       f"{len(plan.actors)} loader actors)")
+                self.planner = PlannerActor.options(name=PLANNER_NAME, namespace=ns, **planner_opts).remote(
+                    cfg, topo, [], ft, ckpt, None, plan)
+                self.loaders = ray.get(self.planner.loader_actors.remote())  # surfaces source errors now
+                self._phase("planner and loaders up", t0, f" ({len(self.loaders)} loader actors)")
+            else:
+                self.loaders = self._loader_actors(topo.loader_names(), shadow=False, ckpt=ckpt)
+                if ft.shadow_loaders:
+                    self.shadows = self._loader_actors(topo.shadow_loader_names(), shadow=True, ckpt=None)
+                ray.get([h.size.remote() for h in self.loaders + self.shadows])  # surfaces source errors now
+                self._phase("loaders up", t0, f" ({len(self.loaders)} + {len(self.shadows)} shadows)")
+                self.planner = PlannerActor.options(name=PLANNER_NAME, namespace=ns, **planner_opts).remote(
+                    cfg, topo, self.loaders, ft, ckpt, self.shadows or None)
+                ray.get([h.set_planner.remote(self.planner) for h in self.loaders + self.shadows])
             start_step = 0
             if state is not None:
                 ray.get(self.planner.load_state_dict.remote(state, reshard))
@@ -155,11 +174,14 @@ class DataService:
             tok = load_tokenizer(cfg.sources[0])
             image_id = tok.image_id if any(s.image_column for s in cfg.sources) else None
             opts = ft.actor_options(retry_tasks=False)
+            sidecar = placement.constructor_ranks(topo) if placement is not None else None
             self.constructors = [
-                DataConstructorActor.options(name=name, namespace=ns, **opts).remote(
+                DataConstructorActor.options(name=name, namespace=ns, **opts,
+                                             **(placement.constructor(sidecar[j]) if sidecar else {})).remote(
                     list(buckets), cfg, topo, self.planner, self.loaders, tok.pad_id, image_id, start_step, ft,
                     self.shadows or None)
-                for name, buckets in zip(topo.constructor_names(), topo.constructor_groups, strict=True)
+                for j, (name, buckets) in enumerate(zip(topo.constructor_names(), topo.constructor_groups,
+                                                        strict=True))
             ]
             ray.get(first_plan)
             self._phase("first plan", t0)
@@ -174,6 +196,26 @@ class DataService:
             topology=topo,
             ray_env={k: v for k, v in os.environ.items() if k.startswith("RAY_AUTH_")},
         )
+
+    def _nodes(self) -> Any:
+        from megascale_data_ext.runtime.placement import ClusterNodes
+
+        return ClusterNodes.discover(memory_fraction=self.config.autoscale.node_memory_fraction)
+
+    def _placement(self) -> Any:
+        """Constructor sidecars on the trainer nodes (``placement.trainer_nodes``), else None."""
+        pc = self.config.placement
+        if not pc.trainer_nodes:
+            return None
+        from megascale_data_ext.runtime.placement import Placement
+
+        return Placement(self._nodes(), pc.trainer_nodes, pc.ranks_per_node, soft=pc.soft)
+
+    def loader_actors(self) -> list[Any]:
+        """The live loader actors: one per source, or (autoscaled) the Planner's groups and shards now."""
+        if self.topology.autoscaled and self.planner is not None:
+            return ray.get(self.planner.loader_actors.remote())
+        return list(self.loaders)
 
     def plan_summary(self, step: int) -> dict:
         return ray.get(self.planner.plan_summary.remote(step))
@@ -208,7 +250,7 @@ class DataService:
 
     def stats(self) -> dict:
         return {
-            "loaders": self._ask(self.loaders, "stats"),
+            "loaders": self._ask(self.loader_actors(), "stats"),
             "shadows": self._ask(self.shadows, "stats"),
             "planner": self._ask([self.planner], "stats")[0],
             "constructors": self._ask(self.constructors, "stats"),
@@ -218,11 +260,17 @@ class DataService:
 
     def memory(self) -> dict[str, int]:
         """Resident bytes of the live primary loaders and of the shadows (the shadows' memory cost)."""
-        return {"loaders_rss": sum(filter(None, self._ask(self.loaders, "rss_bytes"))),
+        return {"loaders_rss": sum(filter(None, self._ask(self.loader_actors(), "rss_bytes"))),
                 "shadows_rss": sum(filter(None, self._ask(self.shadows, "rss_bytes")))}
 
     def _kill_actors(self) -> None:
-        for h in self.constructors + self.loaders + self.shadows + ([self.planner] if self.planner is not None else []):
+        loaders = self.loaders
+        if self.topology.autoscaled and self.planner is not None:
+            try:
+                loaders = ray.get(self.planner.loader_actors.remote(), timeout=10)
+            except Exception:  # a planner that failed to start: its loaders died with it
+                loaders = []
+        for h in self.constructors + loaders + self.shadows + ([self.planner] if self.planner is not None else []):
             ray.kill(h, no_restart=True)
         self.constructors, self.loaders, self.shadows, self.planner = [], [], [], None
 

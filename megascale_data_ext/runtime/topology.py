@@ -73,14 +73,17 @@ class ServiceTopology:
         tree: The service tree (consumer axis = the strategy's axis, runtime broadcast dims,
             reading stages).
         constructor_groups: Buckets served by each Data Constructor, in constructor order.
-        num_sources: Source Loaders (one per source).
+        num_sources: Sources (one Source Loader each unless `autoscaled`).
         namespace: Ray namespace of the named actors.
+        autoscaled: Loaders are the partition's groups and shards, owned by the Planner and
+            found through it (``route``, ``loaders_of``), not by name.
     """
 
     tree: ClientPlaceTree
     constructor_groups: tuple[tuple[int, ...], ...]
     num_sources: int
     namespace: str
+    autoscaled: bool = False
 
     @classmethod
     def of(cls, config: Any, tree: ClientPlaceTree, strategy: Any = None) -> ServiceTopology:
@@ -93,8 +96,9 @@ class ServiceTopology:
                                fetch_stages=stages)
         n, g = service_tree.buckets().num_buckets, config.constructor_group
         groups = tuple(tuple(range(i, min(i + g, n))) for i in range(0, n, g))
+        autoscale = getattr(config, "autoscale", None)
         return cls(tree=service_tree, constructor_groups=groups, num_sources=len(config.sources),
-                   namespace=config.ray.namespace)
+                   namespace=config.ray.namespace, autoscaled=bool(autoscale is not None and autoscale.enabled))
 
     # -- distribution ----------------------------------------------------------------
     @property

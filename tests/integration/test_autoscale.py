@@ -15,7 +15,9 @@ from megascale_data_ext.dataplane.partitioner import MiB, PartitionLimits, parti
 from megascale_data_ext.dataplane.placetree import ClientPlaceTree
 from megascale_data_ext.dataplane.profiles import SourceProfile
 from megascale_data_ext.dataplane.scaling import ScalingConfig
-from megascale_data_ext.runtime.autoscaler import RoutedFetch, ScalingPlannerActor
+from megascale_data_ext.dataplane.partitioner import ShardRef
+from megascale_data_ext.runtime.actors import PlannerActor
+from megascale_data_ext.runtime.autoscaler import AutoscalePlan, LoaderActorSpec, RoutedFetch
 from megascale_data_ext.runtime.config import RayConfig, ServiceConfig
 from megascale_data_ext.runtime.constructor import DataConstructor
 from megascale_data_ext.runtime.inprocess import InProcessService
@@ -49,8 +51,9 @@ def test_ramp_creates_and_reclaims_shards_and_delivers_every_sample_once(specs):
     ray.init(num_cpus=2, include_dashboard=False, configure_logging=False, log_to_driver=False)
     try:
         scaling = ScalingConfig(capacity=(0.3, 1.0, 1.0), window=2, patience=1, max_shards=3)
-        planner = ScalingPlannerActor.remote(cfg, topo, scaling, interval_steps=2, lead_steps=1,
-                                             groups=[[1, 2]])
+        shared = LoaderActorSpec(shards=[ShardRef(source=1), ShardRef(source=2)])  # sources 1 and 2 in one actor
+        plan = AutoscalePlan(actors=[shared], scaling=scaling, interval_steps=2, lead_steps=1)
+        planner = PlannerActor.remote(cfg, topo, [], None, None, None, plan)
         delivered: Counter = Counter()
         route = RoutedFetch(lambda step, s: ray.get(planner.route.remote(step, s)))
 
@@ -72,8 +75,8 @@ def test_ramp_creates_and_reclaims_shards_and_delivers_every_sample_once(specs):
                 for (b1, _), (b2, _) in zip(got, want, strict=True):
                     assert np.array_equal(b1["tokens"], b2["tokens"]), f"step {step} rank {rank} differs"
             ray.get(planner.release.remote(step))
-            live.append(ray.get(planner.live_actors.remote()))
-        events = ray.get(planner.events.remote())
+            live.append(len(ray.get(planner.loader_actors.remote())))
+        events = ray.get(planner.scaling_events.remote())
         # exactly once: every planned (source, position) of every step, none twice
         assert max(delivered.values()) == 1 and set(delivered) == set(planned)
         created = [e for e in events if e["event"] == "created" and e["source"] == 0]
@@ -88,7 +91,7 @@ def test_ramp_creates_and_reclaims_shards_and_delivers_every_sample_once(specs):
 def test_loaders_and_constructor_sidecars_land_on_their_nodes(specs):
     from ray.cluster_utils import Cluster
 
-    from megascale_data_ext.runtime.actors import DataConstructorActor, PlannerActor
+    from megascale_data_ext.runtime.actors import DataConstructorActor
     from megascale_data_ext.runtime.placement import ClusterNodes, Placement
 
     # three nodes (the head is one of them): fewer raylets on a small test box
