@@ -59,6 +59,16 @@ def _crash() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+def delivery_horizon(config: ServiceConfig, ft: FaultToleranceConfig) -> int:
+    """Steps behind the newest requested one that no client asks for again: a constructor drops
+    what it built for them, and the Planner may reclaim the loaders that served only them.
+
+    Ranks of one job run in lockstep (collectives), each at most ``client_prefetch`` steps ahead
+    and its constructor ``prefetch`` more; twice that, plus slack, is never re-asked.
+    """
+    return 2 * (config.prefetch + ft.client_prefetch) + 4
+
+
 def _rss_bytes() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
@@ -91,6 +101,7 @@ class PlannerActor:
         else:
             self._loaders = None
             self.scaler = self._start_autoscaler(config, autoscale)
+            self._horizon = delivery_horizon(config, self.ft)
             scaler, ft_ = self.scaler, self.ft
             summarize = lambda source, start, count: scaler.summary(source, start, count, ft_)  # noqa: E731
         self.checkpoints = PlannerCheckpoints(checkpoint_dir, self.ft.checkpoint_keep) if checkpoint_dir else None
@@ -123,8 +134,9 @@ class PlannerActor:
         record_plan(plan, seconds)
         if self.scaler is not None:  # under the planner's lock, so routing sees the decision in order
             self.scaler.observe(plan.step, np.bincount(plan.source, minlength=len(self.scaler.specs)))
-            # a step whose plan the Planner dropped can no longer be fetched: its old loaders may go
-            self.scaler.release(plan.step - self.planner.keep - 1)
+            # loaders that served only steps no constructor fetches again go: steps whose plan the
+            # Planner dropped, or behind the delivery horizon of the newest step routed
+            self.scaler.release(max(plan.step - self.planner.keep - 1, self.scaler.max_routed - self._horizon))
         if self.checkpoints is not None:  # under the planner's lock: the state right after this step
             self.checkpoints.save(self.planner.state_dict())
 
@@ -387,7 +399,7 @@ class DataConstructorActor:
         self.restarted = _reconstructed()
         self.constructor._next_prefetch = start_step
         self.prefetch_depth = config.prefetch
-        self.horizon = 2 * (config.prefetch + self.ft.client_prefetch) + 4
+        self.horizon = delivery_horizon(config, self.ft)
         self._wake = threading.Event()
         self._target: int | None = None if self.restarted else start_step + self.prefetch_depth - 1
         self._newest = start_step

@@ -155,7 +155,7 @@ class DataService:
                 self.planner = PlannerActor.options(name=PLANNER_NAME, namespace=ns, **planner_opts).remote(
                     cfg, topo, [], ft, ckpt, None, plan)
                 self.loaders = ray.get(self.planner.loader_actors.remote())  # surfaces source errors now
-                self._phase("planner and loaders up", t0, f" ({len(self.loaders)} loader actors)")
+                self._phase("loaders up", t0, f" ({len(self.loaders)} loader actors, started by the planner)")
             else:
                 self.loaders = self._loader_actors(topo.loader_names(), shadow=False, ckpt=ckpt)
                 if ft.shadow_loaders:
