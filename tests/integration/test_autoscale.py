@@ -1,6 +1,6 @@
 """The AutoScaler on real Ray: a source's weight ramps up and down, its loader shards are created
 and reclaimed, and every sample is delivered exactly once and equals a run that never rescaled;
-loaders and constructors placed on the nodes of a 3-node local cluster."""
+loaders and constructors placed by a DataService on the nodes of a 3-node local cluster."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import ray
 
-from megascale_data_ext.dataplane.partitioner import MiB, PartitionLimits, partition
+from megascale_data_ext.dataplane.partitioner import MiB
 from megascale_data_ext.dataplane.placetree import ClientPlaceTree
 from megascale_data_ext.dataplane.profiles import SourceProfile
 from megascale_data_ext.dataplane.scaling import ScalingConfig
@@ -21,7 +21,6 @@ from megascale_data_ext.runtime.autoscaler import AutoscalePlan, LoaderActorSpec
 from megascale_data_ext.runtime.config import RayConfig, ServiceConfig
 from megascale_data_ext.runtime.constructor import DataConstructor
 from megascale_data_ext.runtime.inprocess import InProcessService
-from megascale_data_ext.runtime.loader_group import LoaderGroupActor
 from megascale_data_ext.runtime.topology import ServiceTopology
 from megascale_data_ext.sources.demo_data import make_demo_data
 
@@ -88,11 +87,13 @@ def test_ramp_creates_and_reclaims_shards_and_delivers_every_sample_once(specs):
         ray.shutdown()
 
 
-def test_loaders_and_constructor_sidecars_land_on_their_nodes(specs):
+def test_service_places_loaders_by_partition_and_constructors_beside_their_ranks(specs, tmp_path):
     from ray.cluster_utils import Cluster
 
-    from megascale_data_ext.runtime.actors import DataConstructorActor
-    from megascale_data_ext.runtime.placement import ClusterNodes, Placement
+    from megascale_data_ext.dataplane.profiles import ProfileJournal
+    from megascale_data_ext.runtime.config import AutoscaleConfig, PlacementConfig
+    from megascale_data_ext.runtime.service import DataService
+    from megascale_data_ext.sources.profiling import source_fingerprint
 
     # three nodes (the head is one of them): fewer raylets on a small test box
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "resources": {"msd_node:trainer-0": 1}})
@@ -101,46 +102,34 @@ def test_loaders_and_constructor_sidecars_land_on_their_nodes(specs):
     ray.init(address=cluster.address, include_dashboard=False, configure_logging=False, log_to_driver=False)
     try:
         cluster.wait_for_nodes()
-        nodes = ClusterNodes.discover()
+        # 40 MiB of access state per source under a 160 MiB actor cap (80 MiB base): one source per
+        # actor, spread over the trainer nodes
+        journal = tmp_path / "profiles.json"
+        ProfileJournal([SourceProfile(name=s.name, fingerprint=source_fingerprint(s), num_samples=160,
+                                      samples_profiled=8, latency_s=1e-3, access_state_bytes=40 * MiB,
+                                      bytes_per_sample=MiB, throughput=1e3) for s in specs]).save(journal)
         trainers = [f"trainer-{i}" for i in range(3)]
-        assert set(trainers) <= set(nodes.ids)
-        place = Placement(nodes, trainers, ranks_per_node=1)
-        # partition the 3 sources onto the trainer nodes: a tight actor cap spreads them
-        profs = [SourceProfile(name=s.name, fingerprint="x", num_samples=160, samples_profiled=8, latency_s=1e-3,
-                               access_state_bytes=40 * MiB, bytes_per_sample=MiB, throughput=1e3) for s in specs]
-        trainer_res = [n for n in nodes.resources if n.name in trainers]
-        plan = partition(profs, [1, 1, 1], trainer_res,
-                         PartitionLimits(samples_per_step=16, step_seconds=1.0, actor_memory_bytes=160 * MiB,
-                                         actor_base_bytes=80 * MiB))
-        assert len({a.node for a in plan.assignments}) >= 2
-        cfg = ramp_config(specs)
-        groups = [LoaderGroupActor.options(**place.loader(a)).remote(
-            [(sh, specs[sh.source]) for sh in a.shards], cfg.seed, cfg.shuffle, a.workers) for a in plan.assignments]
-        where = ray.get([g.ready.remote() for g in groups])
-        assert [w["node_id"] for w in where] == [nodes.node_id(a.node) for a in plan.assignments]
-        # a constructor sidecar beside its ranks; the planner anywhere; one step through them
+        cfg = dataclasses.replace(
+            ramp_config(specs), mixing=None, prefetch=1, ray=RayConfig(address=cluster.address, namespace="placed"),
+            autoscale=AutoscaleConfig(enabled=True, profiles=str(journal), actor_memory_mib=160, actor_base_mib=80,
+                                      scaling=False),
+            placement=PlacementConfig(trainer_nodes=trainers, ranks_per_node=1))
         tree = ClientPlaceTree.from_sizes(dp=3)
-        cfg = ServiceConfig(sources=specs[:1], seed=1, samples_per_step=6, num_microbatches=1, seq_length=2048,
-                            strategy="vanilla", buffer_size=16, constructor_group=3, prefetch=1)
-        topo = ServiceTopology.of(cfg, tree)
-        from megascale_data_ext.runtime.actors import SourceLoaderActor
-
-        loader = SourceLoaderActor.options(**place.on_node("trainer-2")).remote(0, specs[0], cfg.seed, cfg.shuffle)
-        planner = PlannerActor.options(**place.planner()).remote(cfg, topo, [loader])
-        ray.get(loader.set_planner.remote(planner))
-        ranks = place.constructor_ranks(topo)[0]
-        con = DataConstructorActor.options(**place.constructor([1])).remote(
-            list(topo.constructor_groups[0]), cfg, topo, planner, [loader], 0, None)
-        assert ranks == [0, 1, 2]
-        batch = ray.get(con.get_step.remote(0, 1))
-        assert len(batch) == 1 and batch[0][0]["tokens"].size > 0
-        from ray.util.state import list_actors
-
-        by_class = {}
-        for a in list_actors(filters=[("state", "=", "ALIVE")]):
-            by_class.setdefault(a.class_name, []).append(a.node_id)
-        assert by_class["DataConstructorActor"] == [nodes.node_id("trainer-1")]
-        assert by_class["SourceLoaderActor"] == [nodes.node_id("trainer-2")]
+        service = DataService(cfg, tree, progress=None)
+        service.start()
+        nodes = service._nodes()
+        assert set(trainers) <= set(nodes.ids)
+        where = ray.get([h.ready.remote() for h in service.loader_actors()])
+        want = {a.node for a in service.partition.assignments}
+        assert len(want) >= 2, "the tight cap should spread the loaders over nodes"
+        assert sorted(w["node_id"] for w in where) == sorted(nodes.node_id(a.node)
+                                                              for a in service.partition.assignments)
+        for j, con in enumerate(service.constructors):  # constructor j serves rank j, which runs on trainer-j
+            node = ray.get(con.__ray_call__.remote(lambda _self: ray.get_runtime_context().get_node_id()))
+            assert node == nodes.node_id(trainers[j]), f"constructor/{j} is not beside its rank"
+            batch = ray.get(con.get_step.remote(0, j))  # one step through loaders on other nodes
+            assert len(batch) == cfg.num_microbatches and batch[0][0]["tokens"].size > 0
+        service.stop()
     finally:
         ray.shutdown()
         cluster.shutdown()
