@@ -131,3 +131,33 @@ def test_partition_that_cannot_fit_names_the_config_key(specs, tmp_path):
             ray.get_actor("planner", namespace=cfg.ray.namespace)
     finally:
         ray.shutdown()
+
+
+def test_planner_killed_restarts_its_loader_fleet_and_loses_nothing(specs, tmp_path):
+    """The Planner owns the loader actors: killed, Ray restarts it from its checkpoint, it starts the
+    partition again (its old actors died with it) and constructors re-route to the new ones."""
+    profiles = journal(specs, tmp_path / "profiles.json", latency_s=[1e-4] * SOURCES)
+    cfg = dataclasses.replace(ramp_config(specs, profiles), mixing=None, ray=RayConfig(namespace="autoscale-kill"))
+    tree = ClientPlaceTree.from_sizes(dp=2)
+    reference = InProcessService(cfg, tree)
+    ray.init(num_cpus=2, include_dashboard=False, configure_logging=False, log_to_driver=False)
+    try:
+        service = DataService(cfg, tree, progress=None)
+        service.start()
+        before = {h._actor_id for h in service.loader_actors()}
+        seen: Counter = Counter()
+        for step in range(10):
+            if step == 4:
+                service.planner.crash.remote()
+            got, keys = delivered(service, tree, step)
+            want, want_keys = delivered_reference(reference, tree, step)
+            assert all(np.array_equal(a, b) for a, b in zip(got, want, strict=True)), f"step {step} differs"
+            assert sorted(keys) == sorted(want_keys)
+            seen.update(keys)
+        after = {h._actor_id for h in service.loader_actors()}
+        restored = service.stats()["planner"]["restored_from"]
+        service.stop()
+    finally:
+        ray.shutdown()
+    assert max(seen.values()) == 1
+    assert restored is not None and not before & after, "the restarted Planner did not start a new fleet"
