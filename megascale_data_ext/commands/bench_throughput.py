@@ -120,6 +120,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--large", action="store_true",
                         help=f"the larger case: {LARGE['sources']} sources x {LARGE['docs']} docs, DP {LARGE['dp']}")
     parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--autoscale", action="store_true",
+                        help="also run each strategy with autoscaled loaders (sources partitioned into loader actors)")
     parser.add_argument("--strategies", default=None,
                         help="service strategies, comma-separated (default vanilla,llm_balance; --quick: llm_balance)")
     parser.add_argument("--attention-mask", action="store_true", help="build the [s, s] attention mask in both loaders")
@@ -305,10 +307,10 @@ def _progress(msg: str) -> None:
 
 
 def service_config(prefixes: list[str], *, strategy: str, seq_length: int, seed: int, attention_mask: bool,
-                   dp: int = DP) -> Any:
+                   dp: int = DP, autoscale: bool = False) -> Any:
     """Token-budget steps of dp·m·L tokens, documents split as Megatron's windows (llm_balance), or
     one whole document per microbatch (vanilla); one constructor, as Megatron runs one loader."""
-    from megascale_data_ext.runtime.config import RayConfig, ServiceConfig
+    from megascale_data_ext.runtime.config import AutoscaleConfig, RayConfig, ServiceConfig
     from megascale_data_ext.sources.base import SourceSpec
 
     tokens = strategy != "vanilla"
@@ -320,7 +322,8 @@ def service_config(prefixes: list[str], *, strategy: str, seq_length: int, seed:
         seq_length=seq_length, strategy=strategy, strategy_args={"model": "gpt-tiny"}, prefetch=2,
         with_attention_mask=attention_mask, buffer_size=1024,
         constructor_group=dp,
-        ray=RayConfig(namespace=f"bench-throughput-{os.getpid()}-{strategy}", num_cpus=2),
+        ray=RayConfig(namespace=f"bench-throughput-{os.getpid()}-{strategy}{'-as' if autoscale else ''}", num_cpus=2),
+        autoscale=AutoscaleConfig(enabled=autoscale, profile_samples=16),
     )
 
 
@@ -342,7 +345,7 @@ def start_ray(config: Any) -> float:
 
 
 def run_service(prefixes: list[str], *, strategy: str, seq_length: int, steps: int, seed: int,
-                attention_mask: bool, dp: int = DP, restart: bool = True) -> LoaderResult:
+                attention_mask: bool, dp: int = DP, restart: bool = True, autoscale: bool = False) -> LoaderResult:
     """Start a DataService on embedded Ray and consume every step of every fetching rank through
     the trainer's `Client` (whole steps per call, client_prefetch steps ahead)."""
     import ray
@@ -353,7 +356,7 @@ def run_service(prefixes: list[str], *, strategy: str, seq_length: int, steps: i
 
     m = NUM_MICROBATCHES
     config = service_config(prefixes, strategy=strategy, seq_length=seq_length, seed=seed,
-                            attention_mask=attention_mask, dp=dp)
+                            attention_mask=attention_mask, dp=dp, autoscale=autoscale)
     all_meter = _CpuMeter(lambda: [os.getpid(), *_descendants()])
     init_s = start_ray(config)
     t_init = time.perf_counter()
@@ -414,7 +417,8 @@ def run_service(prefixes: list[str], *, strategy: str, seq_length: int, steps: i
         service.stop()
     count_mode = config.tokens_per_step is None
     return LoaderResult(
-        name=f"service {strategy}" + ("" if restart else " (no restart)"), batches=batches, tokens=tokens,
+        name=f"service {strategy}" + (" (autoscale)" if autoscale else "") + ("" if restart else " (no restart)"),
+        batches=batches, tokens=tokens,
         first_batch_s=first, steady_s=steady, fetch_ms=fetch_ms, cpu_loader_s=loader_cpu, cpu_all_s=all_cpu,
         cpu_loader_total_s=startup_cpu + loader_cpu, samples_per_step=config.samples_per_step if count_mode else None,
         tokens_per_step=config.tokens_per_step, num_microbatches=m, step_wait_ms=waits, rss_mib=rss,
@@ -476,9 +480,10 @@ def run(args: argparse.Namespace) -> int:
                             cache=work / "megatron-cache", attention_mask=args.attention_mask)]
     try:
         for strategy in strategies:
-            results.append(run_service(prefixes, strategy=strategy, seq_length=args.seq_length, steps=args.steps,
-                                       seed=args.seed, attention_mask=args.attention_mask, dp=args.dp,
-                                       restart=not getattr(args, "no_restart", False)))
+            for autoscale in (False, True) if getattr(args, "autoscale", False) else (False,):
+                results.append(run_service(prefixes, strategy=strategy, seq_length=args.seq_length, steps=args.steps,
+                                           seed=args.seed, attention_mask=args.attention_mask, dp=args.dp,
+                                           restart=not getattr(args, "no_restart", False), autoscale=autoscale))
     finally:
         import ray
 

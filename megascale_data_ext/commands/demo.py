@@ -20,6 +20,7 @@ import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 NAME = "demo"
 HELP = "run the end-to-end main job: sample data -> Ray service -> torchrun megatron-core GPT training"
@@ -39,12 +40,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seq-length", type=int, default=1024)
     p.add_argument("--rows", type=int, default=600, help="rows per demo text source")
     p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--autoscale", action=argparse.BooleanOptionalAction, default=True,
+                   help="loader actors from profiles + mixture (auto-partitioning); --no-autoscale: one per source")
     p.add_argument("--workdir", type=Path, default=None, help="where data and logs go (default: a temp dir)")
 
 
 def run(args: argparse.Namespace) -> int:
     from megascale_data_ext.dataplane.placetree import ClientPlaceTree
-    from megascale_data_ext.runtime.config import RayConfig, ServiceConfig
+    from megascale_data_ext.runtime.config import AutoscaleConfig, RayConfig, ServiceConfig
     from megascale_data_ext.runtime.service import DataService
     from megascale_data_ext.sources.demo_data import make_demo_data
     from megascale_data_ext.sources.tokenizer import load_tokenizer
@@ -72,10 +75,11 @@ def run(args: argparse.Namespace) -> int:
         num_microbatches=args.num_microbatches, seq_length=args.seq_length, strategy=args.strategy,
         strategy_args=strategy_args, buffer_size=512, with_attention_mask=args.attention == "dense",
         ray=RayConfig(namespace=f"megascale-demo-{os.getpid()}", num_cpus=2),
+        autoscale=AutoscaleConfig(enabled=args.autoscale, profiles=str(work / "profiles.json"), profile_samples=16),
     )
     service = DataService(cfg, tree)
     handles = service.start()
-    print(f"[demo] service up in {service.startup_seconds:.1f} s: {len(specs)} source loaders, 1 planner, "
+    print(f"[demo] service up in {service.startup_seconds:.1f} s: {describe_loaders(service)}, 1 planner, "
           f"{handles.topology.num_constructors} data constructors on Ray {handles.address}", flush=True)
     print(tree.describe(), flush=True)
     vocab = load_tokenizer(specs[0].tokenizer).vocab_size
@@ -109,5 +113,24 @@ def run(args: argparse.Namespace) -> int:
               f"{cfg.fault_tolerance.client_prefetch} ahead)")
     skipped = sum(c["skipped_total"] for c in stats["constructors"])
     print(f"[demo] {args.steps} steps in {time.perf_counter() - t1:.1f} s; loaders read "
-          f"{sum(s['samples_read'] for s in stats['loaders'])} samples, skipped {skipped} bad ones; logs in {out}")
+          f"{samples_read(stats['loaders'])} samples, skipped {skipped} bad ones; logs in {out}")
     return 0
+
+
+def describe_loaders(service: Any) -> str:
+    """``6 source loaders`` or, autoscaled, which sources each loader actor serves and its workers."""
+    names = service.config.source_names
+    if service.partition is None:
+        return f"{len(names)} source loaders"
+    actors = "; ".join(
+        "+".join(names[sh.source] + (f"[{sh.shard}/{sh.num_shards}]" if sh.num_shards > 1 else "") for sh in a.shards)
+        + f" ({a.workers} worker{'s' if a.workers > 1 else ''}, {a.node[:8]})" for a in service.partition.assignments)
+    return f"{len(names)} sources in {len(service.partition.assignments)} loader actors [{actors}]"
+
+
+def samples_read(loader_stats: list[Any]) -> int:
+    """Samples read by every loader: per-source loaders, or loader groups (per member)."""
+    total = 0
+    for s in filter(None, loader_stats):
+        total += sum(m["samples_read"] for m in s["members"].values()) if "members" in s else s["samples_read"]
+    return total

@@ -24,12 +24,12 @@ import os
 import queue
 import signal
 import threading
+import warnings
 from collections import OrderedDict
 from typing import Any
 
-import ray
-
 import numpy as np
+import ray
 
 from megascale_data_ext.dataplane.scaling import ScalingPolicy
 from megascale_data_ext.errors import PlanError, ResumeError
@@ -52,7 +52,9 @@ _log = logging.getLogger(__name__)
 
 def _reconstructed() -> bool:
     """Whether Ray restarted this actor after a failure (its __init__ runs again)."""
-    return bool(ray.get_runtime_context().was_current_actor_reconstructed)
+    with warnings.catch_warnings():  # Ray's own property reads its deprecated `actor_id` ("Use get_actor_id()")
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return bool(ray.get_runtime_context().was_current_actor_reconstructed)
 
 
 def _crash() -> None:
