@@ -38,13 +38,15 @@ import os
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 from tqdm import tqdm
+
+from megascale_data_ext.commands._proc_stats import CpuMeter, cpu_seconds, descendants, rss_mib
 
 NAME = "bench throughput"
 HELP = "Tokens/s, fetch latency and CPU of Megatron's GPTDataset loader vs this Ray data service."
@@ -143,76 +145,6 @@ def write_blend(out: Path, *, sources: int, docs: int, seq_length: int, seed: in
     return prefixes
 
 
-# -- CPU accounting ----------------------------------------------------------------------
-_TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-
-
-def _stat(pid: int) -> list[str] | None:
-    """Fields of ``/proc/<pid>/stat`` after the command name (None when the process is gone).
-
-    Read directly rather than through psutil, which is not a dependency of this package.
-    """
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()
-    except OSError:
-        return None
-
-
-def _cpu(pids: list[int]) -> float:
-    """User + system CPU seconds of live processes (those gone count as 0)."""
-    total = 0.0
-    for pid in pids:
-        fields = _stat(pid)
-        if fields is not None:  # fields[11], fields[12] are utime, stime (stat fields 14, 15)
-            total += (int(fields[11]) + int(fields[12])) / _TICK
-    return total
-
-
-def _rss_mib(pids: list[int]) -> list[float]:
-    """VmRSS of each live process in MiB (from ``/proc/<pid>/status``)."""
-    out = []
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/status") as f:
-                kib = next((int(line.split()[1]) for line in f if line.startswith("VmRSS:")), None)
-        except OSError:
-            continue
-        if kib is not None:
-            out.append(kib / 1024)
-    return out
-
-
-def _descendants() -> list[int]:
-    """Every live descendant of this process (DataLoader workers; Ray's raylet, GCS, workers)."""
-    parent: dict[int, int] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            fields = _stat(int(entry))
-            if fields is not None:
-                parent[int(entry)] = int(fields[1])
-    out, frontier = [], [os.getpid()]
-    while frontier:
-        kids = [pid for pid, ppid in parent.items() if ppid in frontier]
-        out += kids
-        frontier = kids
-    return out
-
-
-class _CpuMeter:
-    """CPU of a changing set of processes: per-pid deltas from the first time a pid is seen."""
-
-    def __init__(self, pids: Callable[[], list[int]]) -> None:
-        self._pids = pids
-        self._start: dict[int, float] = {}
-
-    def mark(self) -> None:
-        self._start = {pid: _cpu([pid]) for pid in self._pids()}
-
-    def since_mark(self) -> float:
-        return sum(_cpu([pid]) - self._start.get(pid, 0.0) for pid in self._pids())
-
-
 # -- Megatron's path ---------------------------------------------------------------------
 class _EodTokenizer:
     """The three fields megatron-core datasets read from a tokenizer (no text is tokenized)."""
@@ -261,7 +193,7 @@ def run_megatron(prefixes: list[str], *, seq_length: int, batches: int, seed: in
     own_pg = not dist.is_initialized()
     if own_pg:  # BlendedDataset's cache logic asks torch.distributed for the rank
         dist.init_process_group("gloo", init_method=f"file://{cache / 'pg'}", rank=0, world_size=1)
-    meter = _CpuMeter(lambda: [os.getpid(), *_descendants()])
+    meter = CpuMeter(lambda: [os.getpid(), *descendants()])
     cpu0, t0 = time.process_time(), time.perf_counter()
     try:
         config = GPTDatasetConfig(
@@ -281,14 +213,14 @@ def run_megatron(prefixes: list[str], *, seq_length: int, batches: int, seed: in
             batch = next(it)
             now = time.perf_counter()
             if i == 0:
-                first, startup_cpu = now - t0, time.process_time() - cpu0 + _cpu(_descendants())
+                first, startup_cpu = now - t0, time.process_time() - cpu0 + cpu_seconds(descendants())
                 meter.mark()
                 continue
             fetch_ms.append((now - f0) * 1e3)
             tokens += int(batch["tokens"].numel())
         steady = time.perf_counter() - t0 - first
         cpu = meter.since_mark()  # worker still alive: the iterator is not exhausted past len
-        rss = _rss_mib(_descendants())  # the DataLoader worker
+        rss = rss_mib(descendants())  # the DataLoader worker
         del it, loader
     finally:
         if own_pg:
@@ -357,7 +289,7 @@ def run_service(prefixes: list[str], *, strategy: str, seq_length: int, steps: i
     m = NUM_MICROBATCHES
     config = service_config(prefixes, strategy=strategy, seq_length=seq_length, seed=seed,
                             attention_mask=attention_mask, dp=dp, autoscale=autoscale)
-    all_meter = _CpuMeter(lambda: [os.getpid(), *_descendants()])
+    all_meter = CpuMeter(lambda: [os.getpid(), *descendants()])
     init_s = start_ray(config)
     t_init = time.perf_counter()
     t0 = t_init - init_s  # a Ray this process started before counts as started for this service too
@@ -398,8 +330,8 @@ def run_service(prefixes: list[str], *, strategy: str, seq_length: int, steps: i
                             startup["first batch after actors (s)"] = first_after_init - startup["actors ready (s)"]
                             _progress(f"service {strategy}: first batch {first:.2f} s after start "
                                       f"({first_after_init:.2f} s after ray.init)")
-                            startup_cpu = loader_cpu0 = _cpu(actor_pids)
-                            role_cpu0 = {k: _cpu(v) for k, v in roles.items()}
+                            startup_cpu = loader_cpu0 = cpu_seconds(actor_pids)
+                            role_cpu0 = {k: cpu_seconds(v) for k, v in roles.items()}
                             all_meter.mark()
                             t_first = now
                             continue
@@ -409,10 +341,10 @@ def run_service(prefixes: list[str], *, strategy: str, seq_length: int, steps: i
                     if step > 0:  # step 0 holds the start-up
                         waits.append((time.perf_counter() - w0) * 1e3)
         steady = time.perf_counter() - t_first
-        loader_cpu = _cpu(actor_pids) - loader_cpu0
-        by_role = {k: _cpu(v) - role_cpu0[k] for k, v in roles.items()}
+        loader_cpu = cpu_seconds(actor_pids) - loader_cpu0
+        by_role = {k: cpu_seconds(v) - role_cpu0[k] for k, v in roles.items()}
         all_cpu = all_meter.since_mark()
-        rss = _rss_mib(actor_pids)
+        rss = rss_mib(actor_pids)
     finally:
         service.stop()
     count_mode = config.tokens_per_step is None

@@ -1,0 +1,76 @@
+"""CPU seconds and resident memory of processes, read from ``/proc`` (the benchmarks' accounting).
+
+Read directly rather than through psutil, which is not a dependency of this package.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+
+__all__ = ["CpuMeter", "cpu_seconds", "descendants", "rss_mib"]
+
+_TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def _stat(pid: int) -> list[str] | None:
+    """Fields of ``/proc/<pid>/stat`` after the command name (None when the process is gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+
+
+def cpu_seconds(pids: list[int]) -> float:
+    """User + system CPU seconds of live processes (those gone count as 0)."""
+    total = 0.0
+    for pid in pids:
+        fields = _stat(pid)
+        if fields is not None:  # fields[11], fields[12] are utime, stime (stat fields 14, 15)
+            total += (int(fields[11]) + int(fields[12])) / _TICK
+    return total
+
+
+def rss_mib(pids: list[int]) -> list[float]:
+    """VmRSS of each live process in MiB (from ``/proc/<pid>/status``)."""
+    out = []
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/status") as f:
+                kib = next((int(line.split()[1]) for line in f if line.startswith("VmRSS:")), None)
+        except OSError:
+            continue
+        if kib is not None:
+            out.append(kib / 1024)
+    return out
+
+
+def descendants() -> list[int]:
+    """Every live descendant of this process (DataLoader workers; Ray's raylet, GCS, workers)."""
+    parent: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            fields = _stat(int(entry))
+            if fields is not None:
+                parent[int(entry)] = int(fields[1])
+    out, frontier = [], [os.getpid()]
+    while frontier:
+        kids = [pid for pid, ppid in parent.items() if ppid in frontier]
+        out += kids
+        frontier = kids
+    return out
+
+
+class CpuMeter:
+    """CPU of a changing set of processes: per-pid deltas from the first time a pid is seen."""
+
+    def __init__(self, pids: Callable[[], list[int]]) -> None:
+        self._pids = pids
+        self._start: dict[int, float] = {}
+
+    def mark(self) -> None:
+        self._start = {pid: cpu_seconds([pid]) for pid in self._pids()}
+
+    def since_mark(self) -> float:
+        return sum(cpu_seconds([pid]) - self._start.get(pid, 0.0) for pid in self._pids())
