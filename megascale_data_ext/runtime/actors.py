@@ -20,9 +20,7 @@ sends itself (fault injection).
 from __future__ import annotations
 
 import logging
-import os
 import queue
-import signal
 import threading
 import warnings
 from collections import OrderedDict
@@ -39,9 +37,9 @@ from megascale_data_ext.runtime.config import ServiceConfig
 from megascale_data_ext.runtime.constructor import DataConstructor, EncoderRows, encoder_rows
 from megascale_data_ext.runtime.elastic import reshard_planner_state
 from megascale_data_ext.runtime.failover import LoaderFailover, missing_buckets, read_buckets
-from megascale_data_ext.runtime.faults import FaultToleranceConfig
+from megascale_data_ext.runtime.faults import FaultToleranceConfig, crash_self
 from megascale_data_ext.runtime.loader import SourceLoader
-from megascale_data_ext.runtime.metrics import record_plan, samples_in, service_metrics
+from megascale_data_ext.runtime.metrics import record_plan, rss_bytes, samples_in, service_metrics
 from megascale_data_ext.runtime.planner import Planner
 from megascale_data_ext.runtime.topology import PLANNER_NAME, ServiceTopology
 
@@ -57,10 +55,6 @@ def _reconstructed() -> bool:
         return bool(ray.get_runtime_context().was_current_actor_reconstructed)
 
 
-def _crash() -> None:
-    os.kill(os.getpid(), signal.SIGKILL)
-
-
 def delivery_horizon(config: ServiceConfig, ft: FaultToleranceConfig) -> int:
     """Steps behind the newest requested one that no client asks for again: a constructor drops
     what it built for them, and the Planner may reclaim the loaders that served only them.
@@ -69,11 +63,6 @@ def delivery_horizon(config: ServiceConfig, ft: FaultToleranceConfig) -> int:
     and its constructor ``prefetch`` more; twice that, plus slack, is never re-asked.
     """
     return 2 * (config.prefetch + ft.client_prefetch) + 4
-
-
-def _rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 @ray.remote(num_cpus=0, max_concurrency=ACTOR_CONCURRENCY)
@@ -250,7 +239,7 @@ class PlannerActor:
 
     @ray.method(max_task_retries=0)  # never re-run on the restarted actor
     def crash(self) -> None:
-        _crash()
+        crash_self()
 
 
 @ray.remote(num_cpus=0, max_concurrency=ACTOR_CONCURRENCY)
@@ -355,7 +344,7 @@ class SourceLoaderActor:
 
     def rss_bytes(self) -> int:
         """This process's resident memory (what a shadow costs)."""
-        return _rss_bytes()
+        return rss_bytes()
 
     def state_dict(self) -> dict:
         return self.loader.state_dict()
@@ -365,7 +354,7 @@ class SourceLoaderActor:
 
     @ray.method(max_task_retries=0)  # never re-run on the restarted actor
     def crash(self) -> None:
-        _crash()
+        crash_self()
 
 
 @ray.remote(num_cpus=0, max_concurrency=ACTOR_CONCURRENCY)
@@ -457,4 +446,4 @@ class DataConstructorActor:
 
     @ray.method(max_task_retries=0)  # never re-run on the restarted actor
     def crash(self) -> None:
-        _crash()
+        crash_self()

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -25,11 +26,17 @@ from typing import Any, Literal
 from megascale_data_ext.errors import ConfigError, MegascaleDataError
 
 __all__ = ["COMPONENTS", "ENV_VAR", "FaultEvent", "FaultInjector", "FaultSpec", "FaultToleranceConfig",
-           "ServiceUnavailableError", "parse_faults"]
+           "ServiceUnavailableError", "crash_self", "parse_faults"]
 
 Component = Literal["loader", "planner", "constructor"]
 COMPONENTS: tuple[str, ...] = ("loader", "planner", "constructor")
 ENV_VAR = "MEGASCALE_FAULTS"
+
+
+def crash_self() -> None:
+    """SIGKILL this process: what an actor's ``crash`` does (Ray sees a dead node process)."""
+    os.kill(os.getpid(), signal.SIGKILL)
+
 
 
 class ServiceUnavailableError(MegascaleDataError):

@@ -36,7 +36,11 @@ import ray
 from megascale_data_ext.dataplane.partitioner import ShardRef
 from megascale_data_ext.dataplane.plan import LoaderPlan
 from megascale_data_ext.errors import SourceError
+from megascale_data_ext.runtime.failover import missing_buckets, read_buckets
+from megascale_data_ext.runtime.faults import crash_self
 from megascale_data_ext.runtime.loader import SourceLoader
+from megascale_data_ext.runtime.metrics import rss_bytes, samples_in, service_metrics
+from megascale_data_ext.runtime.topology import PLANNER_NAME
 from megascale_data_ext.sources.base import SourceSpec
 
 __all__ = ["GROUP_CONCURRENCY", "LoaderGroup", "LoaderGroupActor", "merge_fetches", "positions_of", "shard_of_plan"]
@@ -169,9 +173,7 @@ class LoaderGroupActor:
         with self._plans_lock:
             plan = self._plans.get(key)
         if plan is None:
-            if self._planner is None:
-                from megascale_data_ext.runtime.topology import PLANNER_NAME
-
+            if self._planner is None:  # restarted: find the Planner by name
                 self._planner = ray.get_actor(PLANNER_NAME, namespace=self._namespace)
             plan = ray.get(self._planner.loader_plan.remote(step, source))
             with self._plans_lock:
@@ -200,9 +202,6 @@ class LoaderGroupActor:
 
     def fetch(self, source: int, step: int, buckets: list[int]):
         """This member's samples of `step` for `buckets`; buckets popped before are read again."""
-        from megascale_data_ext.runtime.failover import missing_buckets, read_buckets
-        from megascale_data_ext.runtime.metrics import samples_in, service_metrics
-
         out = self.group.fetch(source, step, buckets)
         loader = self.group.loaders[source]
         plan = loader.get_plan(step, source)  # this member's shard of the plan (cached)
@@ -220,8 +219,7 @@ class LoaderGroupActor:
 
     def rss_bytes(self) -> int:
         """This process's resident memory."""
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        return rss_bytes()
 
     def state_dict(self) -> dict:
         return self.group.state_dict()
@@ -231,9 +229,7 @@ class LoaderGroupActor:
 
     @ray.method(max_task_retries=0)  # never re-run on the restarted actor
     def crash(self) -> None:
-        import signal
-
-        os.kill(os.getpid(), signal.SIGKILL)
+        crash_self()
 
 
 def merge_fetches(parts: Sequence[Mapping[str, list]]) -> dict[str, list]:

@@ -236,6 +236,12 @@ def record_plan(plan: Any, seconds: float) -> None:
         service_metrics()._disable(PLAN_SECONDS, exc)
 
 
+def rss_bytes() -> int:
+    """This process's resident memory (what a loader actor, or its shadow, costs)."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
 def samples_in(fetched: Mapping[str, list]) -> tuple[int, int, int]:
     """(samples, tokens, skipped) of a `SourceLoader.fetch` result."""
     samples = fetched.get("samples", ())
