@@ -133,11 +133,17 @@ def test_partition_that_cannot_fit_names_the_config_key(specs, tmp_path):
         ray.shutdown()
 
 
-def test_planner_killed_restarts_its_loader_fleet_and_loses_nothing(specs, tmp_path):
-    """The Planner owns the loader actors: killed, Ray restarts it from its checkpoint, it starts the
-    partition again (its old actors died with it) and constructors re-route to the new ones."""
+def test_injected_planner_and_loader_kills_through_the_client_lose_nothing(specs, tmp_path):
+    """Fault injection from the trainer-side client (``planner@4,loader:0@7``): the Planner owns the
+    loader actors, so killed it is restored from its checkpoint and starts the partition again (its
+    old actors died with it); the loader kill hits the actors serving source 0 now (`loaders_of`).
+    Constructors re-route; every microbatch equals the in-process run."""
+    from megascale_data_ext.runtime.faults import FaultToleranceConfig
+    from megascale_data_ext.runtime.remote import RemoteConstructors
+
     profiles = journal(specs, tmp_path / "profiles.json", latency_s=[1e-4] * SOURCES)
-    cfg = dataclasses.replace(ramp_config(specs, profiles), mixing=None, ray=RayConfig(namespace="autoscale-kill"))
+    cfg = dataclasses.replace(ramp_config(specs, profiles), mixing=None, ray=RayConfig(namespace="autoscale-kill"),
+                              fault_tolerance=FaultToleranceConfig(inject="planner@4,loader:0@7"))
     tree = ClientPlaceTree.from_sizes(dp=2)
     reference = InProcessService(cfg, tree)
     ray.init(num_cpus=2, include_dashboard=False, configure_logging=False, log_to_driver=False)
@@ -145,19 +151,21 @@ def test_planner_killed_restarts_its_loader_fleet_and_loses_nothing(specs, tmp_p
         service = DataService(cfg, tree, progress=None)
         service.start()
         before = {h._actor_id for h in service.loader_actors()}
+        client = RemoteConstructors(service.topology)
         seen: Counter = Counter()
         for step in range(10):
-            if step == 4:
-                service.planner.crash.remote()
-            got, keys = delivered(service, tree, step)
-            want, want_keys = delivered_reference(reference, tree, step)
-            assert all(np.array_equal(a, b) for a, b in zip(got, want, strict=True)), f"step {step} differs"
-            assert sorted(keys) == sorted(want_keys)
-            seen.update(keys)
+            for rank in tree.fetch_ranks("DP"):
+                want = reference.constructor_of(rank).get_step(step, rank)
+                for j, (batch, info) in enumerate(want):
+                    got, got_info = client.get(step, j, rank)
+                    assert np.array_equal(got["tokens"], batch["tokens"]), f"step {step} rank {rank} differs"
+                    seen.update((int(s), int(p)) for s, p, _ in got_info["samples"].tolist())
         after = {h._actor_id for h in service.loader_actors()}
+        fired = [(e.component, e.step) for e in client.injector.events]
         restored = service.stats()["planner"]["restored_from"]
         service.stop()
     finally:
         ray.shutdown()
     assert max(seen.values()) == 1
+    assert ("planner", 4) in fired and ("loader", 7) in fired, fired
     assert restored is not None and not before & after, "the restarted Planner did not start a new fleet"
