@@ -85,6 +85,7 @@ class PlannerActor:
                  shadow_handles: list[Any] | None = None, autoscale: AutoscalePlan | None = None):
         self._topology = topology
         self.ft = ft or _NO_FAULT_TOLERANCE
+        self.checkpoints = PlannerCheckpoints(checkpoint_dir, self.ft.checkpoint_keep) if checkpoint_dir else None
         self.scaler: AutoScaler | None = None
         if autoscale is None:
             self._loaders: LoaderFailover | None = LoaderFailover(loader_handles, shadow_handles, self.ft)
@@ -95,7 +96,6 @@ class PlannerActor:
             self._horizon = delivery_horizon(config, self.ft)
             scaler, ft_ = self.scaler, self.ft
             summarize = lambda source, start, count: scaler.summary(source, start, count, ft_)  # noqa: E731
-        self.checkpoints = PlannerCheckpoints(checkpoint_dir, self.ft.checkpoint_keep) if checkpoint_dir else None
         self.planner = Planner(config, topology, summarize, on_planned=self._on_planned)
         self.restored_from: int | None = None
         self.rewinds = 0
@@ -119,12 +119,17 @@ class PlannerActor:
                             lead_steps=plan.lead_steps, workers=plan.shard_workers,
                             shard_options=plan.shard_options or None, online=plan.online)
         scaler.start(plan.actors)
+        saved = self.checkpoints.autoscaler() if self.checkpoints is not None and _reconstructed() else None
+        if saved is not None:  # back to the shard counts it had scaled to (the old actors died with it)
+            scaler.load_state_dict(saved)
         return scaler
 
     def _on_planned(self, plan: Any, seconds: float) -> None:
         record_plan(plan, seconds)
         if self.scaler is not None:  # under the planner's lock, so routing sees the decision in order
-            self.scaler.observe(plan.step, np.bincount(plan.source, minlength=len(self.scaler.specs)))
+            decided = self.scaler.observe(plan.step, np.bincount(plan.source, minlength=len(self.scaler.specs)))
+            if self.checkpoints is not None and (decided or self.scaler.steps % self.scaler.interval_steps == 0):
+                self.checkpoints.save_autoscaler(self.scaler.state_dict())
             # loaders that served only steps no constructor fetches again go: steps whose plan the
             # Planner dropped, or behind the delivery horizon of the newest step routed
             self.scaler.release(max(plan.step - self.planner.keep - 1, self.scaler.max_routed - self._horizon))

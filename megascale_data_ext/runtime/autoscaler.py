@@ -278,6 +278,7 @@ class AutoScaler:
                 else:
                     self.layouts[s] = [_Layout(0, cur.actors)]
             self.release(-1)
+            self.events.append({"event": "restored", "shards": [len(live[-1].actors) for live in self.layouts]})
 
 
 class RoutedFetch:

@@ -91,11 +91,20 @@ class PlannerCheckpoints:
         got = _read(self.directory / "reports.json")
         return {} if got is None else {int(k): v for k, v in got["reports"]}
 
+    def save_autoscaler(self, state: dict[str, Any]) -> None:
+        """Keep the AutoScaler's state (policy, shard counts): a restarted Planner resumes the
+        layout it had scaled to, not the offline partition."""
+        write_atomic(self.directory / "autoscaler.json", state)
+
+    def autoscaler(self) -> dict[str, Any] | None:
+        return _read(self.directory / "autoscaler.json")
+
     def clear(self) -> None:
         """Remove every state (a fresh service must not restore another run's planner)."""
         for s in self.steps():
             self.path(s).unlink(missing_ok=True)
         (self.directory / "reports.json").unlink(missing_ok=True)
+        (self.directory / "autoscaler.json").unlink(missing_ok=True)
 
 
 class LoaderSnapshots:

@@ -134,16 +134,17 @@ def test_partition_that_cannot_fit_names_the_config_key(specs, tmp_path):
 
 
 def test_injected_planner_and_loader_kills_through_the_client_lose_nothing(specs, tmp_path):
-    """Fault injection from the trainer-side client (``planner@4,loader:0@7``): the Planner owns the
-    loader actors, so killed it is restored from its checkpoint and starts the partition again (its
-    old actors died with it); the loader kill hits the actors serving source 0 now (`loaders_of`).
-    Constructors re-route; every microbatch equals the in-process run."""
+    """Fault injection from the trainer-side client (``planner@8,loader:0@11``) during the ramp: the
+    Planner owns the loader actors, so killed it is restored from its checkpoint and starts new ones
+    with the shard counts it had scaled to (its old actors died with it); the loader kill hits the
+    actors serving source 0 then (`loaders_of`). Constructors re-route; every microbatch equals the
+    in-process run."""
     from megascale_data_ext.runtime.faults import FaultToleranceConfig
     from megascale_data_ext.runtime.remote import RemoteConstructors
 
-    profiles = journal(specs, tmp_path / "profiles.json", latency_s=[1e-4] * SOURCES)
-    cfg = dataclasses.replace(ramp_config(specs, profiles), mixing=None, ray=RayConfig(namespace="autoscale-kill"),
-                              fault_tolerance=FaultToleranceConfig(inject="planner@4,loader:0@7"))
+    profiles = journal(specs, tmp_path / "profiles.json", latency_s=[0.2] + [1e-4] * (SOURCES - 1))
+    cfg = dataclasses.replace(ramp_config(specs, profiles), ray=RayConfig(namespace="autoscale-kill"),
+                              fault_tolerance=FaultToleranceConfig(inject="planner@8,loader:0@11"))
     tree = ClientPlaceTree.from_sizes(dp=2)
     reference = InProcessService(cfg, tree)
     ray.init(num_cpus=2, include_dashboard=False, configure_logging=False, log_to_driver=False)
@@ -153,7 +154,7 @@ def test_injected_planner_and_loader_kills_through_the_client_lose_nothing(specs
         before = {h._actor_id for h in service.loader_actors()}
         client = RemoteConstructors(service.topology)
         seen: Counter = Counter()
-        for step in range(10):
+        for step in range(14):
             for rank in tree.fetch_ranks("DP"):
                 want = reference.constructor_of(rank).get_step(step, rank)
                 for j, (batch, info) in enumerate(want):
@@ -162,10 +163,13 @@ def test_injected_planner_and_loader_kills_through_the_client_lose_nothing(specs
                     seen.update((int(s), int(p)) for s, p, _ in got_info["samples"].tolist())
         after = {h._actor_id for h in service.loader_actors()}
         fired = [(e.component, e.step) for e in client.injector.events]
-        restored = service.stats()["planner"]["restored_from"]
+        planner = service.stats()["planner"]
+        restored = planner["restored_from"]
+        back = [e for e in planner["autoscale"]["events"] if e["event"] == "restored"]
         service.stop()
     finally:
         ray.shutdown()
     assert max(seen.values()) == 1
-    assert ("planner", 4) in fired and ("loader", 7) in fired, fired
+    assert ("planner", 8) in fired and ("loader", 11) in fired, fired
     assert restored is not None and not before & after, "the restarted Planner did not start a new fleet"
+    assert back and back[0]["shards"][0] > 1, f"restarted at the partition's layout, not the scaled one: {back}"
