@@ -119,6 +119,7 @@ class PlannerActor:
                             lead_steps=plan.lead_steps, workers=plan.shard_workers,
                             shard_options=plan.shard_options or None, online=plan.online)
         scaler.start(plan.actors)
+        ray.get([h.ready.remote() for h in scaler.live()])  # every source opens (or fails, named) now
         saved = self.checkpoints.autoscaler() if self.checkpoints is not None and _reconstructed() else None
         if saved is not None:  # back to the shard counts it had scaled to (the old actors died with it)
             scaler.load_state_dict(saved)

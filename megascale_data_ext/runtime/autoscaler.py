@@ -325,13 +325,16 @@ class RoutedFetch:
 
 
 def spawn_loader_groups(config: Any, planner: Any, restart_options: dict[str, Any]) -> Spawn:
-    """The `Spawn` of a Planner actor: `LoaderGroupActor`s with its plans, restartable, ready when returned."""
+    """The `Spawn` of a Planner actor: restartable `LoaderGroupActor`s with its plans.
+
+    Returns at once (the actor starts in the background): the partition's actors start side by
+    side, and a shard created by scaling opens its sources during the ``lead_steps`` before its
+    boundary instead of holding up planning. A call that reaches it first waits for its start.
+    """
 
     def spawn(members: list[tuple[ShardRef, SourceSpec]], workers: int, options: dict) -> Any:
-        h = LoaderGroupActor.options(**restart_options, **options).remote(
-            members, config.seed, config.shuffle, workers, config.ray.namespace)
-        ray.get(h.set_planner.remote(planner))
-        return h
+        return LoaderGroupActor.options(**restart_options, **options).remote(
+            members, config.seed, config.shuffle, workers, config.ray.namespace, planner)
 
     return spawn
 

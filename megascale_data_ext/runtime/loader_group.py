@@ -152,18 +152,18 @@ class LoaderGroup:
 class LoaderGroupActor:
     """A `LoaderGroup` in its own process; plans come from the Planner actor.
 
-    Restarts (fault tolerance): Ray re-runs ``__init__`` (members, seed and workers are its
-    arguments); the restarted actor finds the Planner by name in `namespace`, stages nothing
+    Restarts (fault tolerance): Ray re-runs ``__init__`` (members, seed, workers and the Planner's
+    handle are its arguments; a restarted Planner keeps its actor id), stages nothing
     until asked, and a bucket of a step that was popped before (by the dead instance, or for
     a constructor that died before building) is read again from the plan, as a Source Loader
     does (`runtime.failover`).
     """
 
     def __init__(self, members: list[tuple[ShardRef, SourceSpec]], seed: int, shuffle: bool, workers: int = 1,
-                 namespace: str | None = None):
+                 namespace: str | None = None, planner: Any = None):
         self.group = LoaderGroup(members, seed=seed, shuffle=shuffle, workers=workers, get_plan=self._get_plan)
         self._namespace = namespace
-        self._planner: Any = None
+        self._planner: Any = planner  # None: `set_planner`, else looked up by name in `namespace`
         self._plans: OrderedDict[tuple[int, int], LoaderPlan] = OrderedDict()  # whole-source plans, bounded
         self._plans_lock = threading.Lock()
         self.rereads = 0
@@ -173,7 +173,7 @@ class LoaderGroupActor:
         with self._plans_lock:
             plan = self._plans.get(key)
         if plan is None:
-            if self._planner is None:  # restarted: find the Planner by name
+            if self._planner is None:  # no handle given: find the Planner by name
                 self._planner = ray.get_actor(PLANNER_NAME, namespace=self._namespace)
             plan = ray.get(self._planner.loader_plan.remote(step, source))
             with self._plans_lock:
