@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from tqdm import tqdm
@@ -65,11 +67,34 @@ def plot(profiles: list[SourceProfile], path: Path) -> None:
     plt.close(fig)
 
 
+def preview_partition(config: Any, profiles: list[SourceProfile]) -> str:
+    """What ``autoscale.enabled`` would start with these profiles, this machine as the one node."""
+    from megascale_data_ext.dataplane.partitioner import NodeResources
+    from megascale_data_ext.runtime.autoscaler import partition_for
+
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") * config.autoscale.node_memory_fraction
+    node = NodeResources(name="this-machine", memory_bytes=int(memory), cpus=float(os.cpu_count() or 1))
+    try:
+        parts = partition_for(config, profiles, [node])
+    except MegascaleDataError as exc:
+        return f"partition (autoscale.*, this machine as one node): {exc}"
+    names = config.source_names
+    lines = [f"partition (autoscale.*, this machine as one node): {len(names)} sources -> "
+             f"{len(parts.assignments)} loader actors"]
+    for a in parts.assignments:
+        members = ", ".join(names[sh.source] + (f"[{sh.shard}/{sh.num_shards}]" if sh.num_shards > 1 else "")
+                            for sh in a.shards)
+        lines.append(f"  actor {a.actor}: {a.workers} worker(s), {a.memory_bytes / 2**20:,.0f} MiB, "
+                     f"{a.load_s * 1e3:.1f} ms/step: {members}")
+    return "\n".join(lines)
+
+
 def run(args: argparse.Namespace) -> int:
     if args.samples < 1 or args.batch < 1:
         return fail(ValueError(f"--samples and --batch must be >= 1, got {args.samples}, {args.batch}"))
     try:
-        specs = load_data_config(args).to_service_config().sources
+        service_config = load_data_config(args).to_service_config()
+        specs = service_config.sources
         out = Path(args.out)
         journal_path = out / "profiles.json"
         profiles, measured, stale = profile_sources(
@@ -89,6 +114,7 @@ def run(args: argparse.Namespace) -> int:
                   f"{p.access_state_bytes / 2**20:8.1f} {p.bytes_per_sample / 2**10:10.1f} {p.throughput:10.0f}")
         print(f"journal {journal_path} ({len(measured)} measured, {reused} reused"
               f"{', stale: ' + ', '.join(stale) if stale else ''}); plot {out / 'profiles.png'}")
+        print(preview_partition(service_config, profiles))
     if getattr(args, "model", False):
         return int(_profile_model.run_model_profile(args) or 0)
     return 0

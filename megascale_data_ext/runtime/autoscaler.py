@@ -339,19 +339,40 @@ def spawn_loader_groups(config: Any, planner: Any, restart_options: dict[str, An
     return spawn
 
 
-def build_autoscale_plan(config: Any, *, nodes: Any, placement: Any = None, restart_options: dict | None = None,
-                         progress: Callable[[str], None] | None = None) -> tuple[AutoscalePlan, Any]:
-    """The service's `AutoscalePlan` from ``config.autoscale``: profiles (journal, the rest measured
-    now), the offline partition on `nodes` (`placement.ClusterNodes`; the trainer nodes only when
-    ``placement.trainer_nodes`` names them), node affinity per actor and the policy's capacities.
+def partition_for(config: Any, profiles: Sequence[Any], nodes: Sequence[Any]) -> Any:
+    """The offline partition of ``config``'s sources (pure): their profiles, the mixture's weights at
+    step 0 and the ``autoscale.*`` caps, on `nodes` (`NodeResources`).
 
-    Returns ``(plan, partition)``. Raises ConfigError naming the ``autoscale.*`` key to change
-    when the partition cannot meet a cap.
+    Raises ConfigError with the partitioner's message and the ``autoscale.*`` keys to change.
     """
     from megascale_data_ext.dataplane.mixing import build_schedule
     from megascale_data_ext.dataplane.partitioner import MiB, PartitionLimits, partition
-    from megascale_data_ext.dataplane.scaling import shard_capacity
     from megascale_data_ext.errors import ConfigError
+
+    auto = config.autoscale
+    weights = build_schedule(config.mixing_config(), source_names=config.source_names).weights(0)
+    limits = PartitionLimits(samples_per_step=config.samples_per_step, step_seconds=auto.step_seconds,
+                             actor_memory_bytes=int(auto.actor_memory_mib * MiB),
+                             actor_base_bytes=int(auto.actor_base_mib * MiB), buffer_steps=config.prefetch + 1,
+                             max_workers_per_actor=auto.max_workers_per_actor,
+                             max_workers_per_source=auto.max_workers_per_source, cpus_per_worker=0.0)
+    try:
+        return partition(profiles, [float(w) for w in weights], list(nodes), limits)
+    except ConfigError as exc:
+        raise ConfigError(f"autoscale: the loaders cannot be partitioned: {exc}\n(config keys: "
+                          "autoscale.actor_memory_mib, autoscale.max_workers_per_actor, "
+                          "autoscale.max_workers_per_source, autoscale.node_memory_fraction, "
+                          "placement.trainer_nodes)") from exc
+
+
+def build_autoscale_plan(config: Any, *, nodes: Any, placement: Any = None, restart_options: dict | None = None,
+                         progress: Callable[[str], None] | None = None) -> tuple[AutoscalePlan, Any]:
+    """The service's `AutoscalePlan` from ``config.autoscale``: profiles (journal, the rest measured
+    now), the offline partition (`partition_for`) on `nodes` (`placement.ClusterNodes`; the trainer
+    nodes only when ``placement.trainer_nodes`` names them), node affinity per actor and the
+    policy's capacities. Returns ``(plan, partition)``.
+    """
+    from megascale_data_ext.dataplane.scaling import shard_capacity
     from megascale_data_ext.sources.profiling import profile_sources
 
     auto = config.autoscale
@@ -360,21 +381,9 @@ def build_autoscale_plan(config: Any, *, nodes: Any, placement: Any = None, rest
         progress(f"profiles: {len(config.sources) - len(measured)} from the journal, {len(measured)} measured now"
                  + (f" (stale: {', '.join(stale)})" if stale else "")
                  + (f", saved to {auto.profiles}" if auto.profiles and measured else ""))
-    weights = build_schedule(config.mixing_config(), source_names=config.source_names).weights(0)
     trainer_nodes = set(config.placement.trainer_nodes)
     offered = [n for n in nodes.resources if not trainer_nodes or n.name in trainer_nodes]
-    limits = PartitionLimits(samples_per_step=config.samples_per_step, step_seconds=auto.step_seconds,
-                             actor_memory_bytes=int(auto.actor_memory_mib * MiB),
-                             actor_base_bytes=int(auto.actor_base_mib * MiB), buffer_steps=config.prefetch + 1,
-                             max_workers_per_actor=auto.max_workers_per_actor,
-                             max_workers_per_source=auto.max_workers_per_source, cpus_per_worker=0.0)
-    try:
-        parts = partition(profiles, [float(w) for w in weights], offered, limits)
-    except ConfigError as exc:
-        raise ConfigError(f"autoscale: the loaders cannot be partitioned: {exc}\n(config keys: "
-                          "autoscale.actor_memory_mib, autoscale.max_workers_per_actor, "
-                          "autoscale.max_workers_per_source, autoscale.node_memory_fraction, "
-                          "placement.trainer_nodes)") from exc
+    parts = partition_for(config, profiles, offered)
 
     def on_node(name: str) -> dict[str, Any]:
         return placement.on_node(name) if placement is not None else nodes_affinity(nodes, name)
