@@ -20,7 +20,18 @@ baseline gets no shared pages). Constructors are sidecars whose count follows th
 Shadow loaders (a standby per loader actor, issue 11) are measured as idle copies of the
 loader actors and reported apart.
 
-JSON ``rows[]``: ranks, sources, colocated_mib, service_mib (loader actors + planner),
+Workloads (``--workload``): ``text`` (above: Megatron-indexed text sources, memory-mapped,
+almost free per rank) and ``navit`` (seeded navit-like image-text Parquet sources written with
+the project's own writer: variable-size JPEGs as raw bytes plus texts, ``--row-groups`` row
+groups of about ``--row-group-mib`` MiB decoded per source, seeded lognormal mixing weights).
+In ``navit`` each colocated rank builds a blended dataset over the S sources with Megatron's
+``build_blending_indices`` (the same weights the service mixes with), each source a
+``ParquetSource`` (``open_source``) opened lazily by the process that reads it, iterated by the
+same forked DataLoader; every rank and every service loader is read until each source's
+row-group cache (``row_group_cache``, the same spec on both sides) is full, so both sides hold
+the same per-source state per process that reads the source (the steady state of a long run).
+
+JSON ``rows[]``: workload, ranks, sources, colocated_mib, service_mib (loader actors + planner),
 ratio, and per-component columns with what was measured and what extrapolated.
 """
 
@@ -30,6 +41,7 @@ import argparse
 import json
 import multiprocessing as mp
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -46,14 +58,29 @@ HELP = "loader memory: per-rank Megatron DataLoaders (measured + extrapolated) v
 MiB = float(1 << 20)
 
 
+WORKLOADS = ("text", "navit")
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--workload", choices=[*WORKLOADS, "both"], default="both",
+                        help="text: Megatron-indexed text sources; navit: image-text Parquet sources; both (default)")
     parser.add_argument("--ranks", default="8,16,32", help="trainer ranks of the grid")
     parser.add_argument("--sources", default="32,128", help="source counts of the grid")
     parser.add_argument("--workers", type=int, default=2, help="DataLoader workers per rank (Megatron's default: 2)")
     parser.add_argument("--measure-ranks", type=int, default=2, help="colocated rank processes measured at once")
     parser.add_argument("--measure-sources", default="8,32", help="source counts the colocated ranks are measured at")
-    parser.add_argument("--docs", type=int, default=400, help="documents per source")
-    parser.add_argument("--seq-length", type=int, default=1024)
+    parser.add_argument("--docs", type=int, default=400, help="documents per source (text)")
+    parser.add_argument("--seq-length", type=int, default=1024, help="sequence length (text)")
+    parser.add_argument("--row-group-mib", type=float, default=16.0,
+                        help="navit: decoded size of a Parquet row group (production: 512 MB - 1 GB)")
+    parser.add_argument("--row-groups", type=int, default=4,
+                        help="navit: row groups per source (>= the sources' row_group_cache, so caches can fill)")
+    parser.add_argument("--weight-sigma", type=float, default=0.5,
+                        help="navit: sigma of the seeded lognormal mixing weights (0 = equal weights: Megatron's "
+                             "blend is then periodic and each of W workers reads only S/W sources)")
+    parser.add_argument("--navit-seq-length", type=int, default=8192, help="navit: sequence length of the service")
+    parser.add_argument("--max-fill-steps", type=int, default=1000,
+                        help="navit: most steps the service serves until its loaders' row-group caches are full")
     parser.add_argument("--train-samples", type=int, default=20000,
                         help="samples the per-rank blended dataset is built for (Megatron builds indices for all)")
     parser.add_argument("--steps", type=int, default=3, help="steps the service serves before it is measured")
@@ -109,15 +136,140 @@ def _rank_process(conn: Any, rank: int, prefixes: list[str], workers: int, seq_l
     it = iter(loader)
     for _ in range(8 * max(1, workers)):  # every worker has opened the sources and served batches
         next(it)
-    conn.send([p.pid for p in it._workers] if workers else [])
+    conn.send({"pids": [p.pid for p in it._workers] if workers else [], "info": {}})
     conn.recv()  # measured: exit
     del it, loader
     dist.destroy_process_group()
 
 
+class _BlendedParquet:
+    """A per-rank blended dataset over Parquet sources (a torch map-style Dataset, navit workload).
+
+    ``dataset_index`` / ``dataset_sample_index`` come from Megatron's ``build_blending_indices``;
+    sample j of source d is ``order[d][j % len(d)]`` (a seeded per-source shuffle). Each process
+    that reads (a DataLoader worker) opens the sources it reads on first use and keeps them open
+    (its own readers: footers, schema, ``row_group_cache`` decoded row groups per source).
+    """
+
+    def __init__(self, specs: list[Any], lengths: list[int], dataset_index: np.ndarray,
+                 dataset_sample_index: np.ndarray, seed: int) -> None:
+        self.specs, self.lengths = specs, lengths
+        self.dataset_index, self.dataset_sample_index = dataset_index, dataset_sample_index
+        self.order = [np.random.default_rng([seed, d]).permutation(n).astype(np.int32)
+                      for d, n in enumerate(lengths)]
+        self._sources: dict[int, Any] = {}
+
+    def __len__(self) -> int:
+        return len(self.dataset_index)
+
+    def _source(self, d: int) -> Any:
+        src = self._sources.get(d)
+        if src is None:
+            from megascale_data_ext.sources.registry import open_source
+
+            src = self._sources[d] = open_source(self.specs[d])
+        return src
+
+    def cache_state(self) -> tuple[int, int, int]:
+        """(row groups cached, row groups a full cache holds over all S sources, cached bytes)."""
+        held = nbytes = 0
+        want = 0
+        for d, spec in enumerate(self.specs):
+            src = self._sources.get(d)
+            n_rg = src.num_row_groups if src is not None else spec.row_group_cache
+            want += min(spec.row_group_cache, n_rg)
+            if src is not None:
+                st = src.cache_stats()
+                held, nbytes = held + st["row_groups"], nbytes + st["bytes"]
+        return held, want, nbytes
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        import torch
+
+        d = int(self.dataset_index[i])
+        j = int(self.order[d][int(self.dataset_sample_index[i]) % self.lengths[d]])
+        (sample,) = self._source(d).read([j])
+        info = torch.utils.data.get_worker_info()
+        held, want, nbytes = self.cache_state()
+        return {"tokens": torch.from_numpy(sample.tokens), "images": [torch.from_numpy(x) for x in sample.images],
+                "worker": info.id if info is not None else -1, "held": held, "want": want, "bytes": nbytes,
+                "opened": len(self._sources)}
+
+
+def _first(batch: list[Any]) -> Any:
+    """collate_fn of micro-batch size 1 (variable-size images do not stack)."""
+    return batch[0]
+
+
+def _navit_rank_process(conn: Any, rank: int, specs: list[Any], workers: int, train_samples: int, seed: int,
+                        cache: str) -> None:
+    """One colocated rank, navit: blended Parquet dataset + a DataLoader with `workers` forked workers.
+
+    Batches are taken until every worker has filled the row-group cache of every source (the
+    steady state of a long run), or the sampler ends.
+    """
+    import torch
+    import torch.distributed as dist
+    from megatron.core.datasets import helpers
+
+    from megascale_data_ext.commands.bench_throughput import MegatronPretrainingSampler
+    from megascale_data_ext.sources.registry import open_source
+
+    torch.set_num_threads(1)
+    Path(cache).mkdir(parents=True, exist_ok=True)
+    dist.init_process_group("gloo", init_method=f"file://{cache}/pg{rank}", rank=0, world_size=1)
+    conn.send("before")
+    conn.recv()
+    lengths = []
+    for spec in specs:  # the rank learns the sizes (footers) and closes: the workers open their own readers
+        src = open_source(spec)
+        lengths.append(len(src))
+        src.close()
+    weights = np.asarray([spec.weight for spec in specs], dtype=np.float64)
+    weights /= weights.sum()  # the mixture, as Megatron normalizes it
+    dataset_index = np.zeros(train_samples, dtype=np.int16)
+    dataset_sample_index = np.zeros(train_samples, dtype=np.int64)
+    helpers.build_blending_indices(dataset_index, dataset_sample_index, weights, len(specs), train_samples, False)
+    train = _BlendedParquet(specs, lengths, dataset_index, dataset_sample_index, seed)
+    sampler = MegatronPretrainingSampler(total_samples=train_samples, consumed_samples=0, micro_batch_size=1,
+                                         data_parallel_rank=0, data_parallel_size=1)
+    loader = torch.utils.data.DataLoader(train, batch_sampler=sampler, num_workers=workers, persistent_workers=True,
+                                         prefetch_factor=2, multiprocessing_context="fork" if workers else None,
+                                         collate_fn=_first)
+    state: dict[int, tuple[int, int, int, int]] = {}
+    batches = 0
+    it = iter(loader)
+    for batch in it:
+        batches += 1
+        state[batch["worker"]] = (batch["held"], batch["want"], batch["bytes"], batch["opened"])
+        del batch
+        if len(state) == max(1, workers) and all(v[0] >= v[1] for v in state.values()):
+            break
+    info = {"batches": batches, "workers_full": sum(v[0] >= v[1] for v in state.values()),
+            "processes": max(1, workers), "row_groups_held": sum(v[0] for v in state.values()),
+            "row_groups_full": sum(v[1] for v in state.values()),
+            "row_group_mib": sum(v[2] for v in state.values()) / MiB,
+            "sources_opened": [v[3] for _, v in sorted(state.items())]}
+    conn.send({"pids": [p.pid for p in it._workers] if workers else [], "info": info})
+    conn.recv()
+    del it, loader
+    dist.destroy_process_group()
+
+
 def measure_colocated(prefixes: list[str], *, ranks: int, workers: int, seq_length: int, train_samples: int,
-                      seed: int, cache: Path) -> dict[str, float]:
-    """`ranks` real rank processes at once over `prefixes` (MiB, per rank).
+                      seed: int, cache: Path) -> dict[str, Any]:
+    """`ranks` real rank processes at once over `prefixes` (text workload; see `measure_ranks`)."""
+    return measure_ranks(_rank_process, (prefixes, workers, seq_length, train_samples, seed, str(cache)), ranks)
+
+
+def measure_colocated_navit(specs: list[Any], *, ranks: int, workers: int, train_samples: int, seed: int,
+                            cache: Path) -> dict[str, Any]:
+    """`ranks` real navit rank processes at once over `specs` (see `measure_ranks`)."""
+    return measure_ranks(_navit_rank_process, (specs, workers, train_samples, seed, str(cache)), ranks)
+
+
+def measure_ranks(target: Any, args: tuple, ranks: int) -> dict[str, Any]:
+    """`ranks` real rank processes running ``target(conn, rank, *args)`` at once (MiB, per rank).
 
     A rank's loader memory (``loader_pss``) is the PSS of its process group (main + DataLoader
     workers) after building the blended dataset and serving batches, minus its main's PSS
@@ -130,8 +282,7 @@ def measure_colocated(prefixes: list[str], *, ranks: int, workers: int, seq_leng
     procs, conns = [], []
     for r in range(ranks):
         parent, child = ctx.Pipe()
-        p = ctx.Process(target=_rank_process, args=(child, r, prefixes, workers, seq_length, train_samples, seed,
-                                                    str(cache)), daemon=False)
+        p = ctx.Process(target=target, args=(child, r, *args), daemon=False)
         p.start()
         procs.append(p)
         conns.append(parent)
@@ -141,7 +292,8 @@ def measure_colocated(prefixes: list[str], *, ranks: int, workers: int, seq_leng
         before = [process_memory(p.pid) for p in procs]
         for c in conns:
             c.send("go")
-        pids = [c.recv() for c in conns]
+        got = [c.recv() for c in conns]
+        pids = [g["pids"] for g in got]
         mains = [process_memory(p.pid) for p in procs]
         wk = [[process_memory(pid) for pid in group] for group in pids]
     finally:
@@ -158,7 +310,76 @@ def measure_colocated(prefixes: list[str], *, ranks: int, workers: int, seq_leng
             "main_pss_before": sum(b["pss"] for b in before) / ranks / MiB,
             "main_uss": sum(m["uss"] for m in mains) / ranks / MiB,
             "worker_uss": sum(w["uss"] for w in flat) / n_w / MiB if flat else 0.0,
-            "worker_pss": sum(w["pss"] for w in flat) / n_w / MiB if flat else 0.0}
+            "worker_pss": sum(w["pss"] for w in flat) / n_w / MiB if flat else 0.0,
+            **({"ranks_info": [g["info"] for g in got]} if any(g["info"] for g in got) else {})}
+
+
+NAVIT_PATCH = 14  # navit-like: 14 x 14 patches (WORKLOADS.md)
+NAVIT_MAX_PATCHES = 1024
+IMAGE_POOL = 512  # distinct JPEGs the rows draw from (encoding every row's image would take minutes)
+
+
+def write_navit_sources(out: Path, *, sources: int, row_group_mib: float, row_groups: int, seed: int,
+                        weight_sigma: float = 0.5) -> tuple[list[Any], dict[str, Any]]:
+    """Seeded navit-like image-text Parquet sources (the project's writer and demo-data helpers).
+
+    Each row: one variable-size JPEG (raw bytes, ``image_sizes`` at twice coyo's scale) drawn
+    from a seeded pool of ``IMAGE_POOL`` real JPEGs, and a text 2-6x a coyo caption (longer
+    texts than coyo; the factor varies by source). One file per source of ``row_groups`` row
+    groups, each sized to about ``row_group_mib`` MiB of payload (text + image bytes, the
+    columns a reader decodes). Mixing weights (``spec.weight``) are seeded lognormal with
+    ``weight_sigma`` (0 = equal). Returns the specs and what was written.
+    """
+    from megascale_data_ext.sources.base import SourceSpec
+    from megascale_data_ext.sources.demo_data import _text, _word_pool, caption_lengths, image_sizes
+    from megascale_data_ext.sources.images import synthetic_jpeg
+    from megascale_data_ext.sources.tokenizer import ByteTokenizer
+    from megascale_data_ext.sources.writer import IMAGE_COLUMN, TEXT_COLUMN, PreparedParquetWriter
+
+    seeds = np.random.SeedSequence(seed).spawn(sources + 1)
+    rng = np.random.default_rng(seeds[-1])
+    sizes = image_sizes(rng, IMAGE_POOL, scale=2.0)
+    pool = [synthetic_jpeg(int(w), int(h), seed=int(rng.integers(2**31))) for w, h in sizes]
+    pool_bytes = np.asarray([len(b) for b in pool], dtype=np.float64)
+    weights = rng.lognormal(0.0, weight_sigma, sources) if weight_sigma > 0 else np.ones(sources)
+    tok = ByteTokenizer()
+    specs, rows_written, bytes_written = [], 0, 0
+    for k in range(sources):
+        rng = np.random.default_rng(seeds[k])
+        words = _word_pool(rng)
+        factor = 2 + k % 5
+        texts = caption_lengths(rng, int(4 * row_group_mib * MiB / pool_bytes.mean()) * row_groups + 1) * factor
+        picks = rng.integers(0, IMAGE_POOL, len(texts))
+        # rows per row group: cumulative payload (image + text bytes) of the rows reaches the size
+        rg_rows = max(1, int(np.searchsorted(np.cumsum(pool_bytes[picks] + texts), row_group_mib * MiB)))
+        n = min(len(texts), rg_rows * row_groups)
+        src_dir = out / f"navit-{k}"
+        with PreparedParquetWriter(src_dir, kind="image-text", tokenizer=tok, patch_size=NAVIT_PATCH,
+                                   max_image_patches=NAVIT_MAX_PATCHES, row_group_rows=rg_rows,
+                                   rows_per_file=n) as w:
+            for i in range(n):
+                w.add(_text(rng, words, int(texts[i])), [pool[int(picks[i])]])
+        rows_written += w.summary.rows
+        bytes_written += w.summary.bytes
+        specs.append(SourceSpec(name=f"navit{k}", format="parquet", paths=[str(src_dir)], text_column=TEXT_COLUMN,
+                                image_column=IMAGE_COLUMN, patch_size=NAVIT_PATCH,
+                                max_image_patches=NAVIT_MAX_PATCHES, weight=float(weights[k])))
+    return specs, {"rows": rows_written, "file_mib": round(bytes_written / MiB, 1), "image_pool": IMAGE_POOL,
+                   "image_pool_mean_bytes": round(float(pool_bytes.mean())), "weight_sigma": weight_sigma,
+                   "weights": [round(float(x), 4) for x in weights]}
+
+
+def row_group_mib_measured(spec: Any) -> float:
+    """Decoded size (MiB) of one row group of `spec` (read through the source, as loaders read it)."""
+    from megascale_data_ext.sources.registry import open_source
+
+    src = open_source(spec)
+    try:
+        src.read([0])
+        st = src.cache_stats()
+        return st["bytes"] / max(1, st["row_groups"]) / MiB
+    finally:
+        src.close()
 
 
 def shared_once(mems: list[dict[str, int]]) -> float:
@@ -182,44 +403,93 @@ def _pid_memory(handles: list[Any]) -> list[dict[str, int]]:
     return [process_memory(pid) for pid in pids]
 
 
-def measure_service(prefixes: list[str], *, ranks: int, seq_length: int, steps: int, seed: int, cap_mib: float,
-                    profiles: list[Any]) -> dict[str, Any]:
-    """Partition, start loader actors + Planner on the running Ray, serve `steps`, measure (MiB)."""
+def text_specs(prefixes: list[str]) -> list[Any]:
+    """The text workload's Megatron sources as specs (EOD already in the documents)."""
+    from megascale_data_ext.commands.bench_throughput import EOD_ID
+    from megascale_data_ext.sources.base import SourceSpec
+
+    return [SourceSpec(name=f"source{i}", format="megatron", paths=[p], append_eod=False, truncate=True,
+                       eod_token_id=EOD_ID) for i, p in enumerate(prefixes)]
+
+
+def _group_cache_state(actor: Any) -> tuple[int, int, int]:
+    """Inside a LoaderGroupActor: (row groups cached, row groups full caches hold, cached bytes)."""
+    held = want = nbytes = 0
+    for ld in list(actor.group.loaders.values()):
+        src = ld.source
+        if not hasattr(src, "cache_stats"):
+            continue
+        for _ in range(5):  # a read-ahead thread may be filling the cache meanwhile
+            try:
+                st = src.cache_stats()
+                break
+            except RuntimeError:
+                time.sleep(0.01)
+        else:
+            st = {"row_groups": 0, "bytes": 0}
+        held, nbytes = held + st["row_groups"], nbytes + st["bytes"]
+        want += min(ld.spec.row_group_cache, src.num_row_groups)
+    return held, want, nbytes
+
+
+def cache_state(handles: list[Any]) -> tuple[int, int, int]:
+    """(row groups cached, row groups full caches hold, cached bytes) over loader actors."""
     import ray
 
-    from megascale_data_ext.commands.bench_throughput import EOD_ID
+    got = ray.get([h.__ray_call__.remote(_group_cache_state) for h in handles])
+    return sum(g[0] for g in got), sum(g[1] for g in got), sum(g[2] for g in got)
+
+
+def measure_service(specs: list[Any], *, ranks: int, seq_length: int, steps: int, seed: int, cap_mib: float,
+                    profiles: list[Any], image_token_id: int | None = None, fill_steps: int = 0) -> dict[str, Any]:
+    """Partition, start loader actors + Planner on the running Ray, serve `steps`, measure (MiB).
+
+    With ``fill_steps`` > 0 it goes on serving (at most that many steps in all) until every
+    loader's row-group caches are full: the state a long run reaches.
+    """
+    import ray
+
     from megascale_data_ext.dataplane.partitioner import NodeResources, PartitionLimits, partition
     from megascale_data_ext.dataplane.placetree import ClientPlaceTree
     from megascale_data_ext.dataplane.scaling import ScalingConfig
-    from megascale_data_ext.runtime.autoscaler import RoutedFetch, ScalingPlannerActor
+    from megascale_data_ext.runtime.actors import PlannerActor
+    from megascale_data_ext.runtime.autoscaler import AutoscalePlan, LoaderActorSpec, RoutedFetch
     from megascale_data_ext.runtime.config import RayConfig, ServiceConfig
     from megascale_data_ext.runtime.constructor import DataConstructor
     from megascale_data_ext.runtime.loader_group import LoaderGroupActor
     from megascale_data_ext.runtime.topology import ServiceTopology
-    from megascale_data_ext.sources.base import SourceSpec
 
-    specs = [SourceSpec(name=f"source{i}", format="megatron", paths=[p], append_eod=False, truncate=True,
-                        eod_token_id=EOD_ID) for i, p in enumerate(prefixes)]
     tree = ClientPlaceTree.from_sizes(dp=ranks)
     cfg = ServiceConfig(sources=specs, seed=seed, samples_per_step=2 * ranks, num_microbatches=2,
                         seq_length=seq_length, strategy="vanilla", buffer_size=256, prefetch=2,
-                        constructor_group=ranks, ray=RayConfig(namespace=f"bench-memory-{ranks}-{len(prefixes)}"))
+                        constructor_group=ranks, ray=RayConfig(namespace=f"bench-memory-{ranks}-{len(specs)}"))
     topo = ServiceTopology.of(cfg, tree)
     nodes = [NodeResources(name=f"node{i}", memory_bytes=64 << 30, cpus=64) for i in range(max(1, ranks // 8))]
-    plan = partition(profiles, [1.0] * len(specs), nodes,
+    plan = partition(profiles, [spec.weight for spec in specs], nodes,
                      PartitionLimits(samples_per_step=cfg.samples_per_step, step_seconds=1.0,
                                      actor_memory_bytes=int(cap_mib * MiB), actor_base_bytes=80 << 20))
     groups = [a.sources for a in plan.assignments]
-    planner = ScalingPlannerActor.remote(cfg, topo, ScalingConfig(capacity=(1.0,) * len(specs), max_shards=1),
-                                         interval_steps=1 << 30, groups=groups)
+    fleet = AutoscalePlan(actors=[LoaderActorSpec(shards=list(a.shards), workers=a.workers) for a in plan.assignments],
+                          scaling=ScalingConfig(capacity=(1.0,) * len(specs), max_shards=1), online=False)
+    planner = PlannerActor.remote(cfg, topo, [], None, None, None, fleet)
     con = DataConstructor(list(range(ranks)), cfg, topo,
                           get_plan=lambda step, b: ray.get(planner.constructor_plan.remote(step, b)),
                           fetch=RoutedFetch(lambda step, s: ray.get(planner.route.remote(step, s))),
-                          pad_id=0, image_token_id=None)
-    for step in range(steps):
+                          pad_id=0, image_token_id=image_token_id)
+    step = 0
+    held = want = nbytes = 0
+    while True:
         for rank in range(ranks):
             con.get_step(step, rank)
-    loaders = [ray.get(planner.route.remote(steps, g[0]))[0] for g in groups]
+        step += 1
+        if step < steps:
+            continue
+        loaders = [ray.get(planner.route.remote(step, g[0]))[0] for g in groups]
+        if fill_steps <= 0:
+            break
+        held, want, nbytes = cache_state(loaders)
+        if held >= want or step >= fill_steps:
+            break
     loader_mem = _pid_memory(loaders)
     planner_mem = _pid_memory([planner])[0]
     shadows = [LoaderGroupActor.remote([(sh, specs[sh.source]) for sh in a.shards], cfg.seed, cfg.shuffle, a.workers)
@@ -231,22 +501,20 @@ def measure_service(prefixes: list[str], *, ranks: int, seq_length: int, steps: 
     return {"loader_actors": len(loaders), "loader_uss": sum(m["uss"] for m in loader_mem) / MiB,
             "shared_once": shared_once([*loader_mem, planner_mem]),
             "loader_pss": sum(m["pss"] for m in loader_mem) / MiB, "planner_uss": planner_mem["uss"] / MiB,
-            "planner_pss": planner_mem["pss"] / MiB, "shadow_uss": sum(m["uss"] for m in shadow_mem) / MiB}
+            "planner_pss": planner_mem["pss"] / MiB, "shadow_uss": sum(m["uss"] for m in shadow_mem) / MiB,
+            "steps_served": step, "row_groups_held": held, "row_groups_full": want, "row_group_mib": nbytes / MiB}
 
 
-def measure_constructor(prefixes: list[str], *, seq_length: int, ranks_per_node: int, seed: int) -> float:
-    """USS (MiB) of one real DataConstructorActor serving a node's ranks for two steps."""
+def measure_constructor(spec: Any, *, seq_length: int, ranks_per_node: int, seed: int,
+                        image_token_id: int | None = None) -> float:
+    """USS (MiB) of one real DataConstructorActor serving a node's ranks for two steps from `spec`."""
     import ray
 
-    from megascale_data_ext.commands.bench_throughput import EOD_ID
     from megascale_data_ext.dataplane.placetree import ClientPlaceTree
     from megascale_data_ext.runtime.actors import DataConstructorActor, PlannerActor, SourceLoaderActor
     from megascale_data_ext.runtime.config import RayConfig, ServiceConfig
     from megascale_data_ext.runtime.topology import ServiceTopology
-    from megascale_data_ext.sources.base import SourceSpec
 
-    spec = SourceSpec(name="source0", format="megatron", paths=[prefixes[0]], append_eod=False, truncate=True,
-                      eod_token_id=EOD_ID)
     cfg = ServiceConfig(sources=[spec], seed=seed, samples_per_step=2 * ranks_per_node, num_microbatches=2,
                         seq_length=seq_length, strategy="vanilla", buffer_size=256, prefetch=2,
                         constructor_group=ranks_per_node, ray=RayConfig(namespace="bench-memory-constructor"))
@@ -254,7 +522,7 @@ def measure_constructor(prefixes: list[str], *, seq_length: int, ranks_per_node:
     loader = SourceLoaderActor.remote(0, spec, cfg.seed, cfg.shuffle)
     planner = PlannerActor.remote(cfg, topo, [loader])
     ray.get(loader.set_planner.remote(planner))
-    con = DataConstructorActor.remote(list(topo.constructor_groups[0]), cfg, topo, planner, [loader], 0, None)
+    con = DataConstructorActor.remote(list(topo.constructor_groups[0]), cfg, topo, planner, [loader], 0, image_token_id)
     for step in range(2):
         ray.get([con.get_step.remote(step, r) for r in range(ranks_per_node)])
     uss = _pid_memory([con])[0]["uss"] / MiB
@@ -287,94 +555,147 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for s in sorted({r["sources"] for r in rows}):
-        rs = [r for r in rows if r["sources"] == s]
-        x = [r["ranks"] for r in rs]
-        ax.plot(x, [r["colocated_mib"] / 1024 for r in rs], "o--",
-                label=f"per-rank dataset + DataLoader workers, S={s}")
-        ax.plot(x, [r["service_mib"] / 1024 for r in rs], "s-", label=f"service loaders+planner, S={s}")
-        ax.plot(x, [(r["service_mib"] + r["constructors_mib"]) / 1024 for r in rs], "^:",
-                label=f"service + constructor sidecars, S={s}")
-    ax.set_xlabel("trainer ranks")
-    ax.set_ylabel("GiB (ranks: group PSS added; service: USS + shared once)", fontsize=8)
-    ax.set_xticks(sorted({r["ranks"] for r in rows}))
-    ax.set_yscale("log")
-    ax.legend(fontsize=7)
-    ax.set_title("bench memory: loader memory against ranks")
+    workloads = list(dict.fromkeys(r.get("workload", "text") for r in rows))
+    fig, axes = plt.subplots(1, len(workloads), figsize=(7 * len(workloads), 4.8), squeeze=False)
+    for ax, wl in zip(axes[0], workloads, strict=True):
+        wrows = [r for r in rows if r.get("workload", "text") == wl]
+        for s in sorted({r["sources"] for r in wrows}):
+            rs = [r for r in wrows if r["sources"] == s]
+            x = [r["ranks"] for r in rs]
+            extra = " (extrapolated)" if any(r["colocated"].startswith("extrapolated") for r in rs) else ""
+            ax.plot(x, [r["colocated_mib"] / 1024 for r in rs], "o--",
+                    label=f"per-rank dataset + DataLoader workers, S={s}{extra}")
+            ax.plot(x, [r["service_mib"] / 1024 for r in rs], "s-", label=f"service loaders+planner, S={s}")
+            ax.plot(x, [(r["service_mib"] + r["constructors_mib"]) / 1024 for r in rs], "^:",
+                    label=f"service + constructor sidecars, S={s}")
+        ax.set_xlabel("trainer ranks")
+        ax.set_ylabel("GiB (ranks: group PSS added; service: USS + shared once)", fontsize=8)
+        ax.set_xticks(sorted({r["ranks"] for r in wrows}))
+        ax.set_yscale("log")
+        ax.legend(fontsize=7)
+        what = {"text": "Megatron-indexed text sources", "navit": "navit-like image-text Parquet sources"}
+        ax.set_title(f"{wl}: {what.get(wl, wl)}", fontsize=10)
+    fig.suptitle("bench memory: loader memory against ranks")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=100)
     plt.close(fig)
 
 
-def run(args: argparse.Namespace) -> int:
+def _run_workload(workload: str, args: argparse.Namespace, root: Path, t0: float) -> dict[str, Any]:
+    """Write one workload's sources, measure the colocated ranks, then the service over the grid."""
     import ray
 
     from megascale_data_ext.commands.bench_throughput import write_blend
     from megascale_data_ext.commands.profile import profile_source
 
     ranks_grid, sources_grid, measured_s = _ints(args.ranks), _ints(args.sources), _ints(args.measure_sources)
+    n_src = max(sources_grid + measured_s)
+    details: dict[str, Any] = {}
+    points = {}
+    if workload == "text":
+        _progress(f"text: writing {n_src} Megatron sources x {args.docs} documents")
+        prefixes = write_blend(root / "data", sources=n_src, docs=args.docs, seq_length=args.seq_length,
+                               seed=args.seed)
+        specs = text_specs(prefixes)
+        seq_length, image_token_id, fill_steps = args.seq_length, None, 0
+        details.update(docs=args.docs, seq_length=args.seq_length)
+        for s in tqdm(measured_s, desc="text: colocated ranks (measured)", file=sys.stderr):
+            points[s] = measure_colocated(prefixes[:s], ranks=args.measure_ranks, workers=args.workers,
+                                          seq_length=args.seq_length, train_samples=args.train_samples,
+                                          seed=args.seed, cache=root / f"cache{s}")
+    else:
+        from megascale_data_ext.sources.tokenizer import ByteTokenizer
+
+        _progress(f"navit: writing {n_src} image-text Parquet sources x {args.row_groups} row groups of "
+                  f"{args.row_group_mib:g} MiB")
+        specs, written = write_navit_sources(root / "data", sources=n_src, row_group_mib=args.row_group_mib,
+                                             row_groups=args.row_groups, seed=args.seed,
+                                             weight_sigma=args.weight_sigma)
+        seq_length, image_token_id, fill_steps = args.navit_seq_length, ByteTokenizer.IMAGE, args.max_fill_steps
+        details.update(written, row_group_mib=args.row_group_mib, row_groups=args.row_groups,
+                       row_group_mib_decoded=round(row_group_mib_measured(specs[0]), 2),
+                       row_group_cache=specs[0].row_group_cache, patch_size=NAVIT_PATCH,
+                       max_image_patches=NAVIT_MAX_PATCHES, seq_length=seq_length)
+        _progress(f"navit: written in {time.perf_counter() - t0:.0f} s ({written['file_mib']:,.0f} MiB)")
+        for s in tqdm(measured_s, desc="navit: colocated ranks (measured)", file=sys.stderr):
+            points[s] = measure_colocated_navit(specs[:s], ranks=args.measure_ranks, workers=args.workers,
+                                                train_samples=args.train_samples, seed=args.seed,
+                                                cache=root / f"cache{s}")
+            unfilled = [i for i in points[s]["ranks_info"] if i["workers_full"] < i["processes"]]
+            if unfilled:
+                _progress(f"navit: S={s}: {len(unfilled)} rank(s) ended the sampler before every worker's "
+                          "row-group caches were full (raise --train-samples)")
+    model = colocated_model(points, args.workers)
+    _progress(f"{workload}: colocated measured at {time.perf_counter() - t0:.0f} s")
+    profiles = [profile_source(sp, samples=16, batch=16)
+                for sp in tqdm(specs, desc=f"{workload}: profile", file=sys.stderr)]
+    ray.init(num_cpus=2, include_dashboard=False, configure_logging=False, log_to_driver=False,
+             namespace="bench-memory")
+    _progress(f"{workload}: profiled and Ray started at {time.perf_counter() - t0:.0f} s")
+    try:
+        con_mib = measure_constructor(specs[0], seq_length=seq_length, ranks_per_node=args.ranks_per_node,
+                                      seed=args.seed, image_token_id=image_token_id) \
+            if args.ranks_per_node > 0 else 0.0
+        _progress(f"{workload}: constructor measured at {time.perf_counter() - t0:.0f} s")
+        grid = [(r, s) for s in sources_grid for r in ranks_grid]
+        rows = []
+        for r, s in tqdm(grid, desc=f"{workload}: service (measured)", file=sys.stderr):
+            svc = measure_service(specs[:s], ranks=r, seq_length=seq_length, steps=args.steps, seed=args.seed,
+                                  cap_mib=args.actor_cap_mib, profiles=profiles[:s], image_token_id=image_token_id,
+                                  fill_steps=fill_steps)
+            service = svc["loader_uss"] + svc["planner_uss"] + svc["shared_once"]
+            colo = colocated_mib(model, r, s)
+            cons = -(-r // args.ranks_per_node) * con_mib if args.ranks_per_node > 0 else 0.0
+            row = {
+                "workload": workload, "ranks": r, "sources": s, "colocated_mib": round(colo, 1),
+                "service_mib": round(service, 1), "ratio": round(colo / service, 2),
+                "constructors_mib": round(cons, 1), "ratio_with_constructors": round(colo / (service + cons), 2),
+                "shadow_mib": round(svc["shadow_uss"], 1), "loader_actors": svc["loader_actors"],
+                "loader_mib": round(svc["loader_uss"], 1), "planner_mib": round(svc["planner_uss"], 1),
+                "service_shared_once_mib": round(svc["shared_once"], 1),
+                "service_pss_mib": round(svc["loader_pss"] + svc["planner_pss"], 1),
+                "service_steps": svc["steps_served"],
+                "colocated": ("measured per rank (x ranks)" if s in measured_s else
+                              "extrapolated in sources (per-source cost) and ranks"),
+                "service": "measured", "constructors": "1 measured x nodes (extrapolated)"
+                if args.ranks_per_node > 0 else "not measured (--ranks-per-node 0)",
+                "shadow": "measured",
+            }
+            if workload == "navit":
+                _progress(f"navit: {r} ranks x {s} sources: {svc['steps_served']} steps served, row groups cached "
+                          f"{svc['row_groups_held']}/{svc['row_groups_full']} ({svc['row_group_mib']:,.0f} MiB)")
+                row.update(service_row_groups_held=svc["row_groups_held"],
+                           service_row_groups_full=svc["row_groups_full"],
+                           service_row_group_mib=round(svc["row_group_mib"], 1))
+            rows.append(row)
+    finally:
+        ray.shutdown()
+    return {**details, "colocated_points": points, "colocated_model": model, "constructor_mib": round(con_mib, 1),
+            "rows": rows}
+
+
+def run(args: argparse.Namespace) -> int:
+    ranks_grid, sources_grid, measured_s = _ints(args.ranks), _ints(args.sources), _ints(args.measure_sources)
     if not ranks_grid or not sources_grid or not measured_s or args.workers < 0 or args.measure_ranks < 1:
         print("error: --ranks, --sources and --measure-sources need values; --workers >= 0, --measure-ranks >= 1",
               file=sys.stderr)
         return 2
+    if args.row_group_mib <= 0 or args.row_groups < 1:
+        print("error: --row-group-mib must be > 0 and --row-groups >= 1", file=sys.stderr)
+        return 2
+    workloads = list(WORKLOADS) if args.workload == "both" else [args.workload]
     t0 = time.perf_counter()
+    per: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="bench-memory-") as tmp:
-        root = Path(tmp)
-        n_src = max(sources_grid + measured_s)
-        _progress(f"writing {n_src} Megatron sources x {args.docs} documents")
-        prefixes = write_blend(root / "data", sources=n_src, docs=args.docs, seq_length=args.seq_length,
-                               seed=args.seed)
-        points = {}
-        for s in tqdm(measured_s, desc="colocated ranks (measured)", file=sys.stderr):
-            points[s] = measure_colocated(prefixes[:s], ranks=args.measure_ranks, workers=args.workers,
-                                          seq_length=args.seq_length, train_samples=args.train_samples,
-                                          seed=args.seed, cache=root / f"cache{s}")
-        model = colocated_model(points, args.workers)
-        _progress(f"colocated measured in {time.perf_counter() - t0:.0f} s")
-        from megascale_data_ext.sources.base import SourceSpec
-        from megascale_data_ext.commands.bench_throughput import EOD_ID
-
-        specs = [SourceSpec(name=f"source{i}", format="megatron", paths=[p], append_eod=False, truncate=True,
-                            eod_token_id=EOD_ID) for i, p in enumerate(prefixes)]
-        profiles = [profile_source(sp, samples=16, batch=16) for sp in tqdm(specs, desc="profile", file=sys.stderr)]
-        ray.init(num_cpus=2, include_dashboard=False, configure_logging=False, log_to_driver=False,
-                 namespace="bench-memory")
-        _progress(f"profiled and Ray started at {time.perf_counter() - t0:.0f} s")
-        try:
-            con_mib = measure_constructor(prefixes, seq_length=args.seq_length, ranks_per_node=args.ranks_per_node,
-                                          seed=args.seed) if args.ranks_per_node > 0 else 0.0
-            _progress(f"constructor measured at {time.perf_counter() - t0:.0f} s")
-            grid = [(r, s) for s in sources_grid for r in ranks_grid]
-            rows = []
-            for r, s in tqdm(grid, desc="service (measured)", file=sys.stderr):
-                svc = measure_service(prefixes[:s], ranks=r, seq_length=args.seq_length, steps=args.steps,
-                                      seed=args.seed, cap_mib=args.actor_cap_mib, profiles=profiles[:s])
-                service = svc["loader_uss"] + svc["planner_uss"] + svc["shared_once"]
-                colo = colocated_mib(model, r, s)
-                cons = -(-r // args.ranks_per_node) * con_mib if args.ranks_per_node > 0 else 0.0
-                rows.append({
-                    "ranks": r, "sources": s, "colocated_mib": round(colo, 1), "service_mib": round(service, 1),
-                    "ratio": round(colo / service, 2), "constructors_mib": round(cons, 1),
-                    "ratio_with_constructors": round(colo / (service + cons), 2),
-                    "shadow_mib": round(svc["shadow_uss"], 1), "loader_actors": svc["loader_actors"],
-                    "loader_mib": round(svc["loader_uss"], 1), "planner_mib": round(svc["planner_uss"], 1),
-                    "service_shared_once_mib": round(svc["shared_once"], 1),
-                    "service_pss_mib": round(svc["loader_pss"] + svc["planner_pss"], 1),
-                    "colocated": ("measured per rank (x ranks)" if s in measured_s else
-                                  "extrapolated in sources (per-source cost) and ranks"),
-                    "service": "measured", "constructors": "1 measured x nodes (extrapolated)"
-                    if args.ranks_per_node > 0 else "not measured (--ranks-per-node 0)",
-                    "shadow": "measured",
-                })
-        finally:
-            ray.shutdown()
+        for wl in workloads:
+            per[wl] = _run_workload(wl, args, Path(tmp) / wl, t0)
+            shutil.rmtree(Path(tmp) / wl, ignore_errors=True)
+    rows = [r for wl in workloads for r in per[wl].pop("rows")]
     result = {"command": "megascale-data bench memory " + " ".join(sys.argv[3:]) if len(sys.argv) > 3 else "",
-              "workers": args.workers, "measure_ranks": args.measure_ranks, "measured_sources": measured_s,
-              "train_samples": args.train_samples, "docs": args.docs, "seq_length": args.seq_length,
-              "colocated_points": points, "colocated_model": model, "constructor_mib": round(con_mib, 1),
-              "seconds": round(time.perf_counter() - t0, 1), "rows": rows}
+              "workload": args.workload, "workers": args.workers, "measure_ranks": args.measure_ranks,
+              "measured_sources": measured_s, "train_samples": args.train_samples, "steps": args.steps,
+              "workloads": per, "seconds": round(time.perf_counter() - t0, 1), "rows": rows}
     print(format_table(rows))
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
@@ -385,12 +706,13 @@ def run(args: argparse.Namespace) -> int:
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:
-    head = f"{'ranks':>5} {'sources':>7} {'colocated MiB':>13} {'service MiB':>11} {'ratio':>6} " \
+    head = f"{'workload':>8} {'ranks':>5} {'sources':>7} {'colocated MiB':>13} {'service MiB':>11} {'ratio':>6} " \
            f"{'+constr MiB':>11} {'ratio':>6} {'shadow MiB':>10} {'actors':>6}  colocated figure"
     lines = [head, "-" * len(head)]
     for r in rows:
-        lines.append(f"{r['ranks']:>5} {r['sources']:>7} {r['colocated_mib']:>13,.0f} {r['service_mib']:>11,.0f} "
-                     f"{r['ratio']:>6.2f} {r['service_mib'] + r['constructors_mib']:>11,.0f} "
+        with_cons = r["service_mib"] + r["constructors_mib"]
+        lines.append(f"{r.get('workload', 'text'):>8} {r['ranks']:>5} {r['sources']:>7} {r['colocated_mib']:>13,.0f} "
+                     f"{r['service_mib']:>11,.0f} {r['ratio']:>6.2f} {with_cons:>11,.0f} "
                      f"{r['ratio_with_constructors']:>6.2f} {r['shadow_mib']:>10,.0f} {r['loader_actors']:>6}  "
                      f"{r['colocated']}")
     return "\n".join(lines)

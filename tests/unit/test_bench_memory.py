@@ -26,9 +26,9 @@ def test_extrapolation_is_the_fitted_per_source_cost() -> None:
 @pytest.mark.slow
 def test_tiny_grid_reports_every_field(tmp_path, capsys) -> None:
     out = tmp_path / "mem.json"
-    argv = ["bench", "memory", "--ranks", "2", "--sources", "2", "--measure-sources", "2", "--measure-ranks", "1",
-            "--workers", "1", "--docs", "20", "--train-samples", "64", "--steps", "1", "--ranks-per-node", "0",
-            "--json", str(out), "--plot", str(tmp_path / "mem.png")]
+    argv = ["bench", "memory", "--workload", "text", "--ranks", "2", "--sources", "2", "--measure-sources", "2",
+            "--measure-ranks", "1", "--workers", "1", "--docs", "20", "--train-samples", "64", "--steps", "1",
+            "--ranks-per-node", "0", "--json", str(out), "--plot", str(tmp_path / "mem.png")]
     assert main(argv) == 0
     res = json.loads(out.read_text())
     (row,) = res["rows"]
@@ -38,6 +38,30 @@ def test_tiny_grid_reports_every_field(tmp_path, capsys) -> None:
     assert row["colocated_mib"] > 0 and row["service_mib"] > 0 and row["shadow_mib"] > 0
     assert row["ratio"] == pytest.approx(row["colocated_mib"] / row["service_mib"], abs=0.01)
     assert row["colocated"].startswith("measured") and row["service"] == "measured"
+    assert row["workload"] == "text"
     assert row["constructors_mib"] == 0 and row["constructors"].startswith("not measured")
     assert (tmp_path / "mem.png").stat().st_size > 0
     assert "colocated MiB" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_navit_smoke_reports_every_field(tmp_path) -> None:
+    """navit workload at the smallest size: Parquet sources, real rank process and worker, real actors."""
+    out = tmp_path / "mem.json"
+    argv = ["bench", "memory", "--workload", "navit", "--ranks", "1", "--sources", "2", "--measure-sources", "2",
+            "--measure-ranks", "1", "--workers", "1", "--row-group-mib", "0.25", "--row-groups", "2",
+            "--train-samples", "64", "--steps", "1", "--max-fill-steps", "2", "--ranks-per-node", "0",
+            "--json", str(out), "--plot", ""]
+    assert main(argv) == 0
+    res = json.loads(out.read_text())
+    (row,) = res["rows"]
+    for key in ("workload", "ranks", "sources", "colocated_mib", "service_mib", "ratio", "shadow_mib",
+                "loader_actors", "colocated", "service", "service_steps", "service_row_groups_held"):
+        assert key in row
+    assert row["workload"] == "navit" and (row["ranks"], row["sources"]) == (1, 2)
+    assert row["colocated_mib"] > 0 and row["service_mib"] > 0
+    assert row["colocated"].startswith("measured") and row["service"] == "measured"
+    navit = res["workloads"]["navit"]
+    assert navit["row_group_cache"] >= 1 and navit["row_group_mib_decoded"] > 0
+    (info,) = navit["colocated_points"]["2"]["ranks_info"]
+    assert info["row_groups_held"] > 0  # the worker read row groups of the sources
