@@ -8,9 +8,10 @@ import sys
 import pytest
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def data_root(tmp_path_factory):
-    """The demo sources (`megascale-data demo-data`) that conf/sources/demo_*.yaml point at."""
+    """The demo sources (`megascale-data demo-data`) that conf/sources/demo_*.yaml point at (read only:
+    one copy for every module)."""
     root = tmp_path_factory.mktemp("demo_data")
     subprocess.run([sys.executable, "-m", "megascale_data_ext", "demo-data", "--out", str(root), "--rows", "200"],
                    check=True, capture_output=True)

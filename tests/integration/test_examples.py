@@ -1,30 +1,63 @@
 """examples/pretrain_gpt.py under torchrun on gloo with Megatron's parallel_state: trains through
-the real schedule (TP2·PP2, PP2 with VPP), and resumes bit-exactly from its own checkpoint."""
+the real schedule (TP2·PP2, PP2 with VPP), and resumes bit-exactly from its own checkpoint.
+
+Every run of this module joins one local Ray (``data.ray.address``, a namespace per run) instead
+of starting and stopping an embedded one, and starts its ranks through ``tests/dist/lazy_compile.py``.
+An example's embedded Ray is run by test_example_app and test_vlm_example, its plain start-up (no
+lazy_compile) by test_example_app.
+"""
 
 from __future__ import annotations
 
+import itertools
+import os
+import shutil
 from pathlib import Path
 
 import numpy as np
 import pytest
+import ray
 
 from tests.dist import launch
 
 pytestmark = pytest.mark.slow
+RUNS = itertools.count()  # each run's own Ray namespace: a stopped run's actor names are not reused
 
 
-def run_example(data_root: Path, log_dir: Path, *overrides: str, nproc: int = 4) -> dict[int, list[dict]]:
-    return launch.run_example("pretrain_gpt.py", data_root, log_dir, *overrides, nproc=nproc)[1]
+@pytest.fixture(scope="module")
+def ray_cluster():
+    """(address, env) of a local Ray the example's rank 0 joins; the RAY_AUTH_* env lets it in."""
+    ray.init(address="local", include_dashboard=False, configure_logging=False, log_to_driver=False)
+    yield ray.get_runtime_context().gcs_address, {k: v for k, v in os.environ.items() if k.startswith("RAY_AUTH_")}
+    ray.shutdown()
 
 
-def test_resume_from_checkpoint_continues_the_exact_stream(data_root, tmp_path):
+@pytest.fixture
+def run_example(data_root, ray_cluster):
+    address, env = ray_cluster
+
+    def run(log_dir: Path, *overrides: str, nproc: int = 4) -> dict[int, list[dict]]:
+        ray_args = (f"data.ray.address={address}", f"data.ray.namespace=examples{next(RUNS)}")
+        return launch.run_example("pretrain_gpt.py", data_root, log_dir, *ray_args, *overrides, nproc=nproc, env=env,
+                                  lazy_compile=True)[1]
+
+    return run
+
+
+def test_resume_from_checkpoint_continues_the_exact_stream(run_example, tmp_path):
+    """The uninterrupted run checkpoints at steps 2 and 4; the resumed run starts from the step-2
+    checkpoint as a job killed during step 2 or 3 leaves it (`latest` = 2) and must continue that
+    run's stream and losses. (A mid-run `state_dict(step)` of the live planner leaving the stream as
+    a never-saved run's is asserted by test_elastic against an in-process reference.)"""
     layout = ["parallel.tensor_model_parallel_size=1", "parallel.pipeline_model_parallel_size=2",
               "data.samples_per_step=16"]
-    full = run_example(data_root, tmp_path / "full", *layout, "train.train_iters=4")
-    run_example(data_root, tmp_path / "first", *layout, "train.train_iters=2",
-                f"train.save={tmp_path / 'ckpt'}", "train.save_interval=2")
-    resumed = run_example(data_root, tmp_path / "resumed", *layout, "train.train_iters=4",
-                          f"train.load={tmp_path / 'ckpt'}")
+    ckpt, killed = tmp_path / "ckpt", tmp_path / "killed"
+    full = run_example(tmp_path / "full", *layout, "train.train_iters=4", f"train.save={ckpt}", "train.save_interval=2")
+    assert (ckpt / "latest").read_text() == "4"
+    shutil.copytree(ckpt / "step_0000002", killed / "step_0000002")
+    (killed / "latest").write_text("2")
+    resumed = run_example(tmp_path / "resumed", *layout, "train.train_iters=4", f"train.load={killed}")
+    assert sorted(resumed) == sorted(full) == [0, 1, 2, 3]
     for rank, log in resumed.items():
         assert [s["step"] for s in log] == [2, 3]
         for got, want in zip(log, full[rank][2:], strict=True):
@@ -33,13 +66,13 @@ def test_resume_from_checkpoint_continues_the_exact_stream(data_root, tmp_path):
             assert got["loss"] == pytest.approx(want["loss"], rel=1e-6, abs=1e-7)
 
 
-def test_gpt_example_trains_at_tp2_pp2_and_with_vpp(data_root, tmp_path):
-    logs = run_example(data_root, tmp_path / "tp2pp2", "train.train_iters=3")
+def test_gpt_example_trains_at_tp2_pp2_and_with_vpp(run_example, tmp_path):
+    logs = run_example(tmp_path / "tp2pp2", "train.train_iters=3")
     losses = [s["loss"] for s in logs[0]]
     assert all(np.isfinite(losses)) and losses[-1] < losses[0]
     for rank in (1, 3):  # TP rank 1 received exactly what TP rank 0 fetched
         assert [s["digests"] for s in logs[rank]] == [s["digests"] for s in logs[rank - 1]]
-    vpp = run_example(data_root, tmp_path / "vpp", "parallel.tensor_model_parallel_size=1",
+    vpp = run_example(tmp_path / "vpp", "parallel.tensor_model_parallel_size=1",
                       "parallel.pipeline_model_parallel_size=2", "parallel.virtual_pipeline_model_parallel_size=2",
                       "model.num_layers=4", "train.train_iters=2")
     assert all(np.isfinite(s["loss"]) for s in vpp[0])
@@ -47,19 +80,19 @@ def test_gpt_example_trains_at_tp2_pp2_and_with_vpp(data_root, tmp_path):
     assert first == [s["samples"] for s in vpp[1]] or first == [s["samples"] for s in vpp[2]]
 
 
-def test_gpt_example_pp4_middle_stages_train_with_document_masks(data_root, tmp_path):
-    logs = run_example(data_root, tmp_path / "pp4", "parallel.tensor_model_parallel_size=1",
+def test_gpt_example_pp4_middle_stages_train_with_document_masks(run_example, tmp_path):
+    logs = run_example(tmp_path / "pp4", "parallel.tensor_model_parallel_size=1",
                        "parallel.pipeline_model_parallel_size=4", "model.num_layers=4", "train.train_iters=2")
     assert all(np.isfinite(s["loss"]) for s in logs[0])
     for rank in (1, 2):  # middle stages received one (mask-only) microbatch per schedule slot
         assert all(len(s["digests"]) == len(logs[0][i]["digests"]) for i, s in enumerate(logs[rank]))
 
 
-def test_loss_driven_mixing_end_to_end(data_root, tmp_path):
+def test_loss_driven_mixing_end_to_end(run_example, tmp_path):
     """Feedback mixing through the real example: the hooks report each step's per-source loss
     from the last pipeline stage, and the Planner applies step k's report exactly at k + delay."""
     ckpt = tmp_path / "ckpt"
-    logs = run_example(data_root, tmp_path / "fb", "parallel.tensor_model_parallel_size=1",
+    logs = run_example(tmp_path / "fb", "parallel.tensor_model_parallel_size=1",
                        "parallel.pipeline_model_parallel_size=2", "data.samples_per_step=16", "train.train_iters=4",
                        "data.mixing.type=feedback", "+data.mixing.params.base_weights=[1,1,1,1]",
                        "+data.mixing.params.delay=2", "+data.mixing.params.lr=0.5", f"train.save={ckpt}",

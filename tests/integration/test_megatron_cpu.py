@@ -259,7 +259,7 @@ def test_grad_clipping_scales_the_global_norm_down(one_process: Any) -> None:
 
 def _train(tmp_path: Path, name: str, nproc: int, *args: str, steps: int = STEPS) -> list[dict[str, Any]]:
     out = tmp_path / name
-    proc = run_torchrun(SCRIPT, nproc=nproc, timeout=180,
+    proc = run_torchrun(SCRIPT, nproc=nproc, timeout=180, lazy_compile=True,
                         args=["--repeat", "--invariant-init", "--steps", str(steps), "--out", str(out), *args])
     records = [json.loads((out / f"rank{r}.json").read_text()) for r in range(nproc)]
     print(proc.stdout[-2000:])
@@ -367,7 +367,7 @@ def _cp_worker(out: Path) -> None:
 
 @pytest.mark.slow
 def test_cp2_thd_training_equals_cp1(tmp_path: Path) -> None:
-    run_torchrun(Path(__file__), nproc=2, timeout=180, args=[str(tmp_path)], env={"CP_WORKER": "1"})
+    run_torchrun(Path(__file__), nproc=2, timeout=180, args=[str(tmp_path)], env={"CP_WORKER": "1"}, lazy_compile=True)
     got = json.loads((tmp_path / "cp.json").read_text())
     packs = _cp_packs()
     # each CP rank holds half of every document padded to a multiple of 2*cp

@@ -19,6 +19,7 @@ from megascale_data_ext.runtime.config import RayConfig, ServiceConfig
 from megascale_data_ext.runtime.service import DataService
 from megascale_data_ext.sources.demo_data import make_demo_data
 from megascale_data_ext.sources.tokenizer import ByteTokenizer
+from tests.dist.launch import LAZY_COMPILE
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
@@ -33,7 +34,7 @@ def specs(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def ray_local():
-    ray.init(num_cpus=2, include_dashboard=False, configure_logging=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, configure_logging=False, log_to_driver=False)
     yield
     ray.shutdown()
 
@@ -47,8 +48,9 @@ def config(specs, namespace="t", **kw):
 
 
 def train_workers(handles, out, *args: str) -> dict[int, dict]:
-    """8 torchrun ranks of `megatron.train_worker` on the service; returns {rank: its log}."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=8",
+    """8 torchrun ranks of `megatron.train_worker` on the service; returns {rank: its log}.
+    (Started through tests/dist/lazy_compile.py: megatron's fusions compile on first call, not at import.)"""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=8", str(LAZY_COMPILE),
            "-m", "megascale_data_ext.megatron.train_worker", *args, "--seq-length", "1024",
            "--vocab-size", str(ByteTokenizer().vocab_size), "--namespace", handles.namespace,
            "--address", handles.address, "--record-digests", "--out", str(out)]
