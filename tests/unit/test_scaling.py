@@ -91,7 +91,7 @@ def test_autoscaler_reshards_in_process_with_exact_accounting(tmp_path) -> None:
     killed: list = []
     spawned: list = []
 
-    def spawn(members, workers):
+    def spawn(members, workers, options):
         spawned.append([(ref.shard, ref.num_shards) for ref, _ in members])
         return LoaderGroup(members, seed=cfg.seed, shuffle=cfg.shuffle, workers=workers,
                            get_plan=svc.planner.loader_plan)
