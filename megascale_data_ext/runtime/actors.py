@@ -76,8 +76,8 @@ class PlannerActor:
     With an `AutoscalePlan` (``autoscale.enabled``) the Planner owns the loaders: it starts
     the partition's loader groups and shards, scales them with the mixture it plans
     (`runtime.autoscaler`) and tells constructors where a step of a source is (`route`).
-    Owned actors die with it; a restarted Planner starts the partition again (any layout
-    serves any step: a shard's samples are a pure function of the plan).
+    Owned actors die with it; a restarted Planner starts them again at the shard counts it had
+    saved (any layout serves any step: a shard's samples are a pure function of the plan).
     """
 
     def __init__(self, config: ServiceConfig, topology: ServiceTopology, loader_handles: list[Any],
