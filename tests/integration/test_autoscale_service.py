@@ -73,7 +73,7 @@ def test_autoscaled_service_groups_scales_survives_a_kill_and_delivers_every_sam
     tree = ClientPlaceTree.from_sizes(dp=2)
     reference = InProcessService(cfg, tree)  # the same stream, one loader per source, never rescaled
     lines: list[str] = []
-    ray.init(num_cpus=2, include_dashboard=False, configure_logging=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, configure_logging=False, log_to_driver=False)
     try:
         service = DataService(cfg, tree, progress=lines.append)
         service.start()
@@ -123,7 +123,7 @@ def delivered_reference(reference, tree, step):
 def test_partition_that_cannot_fit_names_the_config_key(specs, tmp_path):
     profiles = journal(specs, tmp_path / "p.json", latency_s=[1e-4] * SOURCES)
     cfg = ramp_config(specs, profiles, actor_memory_mib=1.0, actor_base_mib=80.0)
-    ray.init(num_cpus=2, include_dashboard=False, configure_logging=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, configure_logging=False, log_to_driver=False)
     try:
         with pytest.raises(ConfigError, match=r"autoscale\.actor_memory_mib"):
             DataService(cfg, ClientPlaceTree.from_sizes(dp=2), progress=None).start()
@@ -147,7 +147,7 @@ def test_injected_planner_and_loader_kills_through_the_client_lose_nothing(specs
                               fault_tolerance=FaultToleranceConfig(inject="planner@8,loader:0@11"))
     tree = ClientPlaceTree.from_sizes(dp=2)
     reference = InProcessService(cfg, tree)
-    ray.init(num_cpus=2, include_dashboard=False, configure_logging=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, configure_logging=False, log_to_driver=False)
     try:
         service = DataService(cfg, tree, progress=None)
         service.start()
