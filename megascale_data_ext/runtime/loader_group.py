@@ -163,7 +163,7 @@ class LoaderGroupActor:
                  namespace: str | None = None, planner: Any = None):
         self.group = LoaderGroup(members, seed=seed, shuffle=shuffle, workers=workers, get_plan=self._get_plan)
         self._namespace = namespace
-        self._planner: Any = planner  # None: `set_planner`, else looked up by name in `namespace`
+        self._planner: Any = planner  # None: looked up by name in `namespace` on first use
         self._plans: OrderedDict[tuple[int, int], LoaderPlan] = OrderedDict()  # whole-source plans, bounded
         self._plans_lock = threading.Lock()
         self.rereads = 0
@@ -181,9 +181,6 @@ class LoaderGroupActor:
                 while len(self._plans) > 64 * max(1, len(self.group.loaders)):
                     self._plans.popitem(last=False)
         return plan
-
-    def set_planner(self, planner: Any) -> None:
-        self._planner = planner
 
     def ready(self) -> dict[str, Any]:
         """Where the actor runs and what it serves (placement checks and readiness)."""
