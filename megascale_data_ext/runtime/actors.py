@@ -96,7 +96,8 @@ class PlannerActor:
             self._horizon = delivery_horizon(config, self.ft)
             scaler, ft_ = self.scaler, self.ft
             summarize = lambda source, start, count: scaler.summary(source, start, count, ft_)  # noqa: E731
-        self.planner = Planner(config, topology, summarize, on_planned=self._on_planned)
+        self.planner = Planner(config, topology, summarize, on_planned=self._on_planned,
+                               constructors=topology.num_constructors)
         self.restored_from: int | None = None
         self.rewinds = 0
         self._reports: dict[int, list] = {}  # loss reports received, re-fed after every restore or rewind
@@ -133,7 +134,8 @@ class PlannerActor:
                 self.checkpoints.save_autoscaler(self.scaler.state_dict())
             # loaders that served only steps no constructor fetches again go: steps whose plan the
             # Planner dropped, or behind the delivery horizon of the newest step routed
-            self.scaler.release(max(plan.step - self.planner.keep - 1, self.scaler.max_routed - self._horizon))
+            done = max(plan.step - self.planner.keep - 1, self.scaler.max_routed - self._horizon)
+            self.scaler.release(min(done, self.planner.low_water() - 1))  # never what a constructor still builds
         if self.checkpoints is not None:  # under the planner's lock: the state right after this step
             self.checkpoints.save(self.planner.state_dict())
 
@@ -174,6 +176,10 @@ class PlannerActor:
     def encoder_plan(self, step: int, buckets: list[int]) -> EncoderRows | None:
         """The EncoderPlan rows (images, their (source, position), encoder rank) of `buckets`' samples."""
         return encoder_rows(self._plan(step), buckets)
+
+    def constructor_floor(self, constructor: int, step: int) -> None:
+        """Constructor `constructor`'s slowest consumer is on `step` (plans before it may go)."""
+        self.planner.constructor_floor(constructor, step)
 
     def plan_summary(self, step: int) -> dict:
         return self._plan(step).summary()
@@ -363,6 +369,16 @@ class SourceLoaderActor:
         crash_self()
 
 
+def constructor_concurrency(topology: ServiceTopology, buckets: list[int], ft: FaultToleranceConfig,
+                            images: bool) -> int:
+    """Threads a constructor actor needs so a consumer waiting for a slower one (backpressure)
+    never takes the slow one's thread: each fetcher's requests in flight (its step and
+    ``client_prefetch`` more), one encoder-image call per rank of the world, and slack."""
+    fetchers = sum(len(topology.fetchers(b)) for b in buckets)
+    world = topology.tree.world_size if images else 0
+    return max(ACTOR_CONCURRENCY, fetchers * (ft.client_prefetch + 1) + world + 4)
+
+
 @ray.remote(num_cpus=0, max_concurrency=ACTOR_CONCURRENCY)
 class DataConstructorActor:
     """A Data Constructor with a background prefetch thread `prefetch` steps ahead.
@@ -370,7 +386,9 @@ class DataConstructorActor:
     A prefetch failure is logged and retried with backoff, never latched: a client's request
     builds (or fails) its own step. A constructor Ray restarted starts prefetching at the first
     step a client asks for and rebuilds steps from their plans (loaders re-read what the dead
-    instance had taken); steps it built that no client takes any more are dropped.
+    instance had taken); a consumer counts for backpressure once it asks for something. Each
+    rise of the slowest consumer's step is told to the Planner (it keeps plans until then).
+    Threads: `constructor_concurrency` (set by the service through ``.options``).
     """
 
     def __init__(self, buckets: list[int], config: ServiceConfig, topology: ServiceTopology, planner: Any,
@@ -383,6 +401,10 @@ class DataConstructorActor:
         else:
             self._loaders = LoaderFailover(loaders, shadows, self.ft)
             fetch = self._loaders.fetch
+        self.restarted = _reconstructed()
+        self._planner = planner
+        self._index = topology.constructor_of_bucket(buckets[0])
+        self._wake = threading.Event()
         self.constructor = DataConstructor(
             buckets,
             config,
@@ -392,18 +414,21 @@ class DataConstructorActor:
             pad_id=pad_id,
             image_token_id=image_token_id,
             get_encoder_plan=lambda step, bs: ray.get(planner.encoder_plan.remote(step, bs)),
+            start_step=None if self.restarted else start_step,
+            max_lead=self.ft.max_lead(config.prefetch),
+            wait_timeout_s=0.5 * self.ft.recovery_timeout_s,  # named here before the client's deadline
+            on_floor=self._on_floor,
         )
-        self.restarted = _reconstructed()
-        self.constructor._next_prefetch = start_step
+        self.constructor.skip_to(start_step)
         self.prefetch_depth = config.prefetch
-        self.horizon = delivery_horizon(config, self.ft)
-        self._wake = threading.Event()
         self._target: int | None = None if self.restarted else start_step + self.prefetch_depth - 1
-        self._newest = start_step
         self.prefetch_errors = 0
-        self.dropped_steps = 0
         threading.Thread(target=self._prefetch_loop, daemon=True, name="prefetch").start()
         self._wake.set()
+
+    def _on_floor(self, step: int) -> None:
+        self._planner.constructor_floor.remote(self._index, step)  # no reply awaited
+        self._wake.set()  # the lead moved: prefetch may go on
 
     def _prefetch_loop(self) -> None:
         failures = 0
@@ -419,21 +444,20 @@ class DataConstructorActor:
             except Exception as exc:  # retried; the client's own request reports a lasting failure
                 failures += 1
                 self.prefetch_errors += 1
-                _log.warning("constructor %s: prefetch up to step %d failed (attempt %d): %s",
-                             self.constructor.buckets, target, failures, exc)
+                log = _log.warning if failures > 1 else _log.debug  # one is routine in a recovery; two are news
+                log("constructor %s: prefetch up to step %d failed (attempt %d): %s",
+                                 self.constructor.buckets, target, failures, exc)
 
-    def get(self, step: int, microbatch: int, rank: int):
-        return self._deliver(step, lambda: self.constructor.get(step, microbatch, rank))
+    def get(self, step: int, microbatch: int, rank: int, position: int | None = None):
+        return self._deliver(step, lambda: self.constructor.get(step, microbatch, rank, position))
 
-    def get_step(self, step: int, rank: int):
-        """Every microbatch of `step` for `rank` in one reply (the client's step prefetch)."""
-        return self._deliver(step, lambda: self.constructor.get_step(step, rank))
+    def get_step(self, step: int, rank: int, position: int | None = None):
+        """Every microbatch of `step` for `rank` in one reply (the client's step prefetch); the
+        rank is on step `position` (default `step`)."""
+        return self._deliver(step, lambda: self.constructor.get_step(step, rank, position))
 
     def _deliver(self, step: int, take: Any) -> Any:
-        self.constructor._next_prefetch = max(self.constructor._next_prefetch, step)
-        if step > self._newest:
-            self._newest = step
-            self.dropped_steps += self.constructor.discard_before(step - self.horizon)
+        self.constructor.skip_to(step)
         if self._target is None or step + self.prefetch_depth > self._target:
             self._target = step + self.prefetch_depth
             self._wake.set()
@@ -442,13 +466,13 @@ class DataConstructorActor:
         service_metrics().buffered_steps(self.constructor.buffered_steps(), buckets)
         return out
 
-    def get_encoder_images(self, step: int, rank: int):
+    def get_encoder_images(self, step: int, rank: int, position: int | None = None):
         """This constructor's images that global rank `rank` encodes at `step` (hybrid strategies)."""
-        return self.constructor.get_encoder_images(step, rank)
+        return self.constructor.get_encoder_images(step, rank, position)
 
     def stats(self) -> dict:
         return {**self.constructor.stats(), "restarted": self.restarted, "prefetch_errors": self.prefetch_errors,
-                "dropped_steps": self.dropped_steps, "failovers": self._loaders.failovers}
+                "failovers": self._loaders.failovers}
 
     @ray.method(max_task_retries=0)  # never re-run on the restarted actor
     def crash(self) -> None:

@@ -11,11 +11,11 @@ to one encoder rank over WORLD. A constructor keeps the decoded patches of its b
 images per encoder rank and hands them out with `get_encoder_images(step, rank)`; every rank
 asks every constructor, so the union over constructors is that rank's encoder share.
 
-Thread contract: `get` is called concurrently by clients while a prefetch thread builds the
-next steps; built steps live in `_built` until every fetching client has taken every
-microbatch, which bounds memory to `prefetch` steps. Encoder images live in `_images` until
-every rank took its share, and at most `image_steps_kept` steps of them are kept (older ones
-are dropped: a loop that never asks for encoder images does not leak them).
+Thread contract: `get` and `get_encoder_images` are called concurrently by clients while a
+prefetch thread builds the next steps. A step's data (microbatches and encoder shares) lives
+until every consumer has taken its part or moved past the step (`runtime.consumers`); memory is
+bounded by backpressure — at most `max_lead` steps built ahead of the slowest consumer — not
+by dropping steps a slow consumer still needs.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -35,6 +35,7 @@ from megascale_data_ext.dataplane.packing import pack_microbatch, span_view
 from megascale_data_ext.dataplane.plan import ConstructorPlan, StepPlan
 from megascale_data_ext.errors import PlanError
 from megascale_data_ext.runtime.config import ServiceConfig
+from megascale_data_ext.runtime.held_steps import IMAGES, HeldSteps, Takers
 from megascale_data_ext.runtime.topology import ServiceTopology
 
 FetchFn = Callable[[int, int, list[int]], dict[str, list]]
@@ -99,19 +100,26 @@ def merge_encoder_images(parts: Sequence[EncoderImages]) -> EncoderImages:
 @dataclass(slots=True)
 class _ImageStep:
     per_rank: dict[int, EncoderImages]
-    remaining: set[int]
+    num_ranks: int
     patch_dim: int
 
 
 @dataclass(slots=True)
 class _BuiltStep:
+    """One built step: its microbatches (by ``(bucket, microbatch)``) and encoder images."""
+
     batches: dict[tuple[int, int], dict[str, np.ndarray]]
     info: dict[tuple[int, int], dict[str, Any]]
-    remaining: set[tuple[int, int, int]] = field(default_factory=set)  # (bucket, microbatch, rank)
+    images: _ImageStep | None = None
 
 
 class DataConstructor:
     """Builds the microbatches of its buckets.
+
+    A step's data is built once and held (`runtime.held_steps`) until every consumer has taken
+    its part or moved past the step, never dropped by a window; every request says which step
+    its rank is on (`position`), so building stays within `max_lead` steps of the slowest
+    fetcher (a request further ahead waits, and after `wait_timeout_s` fails naming it).
 
     Args:
         buckets: DP buckets this constructor serves.
@@ -124,7 +132,13 @@ class DataConstructor:
         decode: Optional per-sample transform applied before packing (deferred image decoding).
         get_encoder_plan: ``(step, buckets) -> EncoderRows | None`` (the Planner); given, the
             constructor keeps each step's images per encoder rank for `get_encoder_images`.
-        image_steps_kept: Most steps of encoder images kept while some rank has not taken its share.
+        start_step: The step every consumer starts at; None for a constructor restarted in a
+            running service (a consumer counts once it asks for something).
+        max_lead: Most steps built ahead of the slowest consumer; None = unbounded (one process
+            whose caller paces its consumers).
+        wait_timeout_s: Longest a request waits for the slowest consumer before failing.
+        on_floor: Called with the slowest consumer's step whenever it moves forward (the Planner
+            keeps plans until every constructor is past them); must not raise.
         history: Most build timings and skipped-sample records kept (older ones are counted only).
     """
 
@@ -140,9 +154,14 @@ class DataConstructor:
         image_token_id: int | None = None,
         decode: Callable[[Any], Any] | None = None,
         get_encoder_plan: Callable[[int, list[int]], EncoderRows | None] | None = None,
-        image_steps_kept: int | None = None,
+        start_step: int | None = 0,
+        max_lead: int | None = None,
+        wait_timeout_s: float = 60.0,
+        on_floor: Callable[[int], None] | None = None,
         history: int = 256,
     ) -> None:
+        if max_lead is not None and max_lead < 1:
+            raise ValueError(f"max_lead must be >= 1 or None, got {max_lead!r}")
         self.buckets = list(buckets)
         self.config = config
         self.topology = topology
@@ -156,20 +175,25 @@ class DataConstructor:
         self.layout = topology.layout
         self.fetchers = {b: topology.fetchers(b) for b in self.buckets}
         self.get_encoder_plan = get_encoder_plan
-        self.image_steps_kept = image_steps_kept or max(4, 2 * config.prefetch + 2)
-        self._images: dict[int, _ImageStep] = {}
-        self._built: dict[int, _BuiltStep] = {}
-        self._building: dict[int, threading.Event] = {}
-        self._delivered: deque[int] = deque(maxlen=history)  # steps every fetcher took in full
-        self._lock = threading.Lock()
-        self._next_prefetch = 0
+        self.start_step = start_step
+        self.max_lead = max_lead
+        self.wait_timeout_s = wait_timeout_s
+        self.on_floor = on_floor
+        ranks = sorted({r for rs in self.fetchers.values() for r in rs})
+        self.held: HeldSteps[_BuiltStep] = HeldSteps(
+            f"constructor for buckets {self.buckets}", ranks, start_step, max_lead=max_lead,
+            silent_after=max_lead or max(4, 2 * config.prefetch + 2), wait_timeout_s=wait_timeout_s,
+            on_floor=on_floor, history=history)
+        self._prefetch_lock = threading.Lock()
+        self._next_prefetch = start_step or 0
         self.built_steps = 0
         self.skipped_total = 0
         self.build_seconds: deque[float] = deque(maxlen=history)
         self.skipped: deque[tuple[int, int, int, str]] = deque(maxlen=history)  # (step, source, position, reason)
 
     # -- assembly ------------------------------------------------------------------
-    def _build(self, step: int) -> _BuiltStep:
+    def _build(self, step: int) -> tuple[_BuiltStep, Takers]:
+        """The step's microbatches and encoder images, and what each consumer has to take of them."""
         t0 = time.perf_counter()
         plans = {b: self.get_plan(step, b) for b in self.buckets}
         sources = sorted({ref.source for p in plans.values() for mb in p.microbatches for ref in mb})
@@ -186,7 +210,7 @@ class DataConstructor:
         wants_images = self.get_encoder_plan is not None and any(p.encoder for p in plans.values())
         rows = self.get_encoder_plan(step, self.buckets) if wants_images else None  # no round trip for text
         mult = self.config.pad_to_multiple_of * 2 * self.tree.cp
-        built = _BuiltStep(batches={}, info={})
+        built, takers = _BuiltStep(batches={}, info={}), {}
         for b, plan in plans.items():
             for j, refs in enumerate(plan.microbatches):
                 refs = [r for r in refs if (r.source, r.position) in pool]
@@ -219,16 +243,14 @@ class DataConstructor:
                         [(s, p, k) for (s, p, _i), x in zip(delivered, samples, strict=True)
                          for k in range(len(_images_of(x)))], dtype=np.int64).reshape(-1, 3)
                 for rank in self.fetchers[b]:
-                    built.remaining.add((b, j, rank))
+                    takers.setdefault(rank, set()).add((b, j))
         if rows is not None:
-            images = self._encoder_images(step, rows, pool)
-            with self._lock:
-                self._images[step] = images
-                for old in [s for s in self._images if s <= step - self.image_steps_kept]:
-                    self._images.pop(old)
+            built.images = self._encoder_images(step, rows, pool)
+            for rank in range(rows.num_ranks):  # every rank takes an encoder share
+                takers.setdefault(rank, set()).add(IMAGES)
         self.build_seconds.append(time.perf_counter() - t0)
         self.built_steps += 1
-        return built
+        return built, takers
 
     def _encoder_images(self, step: int, rows: EncoderRows, pool: dict[tuple[int, int], Any]) -> _ImageStep:
         """Group the step's images by encoder rank; images of skipped samples are not encoded."""
@@ -256,90 +278,53 @@ class DataConstructor:
                 np.asarray([x.shape[0] for x, _ in items], dtype=np.int32),
                 np.asarray([key for _, key in items], dtype=np.int64).reshape(-1, 3),
             )
-        return _ImageStep(per_rank=out, remaining=set(range(rows.num_ranks)), patch_dim=patch_dim)
+        return _ImageStep(per_rank=out, num_ranks=rows.num_ranks, patch_dim=patch_dim)
 
-    def _ensure(self, step: int, *, prefetching: bool = False) -> _BuiltStep | None:
-        """The built step, building it once; None when prefetching a step already delivered."""
-        with self._lock:
-            built = self._built.get(step)
-            if built is not None:
-                return built
-            if step in self._delivered:  # its samples left the loaders: a rebuild would be silently empty
-                if prefetching:  # the clients got ahead of the prefetch thread
-                    return None
-                raise PlanError(f"step {step} of buckets {self.buckets} was already handed to every fetching rank; "
-                                "each microbatch is delivered once (a client asked twice, or after a restart "
-                                "without restoring its data position)")
-            event = self._building.get(step)
-            owner = event is None
-            if owner:
-                event = self._building[step] = threading.Event()
-        if owner:
-            try:
-                built = self._build(step)
-                with self._lock:
-                    self._built[step] = built
-            finally:
-                with self._lock:
-                    self._building.pop(step, None)
-                event.set()
-            return built
-        event.wait()
-        with self._lock:
-            if step not in self._built:
-                raise RuntimeError(f"constructor for buckets {self.buckets}: building step {step} failed")
-            return self._built[step]
-
+    # -- prefetch ------------------------------------------------------------------
     def prefetch(self, upto: int) -> None:
-        """Build every step up to `upto` that is not built yet (called from a background thread)."""
-        while self._next_prefetch <= upto:
-            self._ensure(self._next_prefetch, prefetching=True)
-            self._next_prefetch += 1
+        """Build every step up to `upto` that is not built yet and within the lead (a background
+        thread calls it); stops at the lead and goes on when called again."""
+        with self._prefetch_lock:
+            while True:
+                step = self._next_prefetch
+                if step > upto or not self.held.within_lead(step):
+                    return
+                self.held.get_or_build(step, self._build, prefetching=True)
+                self._next_prefetch = max(self._next_prefetch, step + 1)
+
+    def skip_to(self, step: int) -> None:
+        """Prefetch from `step` on (a client asked for it: the steps before are built on request)."""
+        self._next_prefetch = max(self._next_prefetch, step)
 
     # -- client interface ----------------------------------------------------------
-    def get_step(self, step: int, rank: int) -> list[tuple[dict[str, np.ndarray], dict[str, Any]]]:
-        """Every microbatch of `step` for client `rank`, in order: one call per step instead of m."""
-        return [self.get(step, j, rank) for j in range(self.config.num_microbatches)]
+    def get_step(self, step: int, rank: int, position: int | None = None
+                 ) -> list[tuple[dict[str, np.ndarray], dict[str, Any]]]:
+        """Every microbatch of `step` for client `rank`, in order: one call per step instead of m.
 
-    def get(self, step: int, microbatch: int, rank: int) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+        `position` is the step the rank is on (default `step`); a client that prefetches asks
+        for later steps while still on an earlier one.
+        """
+        return [self.get(step, j, rank, position) for j in range(self.config.num_microbatches)]
+
+    def get(self, step: int, microbatch: int, rank: int, position: int | None = None
+            ) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
         """The microbatch `microbatch` of `step` as client `rank` needs it (CP slice, PP fields)."""
         bucket = self.layout.bucket_of_rank(rank)
         if bucket not in self.fetchers:
             raise ValueError(f"rank {rank} belongs to bucket {bucket}, not served here ({self.buckets})")
-        self._next_prefetch = max(self._next_prefetch, step)
-        built = self._ensure(step)
+        self.held.arrive(rank, _position(step, rank, position))
+        self.skip_to(step)
+        built = self.held.get_or_build(step, self._build)
         batch, info = built.batches[(bucket, microbatch)], built.info[(bucket, microbatch)]
         coords = self.tree.coords(rank)
         if self.tree.cp > 1 and not self.topology.client_slices_cp:  # else every rank slices after the broadcast
             batch = slice_for_cp(batch, cp_size=self.tree.cp, cp_rank=coords["cp"])
         batch = fields_for_stage(batch, pp_rank=coords["pp"], pp_size=self.tree.pp,
                                  middle_stage_masks=self.config.middle_stage_masks)
-        with self._lock:
-            built.remaining.discard((bucket, microbatch, rank))
-            if not built.remaining:
-                self._built.pop(step, None)
-                self._delivered.append(step)
+        self.held.take(step, rank, (bucket, microbatch))
         return batch, info
 
-    def buffered_steps(self) -> int:
-        """Steps built and not yet taken by every fetching client."""
-        return len(self._built)
-
-    def discard_before(self, step: int) -> int:
-        """Drop built steps before `step` that some client will never take (its request went to a
-        constructor that died, and was re-sent to a restarted one); returns how many were dropped.
-        A dropped step asked for again is rebuilt from its plan."""
-        with self._lock:
-            old = [s for s in self._built if s < step]
-            for s in old:
-                del self._built[s]
-        return len(old)
-
-    def stats(self) -> dict[str, Any]:
-        return {"built_steps": self.built_steps, "build_seconds": list(self.build_seconds),
-                "skipped_total": self.skipped_total, "skipped": list(self.skipped)}
-
-    def get_encoder_images(self, step: int, rank: int) -> EncoderImages:
+    def get_encoder_images(self, step: int, rank: int, position: int | None = None) -> EncoderImages:
         """The images of this constructor's buckets that encoder rank `rank` encodes at `step`.
 
         Returns ``(patches float32 [P, patch_dim], seqlens int32 [n], keys int64 [n, 3])`` with
@@ -347,30 +332,56 @@ class DataConstructor:
 
         Raises:
             PlanError: No encoder delivery configured, the step's plan has no EncoderPlan, or
-                the step's images were already dropped (asked too late).
+                the rank already moved past the step (its share was released).
         """
         if self.get_encoder_plan is None:
             raise PlanError(f"constructor for buckets {self.buckets} was built without `get_encoder_plan`; "
                             "encoder images need a hybrid (vlm_balance) strategy")
-        with self._lock:
-            images = self._images.get(step)
-            built_already = step in self._built or step in self._building
-        if images is None:
-            if not built_already and step < self._next_prefetch - self.image_steps_kept:
-                raise PlanError(f"encoder images of step {step} were dropped (constructor at step "
-                                f"{self._next_prefetch}, keeps {self.image_steps_kept}); fetch them before the microbatches")
-            self._next_prefetch = max(self._next_prefetch, step)
-            self._ensure(step)
-            with self._lock:
-                images = self._images.get(step)
-            if images is None:
-                raise PlanError(f"step {step} has no EncoderPlan: use a hybrid strategy (strategy=vlm_balance) "
-                                "to balance images over the encoder axis")
-        with self._lock:
-            images.remaining.discard(rank)
-            if not images.remaining:
-                self._images.pop(step, None)
-        return images.per_rank.get(rank, _empty_images(images.patch_dim))
+        self.held.arrive(rank, _position(step, rank, position))
+        built = self.held.held(step)
+        if self.held.passed(rank, step) and not (built is not None and self.held.holds_for(step, rank)) \
+                or built is None and self.held.released(step):
+            raise PlanError(f"encoder images of step {step} for rank {rank} were released: that rank already moved "
+                            f"on to step {self.held.position(rank)} (or every rank took its share); take a step's "
+                            "encoder images before moving past the step")
+        if built is None:  # asked before the microbatches: build it now (never waits for the lead)
+            self.skip_to(step)
+            built = self.held.get_or_build(step, self._build, gated=False)
+        if built.images is None:
+            raise PlanError(f"step {step} has no EncoderPlan: use a hybrid strategy (strategy=vlm_balance) "
+                            "to balance images over the encoder axis")
+        out = built.images.per_rank.get(rank, _empty_images(built.images.patch_dim))
+        self.held.take(step, rank, IMAGES)
+        return out
+
+    # -- introspection -------------------------------------------------------------
+    def packed(self, step: int, bucket: int, microbatch: int) -> dict[str, np.ndarray]:
+        """The whole packed microbatch before any rank's CP slice or PP fields (building the step
+        if needed; nothing is taken). For checks and tools."""
+        return self.held.get_or_build(step, self._build).batches[(bucket, microbatch)]
+
+    def buffered_steps(self) -> int:
+        """Steps built and not yet taken by every consumer."""
+        return len(self.held)
+
+    def untaken(self, step: int) -> dict[int, list]:
+        """What each rank has yet to take of `step`: ``(bucket, microbatch)`` keys and ``("images",)``
+        (empty when the step is not held: released, or not built yet)."""
+        return self.held.untaken(step)
+
+    def stats(self) -> dict[str, Any]:
+        return {"built_steps": self.built_steps, "build_seconds": list(self.build_seconds),
+                "skipped_total": self.skipped_total, "skipped": list(self.skipped), **self.held.stats()}
+
+
+def _position(step: int, rank: int, position: int | None) -> int:
+    """The step `rank` is on when it asks for `step` (default: that step)."""
+    if position is None:
+        return step
+    if position > step:
+        raise PlanError(f"rank {rank} asks for step {step} while on step {position}: a client asks for a step "
+                        "before moving past it")
+    return position
 
 
 def _images_of(sample: Any) -> list:

@@ -56,6 +56,9 @@ class FaultToleranceConfig:
         loader_snapshot_every: Steps between a loader's snapshots (the planner's are every step;
             the stream replays deterministically from the plans in between).
         client_prefetch: Steps a client keeps requested ahead (rides out a recovery; paper: 4).
+        max_lead_steps: Most steps a Data Constructor builds ahead of its slowest consumer; a
+            consumer further ahead waits (backpressure bounds memory; nothing is dropped).
+            None = what the prefetch settings need: ``prefetch + client_prefetch + 1``.
         rpc_timeout_s: One wait on a loader or constructor call before it counts as failed.
         recovery_timeout_s: Longest a client or constructor waits for a killed actor to come back.
         retries: Most re-resolutions of a dead actor per request before `ServiceUnavailableError`.
@@ -70,6 +73,7 @@ class FaultToleranceConfig:
     shadow_loaders: bool = False
     loader_snapshot_every: int = 16
     client_prefetch: int = 4
+    max_lead_steps: int | None = None
     rpc_timeout_s: float = 30.0
     recovery_timeout_s: float = 120.0
     retries: int = 8
@@ -92,6 +96,10 @@ class FaultToleranceConfig:
                     if k in values and (not isinstance(get(k), int) or get(k) < 1)]
         if "client_prefetch" in values and (not isinstance(get("client_prefetch"), int) or get("client_prefetch") < 0):
             problems.append(("client_prefetch", f"must be an integer >= 0, got {get('client_prefetch')!r}"))
+        lead = get("max_lead_steps")
+        if lead is not None and (not isinstance(lead, int) or isinstance(lead, bool) or lead < 1):
+            problems.append(("max_lead_steps", f"must be an integer >= 1 or null (= prefetch + client_prefetch + 1), "
+                                               f"got {lead!r}"))
         problems += [(k, f"must be > 0 seconds, got {get(k)!r}")
                      for k in ("rpc_timeout_s", "recovery_timeout_s", "hedge_s", "suspect_s")
                      if k in values and not get(k) > 0]
@@ -101,6 +109,10 @@ class FaultToleranceConfig:
             except ConfigError as e:
                 problems.append(("inject", str(e)))
         return problems
+
+    def max_lead(self, prefetch: int) -> int:
+        """Steps a constructor with `prefetch` builds ahead of its slowest consumer (`max_lead_steps`)."""
+        return self.max_lead_steps if self.max_lead_steps is not None else prefetch + self.client_prefetch + 1
 
     def actor_options(self, *, retry_tasks: bool) -> dict[str, int]:
         """Ray restart options; `retry_tasks` re-runs calls in flight on the restarted actor

@@ -26,6 +26,10 @@ from megascale_data_ext.sources.tokenizer import load_tokenizer
 class InProcessService:
     """Loaders, planner and constructors of `config` for `tree`, as plain objects.
 
+    Consumers in one process: `max_lead` None (default) builds any step asked for, however far
+    ahead of the slowest consumer (one thread cannot wait for another); given, consumers in
+    threads are held to it as on Ray.
+
     Attributes:
         topology: The service topology derived from `config` and `tree`.
         loaders: One `SourceLoader` per source.
@@ -33,13 +37,14 @@ class InProcessService:
         constructors: One `DataConstructor` per constructor group of the topology.
     """
 
-    def __init__(self, config: ServiceConfig, tree: ClientPlaceTree) -> None:
+    def __init__(self, config: ServiceConfig, tree: ClientPlaceTree, *, max_lead: int | None = None,
+                 wait_timeout_s: float = 60.0) -> None:
         self.config = config
         self.topology = topo = ServiceTopology.of(config, tree)
         self.tree = topo.tree
         self.loaders = [SourceLoader(i, s, seed=config.seed, shuffle=config.shuffle) for i, s in enumerate(config.sources)]
         self.planner = Planner(config, topo, lambda s, start, n: self.loaders[s].summary_buffer(start, n),
-                               on_planned=record_plan)
+                               on_planned=record_plan, constructors=topo.num_constructors)
         for ld in self.loaders:
             ld.get_plan = self.planner.loader_plan
         tok = load_tokenizer(config.sources[0].tokenizer)
@@ -51,8 +56,10 @@ class InProcessService:
                 fetch=lambda s, step, bs: self.loaders[s].fetch(step, bs),
                 pad_id=tok.pad_id, image_token_id=image_id,
                 get_encoder_plan=lambda step, bs: encoder_rows(self.planner.plan(step), bs),
+                max_lead=max_lead, wait_timeout_s=wait_timeout_s,
+                on_floor=lambda step, j=j: self.planner.constructor_floor(j, step),
             )
-            for buckets in topo.constructor_groups
+            for j, buckets in enumerate(topo.constructor_groups)
         ]
 
     def constructor_of(self, rank: int) -> DataConstructor:

@@ -69,9 +69,12 @@ class Planner:
         config: The service config (sources, batch shape, strategy, mixing).
         topology: The service topology (its tree is the mesh plans are made for).
         summarize: ``(source_id, start_position, count) -> SourceSummary`` — asks a loader.
-        keep: How many planned steps (and their states) to keep behind the newest one: enough for
-            the constructors' prefetch and a checkpoint of the step the trainer is at (a
-            4,096-GPU plan is ~30 MiB, see `megascale-data simulate`).
+        keep: How many planned steps (and their states) to keep behind the newest one at least: a
+            checkpoint of the step the trainer is at (a 4,096-GPU plan is ~30 MiB, see
+            `megascale-data simulate`).
+        constructors: Data Constructors that report where their slowest consumer is
+            (`constructor_floor`): a plan is kept until every one of them is past it, however
+            far others ran ahead. None = no constructors (simulation): `keep` alone decides.
         report_timeout_s: Longest wait for a loss report a feedback schedule needs.
         on_planned: Called with each newly planned (or replayed) step and its planning seconds
             (metrics: `runtime.metrics.record_plan`); it must not raise.
@@ -81,7 +84,8 @@ class Planner:
                         hint="resume with the data config and parallel layout of the saved run")
 
     def __init__(self, config: ServiceConfig, topology: ServiceTopology, summarize: Summarize, *, keep: int = 16,
-                 report_timeout_s: float = 600.0, on_planned: Callable[[StepPlan, float], None] | None = None):
+                 report_timeout_s: float = 600.0, on_planned: Callable[[StepPlan, float], None] | None = None,
+                 constructors: int | None = None):
         self.config = config
         self.topology = topology
         self.tree = topology.tree
@@ -96,6 +100,7 @@ class Planner:
         self.next_step = 0
         self.cursors = np.zeros(len(names), dtype=np.int64)
         self.plans: dict[int, StepPlan] = {}
+        self._floors: dict[int, int] | None = None if constructors is None else dict.fromkeys(range(constructors), 0)
         self.report_timeout_s = report_timeout_s
         self.on_planned = on_planned
         self._reports: dict[int, list[float | None]] = {}  # per-source loss by reported step
@@ -186,10 +191,29 @@ class Planner:
         self.next_step = step + 1
         if self.on_planned is not None:
             self.on_planned(plan, seconds)
-        for old in [s for s in self.plans if s < step - self.keep]:
+        self._drop_plans()
+        return plan
+
+    def _drop_plans(self) -> None:
+        """Under the lock: drop plans behind both the `keep` window and every constructor's floor."""
+        below = min(self.next_step - 1 - self.keep, self.low_water())
+        for old in [s for s in self.plans if s < below]:
             self.plans.pop(old, None)
             self._states.pop(old, None)
-        return plan
+
+    def low_water(self) -> int:
+        """The oldest step some constructor may still build (no constructors: the next step)."""
+        return min(self._floors.values(), default=self.next_step) if self._floors is not None else self.next_step
+
+    def constructor_floor(self, constructor: int, step: int) -> None:
+        """Constructor `constructor`'s slowest consumer is on `step`: older plans are no longer
+        needed by it (a consumer-driven release, not a window)."""
+        if self._floors is None:
+            return
+        with self._lock:
+            if step > self._floors.get(constructor, -1):
+                self._floors[constructor] = step
+                self._drop_plans()
 
     def _planned(self, step: int) -> StepPlan:
         """Plan `step` live: buffer summaries -> mix -> strategy (deferring what does not fit)."""
@@ -410,6 +434,8 @@ class Planner:
             self._summaries.clear()
             self.plans.clear()
             self._states.clear()
+            if self._floors is not None:  # no constructor builds a step before the one resumed at
+                self._floors = {k: max(v, self.next_step) for k, v in self._floors.items()}
 
 
 def _fresh(summaries: list[SourceSummary], counts: np.ndarray, order: np.ndarray) -> Pool:

@@ -134,12 +134,12 @@ class RemoteConstructors:
                 self.injector.on_step(step)
             index = self.topology.constructor_of_rank(rank)
             handle = self._handle(index)
-            for ahead in range(step, step + 1 + self.prefetch_steps):
+            for ahead in range(step, step + 1 + self.prefetch_steps):  # `step` is where this rank is
                 if (rank, ahead) not in self._pending:
-                    self._pending[(rank, ahead)] = handle.get_step.remote(ahead, rank)
+                    self._pending[(rank, ahead)] = handle.get_step.remote(ahead, rank, step)
             ref = self._pending.pop((rank, step))
             for stale in [k for k in self._pending if k[0] == rank and k[1] < step]:
-                del self._pending[stale]  # skipped steps: their microbatches stay with the constructor
+                del self._pending[stale]  # skipped steps: released once this rank is past them
             self._current = (rank, step, self._take(ref, index, step, rank))
         return self._current[2][microbatch]
 
@@ -174,7 +174,7 @@ class RemoteConstructors:
                     continue
                 time.sleep(min(0.05 * 2 ** (attempts - 1), 1.0))
                 handle = self._handle(index, fresh=True)  # the restarted actor, by name
-                ref = handle.get_step.remote(step, rank)
+                ref = handle.get_step.remote(step, rank, step)
                 self._resend_failed(handle, rank, step)
 
     def _resend_failed(self, handle: Any, rank: int, step: int) -> None:
@@ -193,7 +193,7 @@ class RemoteConstructors:
                 try:
                     ray.get(self._pending[key], timeout=0)
                 except ACTOR_FAILURES:
-                    self._pending[key] = handle.get_step.remote(key[1], rank)
+                    self._pending[key] = handle.get_step.remote(key[1], rank, step)
 
     def report_loss(self, step: int, losses: dict[int, float]) -> None:
         """Hand the Planner the per-source loss of `step` (loss-driven mixing)."""
@@ -206,4 +206,4 @@ class RemoteConstructors:
         import ray
 
         handles = [self._handle(j) for j in range(self.topology.num_constructors)]
-        return merge_encoder_images(ray.get([h.get_encoder_images.remote(step, rank) for h in handles]))
+        return merge_encoder_images(ray.get([h.get_encoder_images.remote(step, rank, step) for h in handles]))

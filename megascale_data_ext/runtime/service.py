@@ -29,7 +29,8 @@ from typing import Any
 import ray
 
 from megascale_data_ext.dataplane.placetree import ClientPlaceTree
-from megascale_data_ext.runtime.actors import DataConstructorActor, PlannerActor, SourceLoaderActor
+from megascale_data_ext.runtime.actors import (DataConstructorActor, PlannerActor, SourceLoaderActor,
+                                              constructor_concurrency)
 from megascale_data_ext.runtime.checkpoints import LoaderSnapshots, PlannerCheckpoints
 from megascale_data_ext.runtime.config import ServiceConfig
 from megascale_data_ext.runtime.faults import FaultToleranceConfig
@@ -175,8 +176,10 @@ class DataService:
             image_id = tok.image_id if any(s.image_column for s in cfg.sources) else None
             opts = ft.actor_options(retry_tasks=False)
             sidecar = placement.constructor_ranks(topo) if placement is not None else None
+            images = image_id is not None
             self.constructors = [
                 DataConstructorActor.options(name=name, namespace=ns, **opts,
+                                             max_concurrency=constructor_concurrency(topo, list(buckets), ft, images),
                                              **(placement.constructor(sidecar[j]) if sidecar else {})).remote(
                     list(buckets), cfg, topo, self.planner, self.loaders, tok.pad_id, image_id, start_step, ft,
                     self.shadows or None)

@@ -121,11 +121,10 @@ def test_constructor_gives_every_cp_rank_megatrons_thd_slice(cp_service):
     """End to end: the Data Constructor's per-rank microbatches, against Megatron on its whole pack."""
     service, tree = cp_service
     cons = service.constructors[0]
-    built = cons._ensure(0)
     compared, segments = 0, 0
     with pytest.MonkeyPatch.context() as mp:
         for j in range(2):
-            whole = built.batches[(0, j)]
+            whole = cons.packed(0, 0, j)
             segments += int(np.diff(whole["cu_seqlens"]).size)
             padded = pad_for_cp(whole, cp_size=2)
             for cp in range(2):

@@ -110,8 +110,7 @@ def test_resume_refuses_changed_config(specs):
 def test_cp_slices_reassemble_the_packed_sequence(specs):
     tree = ClientPlaceTree.from_sizes(cp=2, dp=2)
     _, _, _, cons = wire(specs, tree)
-    built = cons[0]._ensure(0)
-    full = built.batches[(0, 0)]
+    full = cons[0].packed(0, 0, 0)
     ranks = [tree.rank_of(cp=r, dp=0) for r in range(2)]
     slices = [cons[0].get(0, 0, r)[0] for r in ranks]
     again = reassemble_cp(slices, 2)
@@ -235,5 +234,5 @@ def test_a_microbatch_asked_for_again_after_delivery_is_refused_not_rebuilt_empt
         cons[0].get(0, j, 0)  # rank 0 is bucket 0's only fetcher: step 0 is now fully delivered
     from megascale_data_ext.errors import PlanError
 
-    with pytest.raises(PlanError, match="step 0 of buckets \\[0\\] was already handed to every fetching rank"):
+    with pytest.raises(PlanError, match="step 0 of constructor for buckets \\[0\\] was already taken by every consumer"):
         cons[0].get(0, 0, 0)
