@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from tqdm import tqdm
 
 from megascale_data_ext.commands import _profile_model
 from megascale_data_ext.commands._config_args import add_config_arguments, fail, load_data_config
@@ -37,6 +36,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--samples", type=int, default=64, help="samples read per source")
     parser.add_argument("--batch", type=int, default=16, help="samples per read call (as a loader's plan)")
     parser.add_argument("--force", action="store_true", help="measure again even where the journal is current")
+    parser.add_argument("--per-kind", type=int, default=0,
+                        help="measure this many sources per kind (same format and settings), the rest from their "
+                             "metadata and the measured ones' rates (0: measure every source)")
     parser.add_argument("--json", action="store_true", help="print the profiles as JSON")
     _profile_model.add_model_arguments(parser)
 
@@ -99,7 +101,7 @@ def run(args: argparse.Namespace) -> int:
         journal_path = out / "profiles.json"
         profiles, measured, stale = profile_sources(
             specs, journal_path, samples=args.samples, batch=args.batch, force=args.force,
-            progress=lambda todo: tqdm(todo, total=len(todo), desc="profile sources", unit="source", file=sys.stderr))
+            measure_per_kind=max(0, args.per_kind), progress=lambda line: print(line, file=sys.stderr, flush=True))
     except MegascaleDataError as exc:
         return fail(exc)
     plot(profiles, out / "profiles.png")

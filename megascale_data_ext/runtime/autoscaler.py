@@ -376,9 +376,13 @@ def build_autoscale_plan(config: Any, *, nodes: Any, placement: Any = None, rest
     from megascale_data_ext.sources.profiling import profile_sources
 
     auto = config.autoscale
-    profiles, measured, stale = profile_sources(config.sources, auto.profiles, samples=auto.profile_samples)
+    profiles, measured, stale = profile_sources(config.sources, auto.profiles, samples=auto.profile_samples,
+                                                measure_per_kind=auto.profile_per_kind, progress=progress)
     if progress is not None:
-        progress(f"profiles: {len(config.sources) - len(measured)} from the journal, {len(measured)} measured now"
+        now = set(measured)
+        extended = sum(1 for p in profiles if p.name in now and p.samples_profiled == 0)
+        progress(f"profiles: {len(config.sources) - len(measured)} from the journal, {len(measured) - extended} "
+                 f"measured now, {extended} from their metadata and measured sources of their kind"
                  + (f" (stale: {', '.join(stale)})" if stale else "")
                  + (f", saved to {auto.profiles}" if auto.profiles and measured else ""))
     trainer_nodes = set(config.placement.trainer_nodes)

@@ -97,6 +97,9 @@ class AutoscaleConfig:
             ``DIR/profiles.json``); sources missing or stale there are profiled at start and
             added. None: profile every source at start, keep nothing.
         profile_samples: Samples read per source when profiling at start.
+        profile_per_kind: Sources measured at start per kind (same format and settings but
+            paths); the others of the kind get profiles from their own metadata and memory plus
+            the measured ones' rates (`sources.profiling.profile_sources`). 0 measures each one.
         actor_memory_mib: M_pod: memory cap of one loader actor.
         actor_base_mib: Memory of an idle loader actor process (interpreter, numpy, pyarrow).
         step_seconds: O_up: seconds a loader may take to transform its share of one step.
@@ -115,6 +118,7 @@ class AutoscaleConfig:
     enabled: bool = False
     profiles: str | None = None
     profile_samples: int = 32
+    profile_per_kind: int = 8
     actor_memory_mib: float = 2048.0
     actor_base_mib: float = 80.0
     step_seconds: float = 1.0
@@ -136,6 +140,8 @@ class AutoscaleConfig:
                 "window", "patience", "max_shards") if not _is_int(getattr(self, k)) or getattr(self, k) < 1]
         out += [(k, f"must be > 0, got {getattr(self, k)!r}") for k in ("actor_memory_mib", "step_seconds")
                 if not isinstance(getattr(self, k), int | float) or not getattr(self, k) > 0]
+        if not _is_int(self.profile_per_kind) or self.profile_per_kind < 0:
+            out.append(("profile_per_kind", f"must be an integer >= 0, got {self.profile_per_kind!r}"))
         if not isinstance(self.actor_base_mib, int | float) or self.actor_base_mib < 0:
             out.append(("actor_base_mib", f"must be >= 0, got {self.actor_base_mib!r}"))
         if not isinstance(self.node_memory_fraction, int | float) or not 0 < self.node_memory_fraction <= 1:

@@ -72,3 +72,55 @@ def test_profile_command_measures_journals_and_reuses(tmp_path, capsys) -> None:
     again = json.loads(capsys.readouterr().out)
     assert again["measured"] == ["code"] and again["stale"] == ["code"]
     assert {p["name"]: p["num_samples"] for p in again["profiles"]} == {"web": 40, "code": 1}
+
+
+def _megatron_specs(tmp_path, n: int, docs: int = 60) -> list:
+    import numpy as np
+
+    from megascale_data_ext.sources.base import SourceSpec
+    from megascale_data_ext.sources.megatron_indexed import write_indexed_dataset
+
+    specs = []
+    for i in range(n):
+        rng = np.random.default_rng(i)
+        prefix = write_indexed_dataset(tmp_path / f"p{i}", (rng.integers(3, 259, int(k)) for k in
+                                                             rng.integers(5, 40 * (i + 1), docs)), vocab_size=259)
+        specs.append(SourceSpec(name=f"s{i}", format="megatron", paths=[prefix], append_eod=False, eod_token_id=1))
+    return specs
+
+
+def test_profile_sources_extends_a_kind_from_its_measured_sources(tmp_path, monkeypatch) -> None:
+    import gc
+
+    from megascale_data_ext.sources import profiling
+
+    specs = _megatron_specs(tmp_path, 5)
+    collections, saves, lines = [], [], []
+    monkeypatch.setattr(gc, "collect", lambda *a: collections.append(a) or 0)
+    save = ProfileJournal.save
+    monkeypatch.setattr(ProfileJournal, "save", lambda self, path: saves.append(path) or save(self, path))
+    journal = tmp_path / "profiles.json"
+    profiles, profiled, stale = profiling.profile_sources(specs, journal, samples=8, batch=4, measure_per_kind=2,
+                                                          progress=lines.append, progress_every_s=3600)
+    assert profiled == [s.name for s in specs] and stale == [] and collections == [] and saves == [journal]
+    measured = [p for p in profiles if p.samples_profiled > 0]
+    extended = [p for p in profiles if p.samples_profiled == 0]
+    assert len(measured) == 2 and len(extended) == 3
+    assert all(p.num_samples == 60 and p.access_state_bytes > 0 and p.latency_s > 0 for p in profiles)
+    # bytes per sample follow each source's own token counts (its documents are longer with i)
+    by = {p.name: p for p in profiles}
+    assert by["s0"].bytes_per_sample < by["s2"].bytes_per_sample < by["s4"].bytes_per_sample
+    assert lines[-1].startswith("profiling 5/5 sources (2 measured, 3 from their metadata")
+    assert len(lines) == 1  # throttled: the last line only
+    assert set(ProfileJournal.load(journal).profiles) == {s.name for s in specs}
+
+
+def test_profile_sources_measure_all_matches_profile_source(tmp_path) -> None:
+    from megascale_data_ext.sources.profiling import profile_source, profile_sources
+
+    specs = _megatron_specs(tmp_path, 2)
+    profiles, _, _ = profile_sources(specs, None, samples=8, batch=4)
+    assert all(p.samples_profiled == 8 for p in profiles)
+    one = profile_source(specs[1], samples=8, batch=4)
+    assert one.num_samples == profiles[1].num_samples and one.bytes_per_sample == profiles[1].bytes_per_sample
+    assert abs(one.access_state_bytes - profiles[1].access_state_bytes) < 0.2 * one.access_state_bytes

@@ -185,3 +185,25 @@ def test_pointer_past_the_bin_end_is_a_source_error_at_read(tmp_path):
     assert src.read([1])[0].tokens[:-1].tolist() == [4, 5]
     with pytest.raises(SourceError, match=r"source 'm': document 0: '.*c.bin' has 12 bytes but its index points at"):
         src.read([0])
+
+
+def test_open_prefixes_hold_no_file_descriptors(tmp_path) -> None:
+    """np.memmap kept a duplicate descriptor per map (two per prefix): 10,000 prefixes ran past ulimit -n."""
+    import gc
+    import os
+
+    from megascale_data_ext.sources.megatron_indexed import map_file
+
+    prefixes = [write_indexed_dataset(tmp_path / f"p{i}", [np.arange(3, 10 + i)] * 4, vocab_size=259)
+                for i in range(20)]
+    fds = len(os.listdir("/proc/self/fd"))
+    srcs = [open_source(SourceSpec(name=f"s{i}", format="megatron", paths=[p], append_eod=False, eod_token_id=1))
+            for i, p in enumerate(prefixes)]
+    assert len(os.listdir("/proc/self/fd")) <= fds + 1
+    assert srcs[7].read([2])[0].tokens.tolist() == list(range(3, 17))
+    arr = map_file(prefixes[0] + ".bin")
+    assert not arr.flags.writeable and arr.size == os.path.getsize(prefixes[0] + ".bin")
+    view = arr[4:]
+    del arr, srcs
+    gc.collect()
+    assert view.size > 0 and int(view[0]) >= 0  # a view keeps the map alive
