@@ -63,11 +63,13 @@ def build(args: argparse.Namespace) -> tuple[Any, Any, dict[str, int | None]]:
     """(ServiceConfig, ClientPlaceTree, layout) of the arguments; ConfigError / ParallelLayoutError
     name every problem before Ray starts."""
     from megascale_data_ext.config import load_config
+    from megascale_data_ext.config.run import load_run_config
     from megascale_data_ext.dataplane.placetree import ClientPlaceTree
     from megascale_data_ext.errors import ParallelLayoutError
     from megascale_data_ext.megatron.preflight import layout_problems
 
     cfg = compose_from_args(args)
+    load_run_config(cfg)  # the same overrides go to the trainer: a typo in model/train/parallel fails here too
     sizes = layout(cfg, args)
     problems = layout_problems({"parallel": {key: sizes[f] for f, key in _LAYOUT_FLAGS.items()}}, args.world_size)
     if args.world_size < 1:
