@@ -107,7 +107,8 @@ def describe(tree: Any, service_cfg: Any, handles: Any, env: dict[str, str], pid
     vpp = f"·VPP{tree.vpp}" if tree.vpp else ""
     return "\n".join([
         f"serving TP{tree.tp}·PP{tree.pp}·CP{tree.cp}·DP{tree.dp}{vpp} = {tree.world_size} ranks: "
-        f"{len(service_cfg.sources)} sources, strategy {service_cfg.strategy}, {topo.num_constructors} data constructors",
+        f"{len(service_cfg.sources)} sources, strategy {service_cfg.strategy}, "
+        f"{topo.num_constructors} data constructors",
         f"  ray address: {handles.address}",
         f"  namespace:   {handles.namespace}",
         f"  service:     actor 'planner' and {', '.join(topo.constructor_names()[:2])}"
@@ -116,7 +117,8 @@ def describe(tree: Any, service_cfg: Any, handles: Any, env: dict[str, str], pid
         f"  export {exports}",
         f"  torchrun --nproc_per_node ... pretrain_gpt.py {' '.join(megatron_flags(tree, service_cfg))} "
         "<model/optimizer flags>",
-        "  (own launcher: megascale_data_ext.megatron.provider.train_valid_test_datasets_provider with this environment)",
+        "  (own launcher: megascale_data_ext.megatron.provider.train_valid_test_datasets_provider, "
+        "same environment)",
         f"stop: Ctrl-C or `kill -TERM {pid}` (every actor is killed)",
     ])
 
