@@ -47,5 +47,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    # Overrides may follow flags (`serve --world-size 4 data.seq_length=2048`): argparse leaves
+    # positionals after an option unparsed, and its intermixed parsing refuses subcommands.
+    args, extra = parser.parse_known_args(argv)
+    stray = [a for a in extra if a.startswith("-")]
+    if extra and (stray or not isinstance(getattr(args, "config", None), list)):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if extra:
+        args.config += extra
     return int(args._run(args) or 0)

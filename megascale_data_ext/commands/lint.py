@@ -300,7 +300,8 @@ class Linter:
             self._add(f, _EMPTY + (" besides the EOD" if eod else ""), row)
         if spec.max_tokens is not None and not spec.truncate and not self.read:
             for row in np.flatnonzero(tokens > spec.max_tokens).tolist():
-                self._add(f, f"{tokens[row]} tokens > max_tokens={spec.max_tokens} (set truncate=true)", row)
+                self._add(f, f"{tokens[row]} tokens > max_tokens={spec.max_tokens} "
+                             f"(data.sources.{spec.name}.truncate=true)", row)
         offsets, counts = meta["image_offsets"], meta["image_patch_counts"]
         for flat in np.flatnonzero(counts <= 0).tolist():
             row = int(np.searchsorted(offsets, flat, side="right") - 1)

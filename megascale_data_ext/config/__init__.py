@@ -8,7 +8,9 @@ to_service_config` into the runtime's :class:`~megascale_data_ext.runtime.config
 Modules, each importing only those before it: ``problems`` (Problem, the collector),
 ``schema`` (the dataclasses, derived from the runtime's), ``coerce`` (node -> dataclasses),
 ``checks`` (semantic checks), ``load`` (:func:`load_config`), ``hydra`` (conf dir, compose,
-ConfigStore: the schema is registered as ``data/megascale_schema`` on import).
+ConfigStore: the schema is registered as ``data/megascale_schema`` on import). ``run`` checks
+the training run's ``model``, ``train`` and ``parallel`` nodes with the same walk
+(:func:`~megascale_data_ext.config.run.load_run_config`).
 """
 
 from megascale_data_ext.config.hydra import compose_config, conf_dir, register_configs

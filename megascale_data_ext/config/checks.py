@@ -115,7 +115,9 @@ def check_sources(cfg: MegascaleDataConfig, path: str, problems: Problems, check
             problems.add(f"{sp}.name", f"{names[i]!r} is used by sources {users}; names must be unique")
         if s.max_tokens is not None and s.max_tokens > cfg.seq_length:
             problems.add(f"{sp}.max_tokens", f"must be <= {path}.seq_length ({cfg.seq_length}) or null, got "
-                                             f"{s.max_tokens!r}: a longer sample cannot be packed")
+                                             f"{s.max_tokens!r}: a longer sample cannot be packed; use "
+                                             f"`{path}.sources.{names[i]}.max_tokens={cfg.seq_length}` or "
+                                             f"`{path}.seq_length={-(-s.max_tokens // 64) * 64}`")
         values = {f.name: getattr(s, f.name) for f in dataclasses.fields(SourceSpec)}
         problems.extend(sp, SourceSpec.field_problems({**values, "name": names[i], "paths": paths or ["-"]}))
         if check_paths:

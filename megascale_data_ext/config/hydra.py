@@ -9,12 +9,14 @@ top-level ``conf/``, in a wheel real files), so an editable and a wheel install 
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from megascale_data_ext.config.schema import MegascaleDataConfig
+from megascale_data_ext.config.problems import did_you_mean
+from megascale_data_ext.config.schema import MegascaleDataConfig, source_name
 from megascale_data_ext.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -99,6 +101,9 @@ def compose_config(
     own directory whose configs use the package's groups. ``return_hydra_config`` keeps the
     ``hydra`` node.
 
+    A source may be addressed by name, ``data.sources.web.truncate=true`` (the spelling of the
+    hints in error messages): see :func:`source_override_by_index`.
+
     Raises:
         ConfigError: Hydra cannot compose (unknown group option, bad override syntax, a key
             that is not in the config); Hydra's message lists the available options.
@@ -107,6 +112,12 @@ def compose_config(
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
+    named = [i for i, o in enumerate(overrides) if _source_by_name(o) is not None]
+    if named:  # compose without them to learn the sources' order, then address each by index
+        rest = [o for i, o in enumerate(overrides) if i not in named]
+        sources = compose_config(rest, config_name, config_dir=config_dir, search_path=search_path).get("data", {})
+        overrides = [source_override_by_index(o, (sources or {}).get("sources") or []) if i in named else o
+                     for i, o in enumerate(overrides)]
     d = Path(config_dir).resolve() if config_dir is not None else conf_dir()
     where = ", ".join(repr(str(p)) for p in (d, *search_path))
     try:
@@ -119,3 +130,36 @@ def compose_config(
     except (HydraException, OmegaConfBaseException) as e:
         msg = f"cannot compose {config_name!r} from {where} with overrides {list(overrides)}: {e}"
         raise ConfigError(msg) from e
+
+
+# ``data.sources.<name>.<key>=<value>`` (any ``+`` prefix): a source addressed by its name, the
+# spelling every hint uses; Hydra addresses list items only by index.
+_BY_NAME = re.compile(r"^\+{0,2}data\.sources\.(?P<name>[^.=\[\]]+)\.(?P<rest>[^=]+)=(?P<value>.*)$", re.S)
+
+
+def _source_by_name(override: str) -> re.Match[str] | None:
+    m = _BY_NAME.match(override)
+    return None if m is None or m["name"].isdigit() else m
+
+
+def source_override_by_index(override: str, sources: Sequence) -> str:
+    """``data.sources.web.truncate=true`` as Hydra takes it: ``++data.sources.<i>.truncate=true``
+    (set or add), ``i`` the position of the source named ``web`` (its ``name``, else the name
+    derived from its first path, as the schema names it).
+
+    Raises:
+        ConfigError: No source has that name.
+    """
+    from types import SimpleNamespace
+
+    m = _source_by_name(override)
+    if m is None:
+        return override
+    names = []
+    for i, s in enumerate(sources):
+        fields = {k: s.get(k) for k in ("name", "path")} | {"paths": list(s.get("paths") or [])}
+        names.append(source_name(SimpleNamespace(**fields), i))
+    if m["name"] not in names:
+        raise ConfigError(f"override {override!r}: no source named {m['name']!r} in data.sources; "
+                          f"{did_you_mean(m['name'], names)}sources: {names}")
+    return f"++data.sources.{names.index(m['name'])}.{m['rest']}={m['value']}"

@@ -43,11 +43,11 @@ class Problems:
         """True when ``path`` or a config node above it was already reported."""
         return any(path == p or path.startswith((p + ".", p + "[")) for p, _ in self.items)
 
-    def raise_if_any(self) -> None:
-        """Raise one ConfigError listing every problem (``path: message`` lines)."""
+    def raise_if_any(self, what: str = "data config") -> None:
+        """Raise one ConfigError listing every problem of ``what`` (``path: message`` lines)."""
         if self.items:
             n = len(self.items)
-            raise ConfigError(render_problems(f"data config ({n} problem{'s' * (n > 1)})", self.items))
+            raise ConfigError(render_problems(f"{what} ({n} problem{'s' * (n > 1)})", self.items))
 
 
 def did_you_mean(key: str, allowed: Sequence[str]) -> str:

@@ -39,6 +39,7 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
 
+from megascale_data_ext.config.run import ATTENTION_BACKENDS, AttentionBackend  # the config schema owns them
 from megascale_data_ext.dataplane.cp_slicing import thd_partition_index
 from megascale_data_ext.errors import ConfigError, ParallelLayoutError, SampleError
 
@@ -53,8 +54,6 @@ __all__ = [
     "te_available",
 ]
 
-AttentionBackend = Literal["auto", "te", "flex", "dense"]
-ATTENTION_BACKENDS: tuple[str, ...] = ("auto", "te", "flex", "dense")
 Kernel = Literal["sdpa", "flex", "varlen"]
 
 

@@ -91,10 +91,14 @@ def preflight(cfg: Any, *, world_size: int | None = None, check_ray: bool = True
               ray_probe_seconds: float | None = None) -> None:
     """Raise one error listing every start-up problem of a training config, before heavy imports.
 
-    Checks the parallel layout against the launcher's world size, the whole `data` node
+    Checks the ``model``, ``train`` and ``parallel`` nodes (`config.run.load_run_config`), the
+    parallel layout against the launcher's world size, the whole `data` node
     (schema, source files, strategy, mixing: :func:`megascale_data_ext.config.load_config`)
     and that `data.ray.address`, when set to host:port, answers within a bounded time.
     """
+    from megascale_data_ext.config.run import load_run_config
+
+    load_run_config(cfg)  # model/train/parallel: unknown keys, types, ranges (all at once)
     world = world_size_from_env() if world_size is None else world_size
     layout = layout_problems(cfg, world)
     if layout:

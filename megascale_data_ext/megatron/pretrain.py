@@ -30,6 +30,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from megascale_data_ext.config.run import LR_DECAY_STYLES
 from megascale_data_ext.errors import ConfigError, ResumeError
 
 CHECKPOINT_VERSION = 1
@@ -172,8 +173,8 @@ def build_optimizer(chunks: list, train: Any, *, bf16: bool = False) -> tuple[An
     warmup, style = int(train.get("lr_warmup_iters", 0) or 0), str(train.get("lr_decay_style", "constant"))
     decay, min_lr = int(train.get("lr_decay_iters") or iters), float(train.get("min_lr", 0.0) or 0.0)
     problems = []
-    if style not in ("constant", "linear", "cosine"):
-        problems.append(f"`train.lr_decay_style` must be one of ['constant', 'linear', 'cosine'], got {style!r}")
+    if style not in LR_DECAY_STYLES:
+        problems.append(f"`train.lr_decay_style` must be one of {list(LR_DECAY_STYLES)}, got {style!r}")
     if warmup < 0 or decay < 0:
         problems.append(f"`train.lr_warmup_iters`={warmup} and `train.lr_decay_iters`={decay} must be >= 0")
     if not 0 <= min_lr <= lr:

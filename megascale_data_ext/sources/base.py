@@ -146,7 +146,7 @@ class SourceSpec:
         self.paths = [str(p) for p in self.paths]
         problems = self.field_problems({f.name: getattr(self, f.name) for f in dataclasses.fields(self)})
         if problems:
-            lines = "\n  - ".join(f"`sources.{self.name}.{key}` {msg}" for key, msg in problems)
+            lines = "\n  - ".join(f"`data.sources.{self.name}.{key}` {msg}" for key, msg in problems)
             raise ConfigError(f"invalid source spec {self.name!r}:\n  - {lines}")
 
     @classmethod

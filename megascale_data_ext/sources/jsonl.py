@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -121,14 +122,15 @@ class JsonlSource(RowSource):
         scans = [scan_jsonl(p, spec) for p in self.paths]
         self.bad_rows: list[BadRow] = [b for s in scans for b in s.bad_rows]
         rows = sum(len(s.offsets) for s in scans)
-        key = f"sources.{spec.name}"
+        key = f"data.sources.{spec.name}"
         skip = spec.on_bad_rows == "skip"
         if self.bad_rows and not skip and len(self.bad_rows) > spec.max_bad_fraction * rows:
             raise SourceError(
                 f"source {self.name!r}: {len(self.bad_rows)} of {rows} rows are bad, found when opening it "
-                f"(`{key}.max_bad_fraction: {spec.max_bad_fraction:g}` allows {int(spec.max_bad_fraction * rows)}): "
-                f"{describe_bad_rows(self.bad_rows)}. Fix or delete those lines, set `{key}.on_bad_rows: skip` to "
-                f"leave them out of the source, or raise `{key}.max_bad_fraction`"
+                f"(`{key}.max_bad_fraction={spec.max_bad_fraction:g}` allows {int(spec.max_bad_fraction * rows)}): "
+                f"{describe_bad_rows(self.bad_rows)}. Fix or delete those lines, leave them out of the source with "
+                f"`{key}.on_bad_rows=skip`, or skip them when read with "
+                f"`{key}.max_bad_fraction={math.ceil(len(self.bad_rows) / rows * 1000) / 1000:g}`"
             )
         # Under "error" the few bad rows max_bad_fraction allows stay samples that read() skips and counts.
         # A sample's ``row`` (in skip reports) is its place among its file's rows, as lint counts them.
@@ -141,7 +143,7 @@ class JsonlSource(RowSource):
             raise empty_source_error(self.name, f"no usable lines in {self.paths[:3]}{why}")
         if self.bad_rows:
             _log.warning("source %r: %s %d bad row(s): %s", self.name,
-                         f"left out (`{key}.on_bad_rows: skip`)" if skip else "will skip when read", len(self.bad_rows),
+                         f"left out (`{key}.on_bad_rows=skip`)" if skip else "will skip when read", len(self.bad_rows),
                          describe_bad_rows(self.bad_rows))
 
     def __len__(self) -> int:

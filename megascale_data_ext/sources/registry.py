@@ -45,7 +45,8 @@ def open_source(spec: SourceSpec, *, tokenizer: Tokenizer | None = None) -> Sour
     """
     factory = _FACTORIES.get(spec.format)
     if factory is None:
-        raise ConfigError(f"`sources.{spec.name}.format` is {spec.format!r}; registered formats: {sorted(_FACTORIES)}")
+        raise ConfigError(f"`data.sources.{spec.name}.format` is {spec.format!r}; "
+                          f"registered formats: {sorted(_FACTORIES)}")
     return factory(spec, tokenizer=tokenizer)
 
 

@@ -9,6 +9,7 @@ skip-and-count, cached metadata, context manager) identically for every format.
 from __future__ import annotations
 
 import glob
+import math
 import os
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
@@ -58,8 +59,8 @@ def resolve_files(source: str, paths: Sequence[str], *, suffixes: tuple[str, ...
 
 def empty_source_error(source: str, detail: str) -> SourceError:
     """The one wording of "this source has no samples": what was found, and the two fixes."""
-    return SourceError(f"source {source!r} is empty: {detail}; point `sources.{source}.paths` at data, or remove "
-                       f"the source from `sources`")
+    return SourceError(f"source {source!r} is empty: {detail}; point `data.sources.{source}.paths` at data, or "
+                       f"remove the source from `data.sources`")
 
 
 class RowSource(ABC):
@@ -129,13 +130,15 @@ class RowSource(ABC):
         if over.size > spec.max_bad_fraction * len(tokens):
             longest = int(over[np.argmax(tokens[over])])
             where = self.where(longest)
-            key = f"sources.{self.name}"
+            key, most = f"data.sources.{self.name}", int(tokens[longest])
+            room = math.ceil(most / 128) * 128  # a seq_length that divides by 2 * pad_to_multiple_of * cp
             raise SourceError(
                 f"source {self.name!r}: {over.size} of {len(tokens)} samples are longer than the "
                 f"{spec.max_tokens}-token limit (`{key}.max_tokens`, which defaults to `data.seq_length`); the "
-                f"longest has {int(tokens[longest])} tokens (sample {longest}{', ' + where if where else ''}). "
-                f"Set `{key}.truncate: true` to cut samples to the limit, raise `data.seq_length`, or let them be "
-                f"skipped with `{key}.max_bad_fraction: {over.size / len(tokens):.3g}` or more"
+                f"longest has {most} tokens (sample {longest}{', ' + where if where else ''}). "
+                f"Cut them to the limit with `{key}.truncate=true`, make room with "
+                f"`data.seq_length={room} {key}.max_tokens={room}`, or skip them with "
+                f"`{key}.max_bad_fraction={math.ceil(over.size / len(tokens) * 1000) / 1000:g}`"
             )
         return {**meta, "text_tokens": np.minimum(tokens, spec.max_tokens)}
 

@@ -324,7 +324,7 @@ def load_tokenizer(
     """
     if hasattr(path, "tokenizer_type"):
         spec = path
-        key = f"sources.{spec.name}.tokenizer"
+        key = f"data.sources.{spec.name}.tokenizer"
         path, tokenizer_type, merge_file = spec.tokenizer, spec.tokenizer_type, spec.merge_file
     type_key = f"{key}-type" if key.startswith("--") else f"{key}_type"  # flag or config key
     if tokenizer_type is not None and tokenizer_type not in tokenizer_types():

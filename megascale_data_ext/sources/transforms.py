@@ -102,9 +102,10 @@ class SampleTransform:
         n = len(body) + (1 if add_eod else 0)
         if spec.max_tokens is not None and n > spec.max_tokens:
             if not spec.truncate:
-                raise SampleError(
-                    f"sample has {n} tokens > max_tokens={spec.max_tokens}; set truncate=true or raise max_tokens"
-                )
+                key, room = f"data.sources.{spec.name}", -(-n // 128) * 128  # room divides by 2 * pad * cp
+                raise SampleError(f"sample has {n} tokens > max_tokens={spec.max_tokens}; cut it with "
+                                  f"`{key}.truncate=true` or make room with "
+                                  f"`data.seq_length={room} {key}.max_tokens={room}`")
             return np.append(body[: spec.max_tokens - 1], self.eod_id) if add_eod else body[: spec.max_tokens].copy()
         return np.append(body, self.eod_id) if add_eod else body.copy()
 

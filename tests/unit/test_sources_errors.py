@@ -65,7 +65,7 @@ def test_missing_column_lists_existing(tmp_path):
 
 def test_empty_source(tmp_path):
     pq.write_table(pa.table({"text": pa.array([], pa.string())}), tmp_path / "e.parquet")
-    with pytest.raises(SourceError, match=r"source 'src' is empty: 0 rows in 1 file.*point `sources.src.paths` at "
+    with pytest.raises(SourceError, match=r"source 'src' is empty: 0 rows in 1 file.*point `data.sources.src.paths` at "
                                           r"data, or remove the source"):
         open_source(_spec(tmp_path / "e.parquet"))
 
@@ -119,10 +119,10 @@ def test_too_long_sample_refused_at_metadata_naming_the_keys(tmp_path):
     with pytest.raises(SourceError) as err:
         src.metadata()
     assert str(err.value) == (
-        "source 'src': 1 of 3 samples are longer than the 16-token limit (`sources.src.max_tokens`, which defaults "
-        "to `data.seq_length`); the longest has 51 tokens (sample 1). Set `sources.src.truncate: true` to cut "
-        "samples to the limit, raise `data.seq_length`, or let them be skipped with "
-        "`sources.src.max_bad_fraction: 0.333` or more"
+        "source 'src': 1 of 3 samples are longer than the 16-token limit (`data.sources.src.max_tokens`, which "
+        "defaults to `data.seq_length`); the longest has 51 tokens (sample 1). Cut them to the limit with "
+        "`data.sources.src.truncate=true`, make room with `data.seq_length=128 data.sources.src.max_tokens=128`, "
+        "or skip them with `data.sources.src.max_bad_fraction=0.334`"
     )
 
 
@@ -184,7 +184,7 @@ def test_spec_problems_are_structured():
         ("weight", "must be >= 0, got -1.0"),
         ("row_group_cache", "must be >= 1, got 0"),
     ]
-    with pytest.raises(ConfigError, match=r"`sources\.s\.weight` must be >= 0, got -1\.0"):
+    with pytest.raises(ConfigError, match=r"`data\.sources\.s\.weight` must be >= 0, got -1\.0"):
         SourceSpec(**values)
 
 

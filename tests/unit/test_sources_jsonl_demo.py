@@ -44,14 +44,14 @@ def test_jsonl_bad_rows_refused_at_open_each_named_once(tmp_path):
     with pytest.raises(SourceError) as err:
         open_source(spec)
     msg = str(err.value)
-    assert msg.startswith("source 'j': 4 of 7 rows are bad, found when opening it (`sources.j.max_bad_fraction: 0.5` "
+    assert msg.startswith("source 'j': 4 of 7 rows are bad, found when opening it (`data.sources.j.max_bad_fraction=0.5` "
                           "allows 3): ")
     assert f"{path} line 3: invalid JSON (" in msg
     assert f"{path} line 5: field 'text' (`text_column`) is a int, expected a string" in msg
     assert f"{path} line 6: image file '{tmp_path}/imgs/zzz.jpg' not found" in msg
     assert f"{path} line 8: field 'text' (`text_column`) is missing, expected a string" in msg
-    assert "Fix or delete those lines, set `sources.j.on_bad_rows: skip` to leave them out of the source, or raise " \
-           "`sources.j.max_bad_fraction`" in msg
+    assert "Fix or delete those lines, leave them out of the source with `data.sources.j.on_bad_rows=skip`, or " \
+           "skip them when read with `data.sources.j.max_bad_fraction=0.572`" in msg
     assert [msg.count(f"line {n}:") for n in (3, 5, 6, 8)] == [1, 1, 1, 1]  # counted once each
 
 
@@ -65,7 +65,7 @@ def test_jsonl_skip_leaves_bad_rows_out_and_reports_them_once(tmp_path, caplog):
         (3, "invalid JSON"), (5, "field 'text'"), (6, f"image file '{tmp_path}/imgs/zzz.jpg' not found"),
         (8, "field 'text'")]
     (record,) = [r for r in caplog.records if "bad row" in r.getMessage()]
-    assert "left out (`sources.j.on_bad_rows: skip`) 4 bad row(s)" in record.getMessage()
+    assert "left out (`data.sources.j.on_bad_rows=skip`) 4 bad row(s)" in record.getMessage()
     meta = src.metadata()
     a, b = (header_patch_count((tmp_path / "imgs" / n).read_bytes()) for n in ("a.jpg", "b.jpg"))
     assert meta["num_images"].tolist() == [0, 1, 2]
@@ -101,7 +101,7 @@ def test_jsonl_all_rows_bad_or_blank_is_an_empty_source(tmp_path):
     msg = str(err.value)
     assert "source 'j' is empty: no usable lines in" in msg and "(all 2 rows are bad: " in msg
     assert "line 1: the line is a JSON list, expected an object" in msg
-    assert "point `sources.j.paths` at data, or remove the source from `sources`" in msg
+    assert "point `data.sources.j.paths` at data, or remove the source from `data.sources`" in msg
 
 
 def test_jsonl_over_long_sample_refused_when_planning_starts(tmp_path):
@@ -113,11 +113,12 @@ def test_jsonl_over_long_sample_refused_when_planning_starts(tmp_path):
     with pytest.raises(SourceError) as err:
         SourceLoader(0, spec, seed=0)
     msg = str(err.value)
-    assert "source 'web': 2 of 3 samples are longer than the 16-token limit (`sources.web.max_tokens`, which " \
+    assert "source 'web': 2 of 3 samples are longer than the 16-token limit (`data.sources.web.max_tokens`, which " \
            "defaults to `data.seq_length`)" in msg
     assert f"the longest has 41 tokens (sample 1, {path} line 2)" in msg
-    assert "Set `sources.web.truncate: true`" in msg and "raise `data.seq_length`" in msg
-    assert "`sources.web.max_bad_fraction: 0.667` or more" in msg
+    assert "`data.sources.web.truncate=true`" in msg  # pasteable overrides (tests/unit/test_hints.py pastes them)
+    assert "`data.seq_length=128 data.sources.web.max_tokens=128`" in msg
+    assert "`data.sources.web.max_bad_fraction=0.667`" in msg
     cut = open_source(dataclasses.replace(spec, truncate=True))
     assert cut.metadata()["text_tokens"].tolist() == [6, 16, 16]
     assert [len(s.tokens) for s in cut.read([0, 1, 2])] == [6, 16, 16]

@@ -89,21 +89,21 @@ def test_gpt2_bpe_applies_the_merges_file(tmp_path):
     ("kwargs", "expected"),
     [
         ({"tokenizer": "tokenizer.json", "tokenizer_type": "GPT2Tokenizer"},
-         "`sources.s.tokenizer_type` must be one of ['ByteTokenizer', 'GPT2BPETokenizer', 'HuggingFaceTokenizer', "
+         "`data.sources.s.tokenizer_type` must be one of ['ByteTokenizer', 'GPT2BPETokenizer', 'HuggingFaceTokenizer', "
          "'SentencePieceTokenizer'] (Megatron's --tokenizer-type names) or null, got 'GPT2Tokenizer'"),
-        ({"tokenizer": "nope.json"}, "`sources.s.tokenizer`: tokenizer file '{d}/nope.json' not found"),
-        ({"tokenizer": "nope.model"}, "`sources.s.tokenizer`: SentencePiece model '{d}/nope.model' not found"),
+        ({"tokenizer": "nope.json"}, "`data.sources.s.tokenizer`: tokenizer file '{d}/nope.json' not found"),
+        ({"tokenizer": "nope.model"}, "`data.sources.s.tokenizer`: SentencePiece model '{d}/nope.model' not found"),
         ({"tokenizer": "gpt2-vocab.json", "merge_file": "other-merges.txt"},
          "GPT2BPETokenizer merge file (merges.txt) '{d}/other-merges.txt' not found; give the vocab.json path in "
          "`tokenizer` and the merges.txt path in `merge_file`"),
         ({"tokenizer_type": "SentencePieceTokenizer"},
-         "`sources.s.tokenizer_type` is SentencePieceTokenizer but `sources.s.tokenizer` is not set"),
+         "`data.sources.s.tokenizer_type` is SentencePieceTokenizer but `data.sources.s.tokenizer` is not set"),
         ({"tokenizer": "sp.model", "tokenizer_type": "ByteTokenizer"},
-         "`sources.s.tokenizer_type` is ByteTokenizer, which reads no file; drop one of them"),
+         "`data.sources.s.tokenizer_type` is ByteTokenizer, which reads no file; drop one of them"),
         ({"tokenizer": "tokenizer.json", "tokenizer_type": "SentencePieceTokenizer"},
-         "`sources.s.tokenizer`: cannot load '{d}/tokenizer.json' as a SentencePiece model"),
+         "`data.sources.s.tokenizer`: cannot load '{d}/tokenizer.json' as a SentencePiece model"),
         ({"tokenizer": "sp.model", "tokenizer_type": "HuggingFaceTokenizer"},
-         "`sources.s.tokenizer`: cannot load '{d}/sp.model' as a Hugging Face tokenizer.json"),
+         "`data.sources.s.tokenizer`: cannot load '{d}/sp.model' as a Hugging Face tokenizer.json"),
     ],
 )
 def test_errors_name_the_key_and_the_path(files, kwargs, expected):

@@ -1,0 +1,265 @@
+"""`megascale-data serve`: the data service for a Megatron-LM job, up until Ctrl-C or SIGTERM.
+
+Megatron-LM's own ``pretrain_gpt.py`` (with ``patches/pretrain_gpt.patch`` and
+``--dataloader-type external``) takes its microbatches from a running service through
+`megascale_data_ext.megatron.provider`; this command is that running service. It composes the
+training config like the other data commands (`commands._config_args`), starts the Planner,
+Source Loaders and Data Constructors for the layout ``--world-size N [--tp --pp --cp --vpp]``
+(embedded Ray, or the cluster at ``data.ray.address``), prints what the ranks need to connect
+(address, namespace, the environment and Megatron flags), then prints one status line every
+``--status-every`` seconds. Ctrl-C or SIGTERM kills every actor (and the embedded Ray) and
+exits 0. A second service in the same Ray namespace is refused with one line: the ranks find
+the service's actors by name there, so two would collide.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from megascale_data_ext.commands._config_args import add_config_arguments, compose_from_args, fail
+from megascale_data_ext.errors import ConfigError, MegascaleDataError
+
+NAME = "serve"
+HELP = "start the data service for a Megatron-LM job (pretrain_gpt.py --dataloader-type external) until Ctrl-C"
+
+_LAYOUT_FLAGS = {"tp": "tensor_model_parallel_size", "pp": "pipeline_model_parallel_size",
+                 "cp": "context_parallel_size", "vpp": "virtual_pipeline_model_parallel_size"}
+
+
+class ServiceExistsError(ConfigError):
+    """A service already runs in the namespace this one would use."""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_config_arguments(parser)
+    parser.add_argument("--world-size", type=int, required=True, help="trainer ranks (dp = world / (tp*pp*cp))")
+    for flag, key in _LAYOUT_FLAGS.items():
+        parser.add_argument(f"--{flag}", type=int, default=None, help=f"default: the config's parallel.{key}, else "
+                                                                      f"{'none' if flag == 'vpp' else 1}")
+    parser.add_argument("--status-every", type=float, default=30.0, metavar="SECONDS",
+                        help="seconds between status lines (default 30; 0 = none)")
+    parser.add_argument("--env-file", type=Path, default=None, metavar="PATH",
+                        help="also write the ranks' environment there as `export` lines (`source PATH`)")
+
+
+def layout(cfg: Any, args: argparse.Namespace) -> dict[str, int | None]:
+    """tp/pp/cp/vpp: the flags, else the config's ``parallel`` node, else 1 (vpp: None)."""
+    par = cfg.get("parallel") or {}
+    sizes = {}
+    for flag, key in _LAYOUT_FLAGS.items():
+        value = getattr(args, flag)
+        sizes[flag] = value if value is not None else par.get(key, None if flag == "vpp" else 1)
+    return sizes
+
+
+def build(args: argparse.Namespace) -> tuple[Any, Any, dict[str, int | None]]:
+    """(ServiceConfig, ClientPlaceTree, layout) of the arguments; ConfigError / ParallelLayoutError
+    name every problem before Ray starts."""
+    from megascale_data_ext.config import load_config
+    from megascale_data_ext.config.run import load_run_config
+    from megascale_data_ext.dataplane.placetree import ClientPlaceTree
+    from megascale_data_ext.errors import ParallelLayoutError
+    from megascale_data_ext.megatron.preflight import layout_problems
+
+    cfg = compose_from_args(args)
+    load_run_config(cfg)  # the same overrides go to the trainer: a typo in model/train/parallel fails here too
+    sizes = layout(cfg, args)
+    problems = layout_problems({"parallel": {key: sizes[f] for f, key in _LAYOUT_FLAGS.items()}}, args.world_size)
+    if args.world_size < 1:
+        problems.insert(0, f"--world-size must be >= 1, got {args.world_size}")
+    if problems:
+        raise ParallelLayoutError("cannot serve this layout: " + "; ".join(problems))
+    if "data" not in cfg:
+        raise ConfigError("the composed config has no `data` node; add `data: megascale` to its defaults list")
+    service_cfg = load_config(cfg.data, context_parallel_size=int(sizes["cp"])).to_service_config()
+    tree = ClientPlaceTree.from_sizes(tp=sizes["tp"], pp=sizes["pp"], cp=sizes["cp"], vpp=sizes["vpp"],
+                                      world_size=args.world_size)
+    return service_cfg, tree, sizes
+
+
+def connect_env(handles: Any, num_microbatches: int) -> dict[str, str]:
+    """The environment every rank of ``pretrain_gpt.py`` needs (see `megatron.provider`)."""
+    from megascale_data_ext.megatron.provider import ENV_NAMESPACE, ENV_NUM_MICROBATCHES, ENV_RAY_ADDRESS
+
+    return {"MEGASCALE_DATA": "1", ENV_RAY_ADDRESS: handles.address, ENV_NAMESPACE: handles.namespace,
+            ENV_NUM_MICROBATCHES: str(num_microbatches), **handles.ray_env}
+
+
+def megatron_flags(tree: Any, service_cfg: Any) -> list[str]:
+    """The ``pretrain_gpt.py`` flags that must agree with the service (micro-batch 1: one packed
+    sequence of ``seq_length`` tokens per microbatch)."""
+    flags = ["--tensor-model-parallel-size", tree.tp, "--pipeline-model-parallel-size", tree.pp,
+             "--context-parallel-size", tree.cp, "--dataloader-type", "external", "--micro-batch-size", 1,
+             "--global-batch-size", tree.dp * service_cfg.num_microbatches, "--seq-length", service_cfg.seq_length]
+    return [str(f) for f in flags]
+
+
+def describe(tree: Any, service_cfg: Any, handles: Any, env: dict[str, str], pid: int) -> str:
+    topo = handles.topology
+    exports = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items())
+    vpp = f"·VPP{tree.vpp}" if tree.vpp else ""
+    return "\n".join([
+        f"serving TP{tree.tp}·PP{tree.pp}·CP{tree.cp}·DP{tree.dp}{vpp} = {tree.world_size} ranks: "
+        f"{len(service_cfg.sources)} sources, strategy {service_cfg.strategy}, "
+        f"{topo.num_constructors} data constructors",
+        f"  ray address: {handles.address}",
+        f"  namespace:   {handles.namespace}",
+        f"  service:     actor 'planner' and {', '.join(topo.constructor_names()[:2])}"
+        f"{', ...' if topo.num_constructors > 2 else ''} in namespace {handles.namespace!r}",
+        "connect Megatron-LM (patches/pretrain_gpt.patch applied) on every node:",
+        f"  export {exports}",
+        f"  torchrun --nproc_per_node ... pretrain_gpt.py {' '.join(megatron_flags(tree, service_cfg))} "
+        "<model/optimizer flags>",
+        "  (own launcher: megascale_data_ext.megatron.provider.train_valid_test_datasets_provider, "
+        "same environment)",
+        f"stop: Ctrl-C or `kill -TERM {pid}` (every actor is killed)",
+    ])
+
+
+def status_line(service: Any, t0: float) -> str:
+    """One line: uptime, next planned step, steps built, samples read and skipped."""
+    stats = service.stats()
+    built = [c["built_steps"] for c in stats["constructors"] if c]
+    loaders = [s for s in stats["loaders"] if s]
+    read = sum(sum(m["samples_read"] for m in s["members"].values()) if "members" in s else s["samples_read"]
+               for s in loaders)
+    skipped = sum(c["skipped_total"] for c in stats["constructors"] if c)
+    dead = len(stats["constructors"]) - len(built) + len(stats["loaders"]) - len(loaders)
+    planner = stats["planner"] or {}
+    return (f"[serve] up {time.monotonic() - t0:.0f} s: planned up to step {planner.get('next_step', '?')}, "
+            f"{sum(built)} steps built by {len(built)} constructors, {read} samples read, {skipped} skipped"
+            + (f", {dead} actors down" if dead else ""))
+
+
+def refuse_duplicate(namespace: str, address: str) -> None:
+    """Raise `ServiceExistsError` if a Planner already runs in `namespace` (Ray joined)."""
+    import ray
+
+    from megascale_data_ext.runtime.topology import PLANNER_NAME
+
+    try:
+        ray.get_actor(PLANNER_NAME, namespace=namespace)
+    except ValueError:
+        return
+    raise ServiceExistsError(f"a data service already runs in Ray namespace {namespace!r} on {address}; stop it "
+                             "(Ctrl-C where it runs) or serve another with data.ray.namespace=<other>")
+
+
+def actors_left(topology: Any) -> list[str]:
+    """Names of this service's named actors Ray still finds (waits up to 10 s for kills to land)."""
+    import ray
+
+    names = ["planner", *topology.constructor_names(), *([] if topology.autoscaled else topology.loader_names())]
+    deadline = time.monotonic() + 10.0
+    while True:
+        left = []
+        for name in names:
+            try:
+                ray.get_actor(name, namespace=topology.namespace)
+                left.append(name)
+            except ValueError:
+                pass
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.2)
+
+
+def join_ray(ray_cfg: Any) -> None:
+    """Start the embedded Ray or join ``data.ray.address``; a refusal is one `ConfigError` naming the key."""
+    import ray
+
+    from megascale_data_ext.runtime.ray_address import check_reachable
+
+    check_reachable(ray_cfg.address)
+    try:
+        ray.init(**ray_cfg.init_kwargs(), include_dashboard=False, log_to_driver=True, configure_logging=False)
+    except ConnectionError as exc:
+        cause = str(exc.__cause__ or exc).strip().splitlines()[0]
+        raise ConfigError(f"`data.ray.address` {ray_cfg.address!r}: cannot join the Ray cluster there ({cause}); "
+                          "with token authentication export the RAY_AUTH_* variables its `serve` printed "
+                          "(or `ray get-auth-token`), else fix the address") from None
+
+
+class _Stop(Exception):
+    """Raised in the main thread by SIGINT/SIGTERM."""
+
+
+def _on_signal(signum: int, _frame: Any) -> None:
+    # Further signals while stopping are ignored, so the clean-up is never cut short.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    raise _Stop(signal.Signals(signum).name)
+
+
+def _catch_signals() -> None:
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, _on_signal)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        service_cfg, tree, _ = build(args)
+    except MegascaleDataError as exc:
+        return fail(exc)
+    _catch_signals()
+    try:
+        return _serve(args, service_cfg, tree)
+    except _Stop:  # a signal before the service was up: nothing of ours runs any more
+        return 0
+    except MegascaleDataError as exc:
+        return fail(exc)
+
+
+def _serve(args: argparse.Namespace, service_cfg: Any, tree: Any) -> int:
+    import ray
+
+    from megascale_data_ext.megatron.provider import ProviderConfig, service_topology
+    from megascale_data_ext.runtime.service import DataService
+
+    t0 = time.monotonic()
+    service = DataService(service_cfg, tree)
+    # Megatron's get_batch broadcasts over TP only; a service planned otherwise is refused now, not by every rank.
+    service_topology(tree, ProviderConfig(namespace=service.topology.namespace, topology=service.topology))
+    rc, handles = 0, None
+    try:
+        join_ray(service_cfg.ray)
+        _catch_signals()  # again: ray.init's SIGTERM handler exits with 15 after a C++ stack dump
+        address = ray.get_runtime_context().gcs_address
+        refuse_duplicate(service.topology.namespace, address)
+        handles = service.start()
+        env = connect_env(handles, service_cfg.num_microbatches)
+        if args.env_file is not None:
+            args.env_file.write_text("".join(f"export {k}={shlex.quote(v)}\n" for k, v in env.items()))
+        print(describe(tree, service_cfg, handles, env, os.getpid()), flush=True)
+        while True:
+            if args.status_every > 0:
+                time.sleep(args.status_every)
+                try:
+                    print(status_line(service, t0), flush=True)
+                except Exception as exc:  # an actor Ray is restarting: say so, keep serving
+                    print(f"[serve] status unavailable: {type(exc).__name__}: {exc}", flush=True)
+            else:
+                signal.pause()
+    except _Stop as stop:
+        print(f"[serve] {stop}: stopping", flush=True)
+    except MegascaleDataError as exc:
+        rc = fail(exc)
+    finally:
+        if ray.is_initialized():
+            topology = service.topology
+            service.stop()
+            left = actors_left(topology) if handles is not None else []  # else the names may be another's
+            if left:
+                print(f"error: actors still alive after stop: {left}", file=sys.stderr)
+                rc = rc or 1
+            ray.shutdown()
+            if rc == 0 and handles is not None:
+                print(f"[serve] stopped; no actors left in namespace {topology.namespace!r}", flush=True)
+    return rc

@@ -1,0 +1,87 @@
+"""Every fix an error message suggests is an override that works when pasted after the failing ones."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from megascale_data_ext.config import compose_config, conf_dir, load_config
+from megascale_data_ext.errors import ConfigError, SourceError
+from megascale_data_ext.sources.registry import open_source
+
+OVERRIDE = re.compile(r"^\+{0,2}data\.[\w.\-]+=\S+$")
+
+
+def overrides_in(message: str) -> list[list[str]]:
+    """The backticked hints that are overrides (one hint may set two keys, space-separated)."""
+    hints = [h.split() for h in re.findall(r"`([^`]+)`", message)]
+    return [h for h in hints if h and all(OVERRIDE.match(o) for o in h)]
+
+
+@pytest.fixture
+def config_dir(tmp_path: Path) -> Path:
+    (tmp_path / "code.jsonl").write_text("".join(json.dumps({"text": "def f(): pass"}) + "\n" for _ in range(4)))
+    rows = [{"text": "short"}, {"text": "x" * 100}, {"text": "y" * 90}, {"text": "ok"}]
+    (tmp_path / "web.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "run.yaml").write_text(f"""
+defaults:
+  - data: megascale
+  - ray: local
+  - _self_
+data:
+  data_root: {tmp_path}
+  seq_length: 64
+  samples_per_step: 4
+  sources:
+    - {{name: code, format: jsonl, path: code.jsonl}}
+    - {{name: web, format: jsonl, path: web.jsonl}}
+""")
+    return tmp_path
+
+
+def start_sources(config_dir: Path, overrides: list[str]) -> None:
+    """Compose, validate and open every source as the service does before any actor starts."""
+    cfg = compose_config(overrides, "run", config_dir=config_dir, search_path=[conf_dir()])
+    for spec in load_config(cfg.data).to_service_config().sources:
+        open_source(spec).metadata()
+
+
+def test_source_addressed_by_name_is_its_index() -> None:
+    cfg = compose_config(["data.sources.megatron-text.weight=3", "+data.sources.text-1.max_bad_fraction=0.5"])
+    assert [s.weight for s in cfg.data.sources] == [1.0, 1.0, 1.0, 3]
+    assert cfg.data.sources[1].max_bad_fraction == 0.5
+    with pytest.raises(ConfigError, match="no source named 'text-9' in data.sources; did you mean"):
+        compose_config(["data.sources.text-9.truncate=true"])
+
+
+def test_too_long_sample_hints_each_pass_when_pasted(config_dir: Path) -> None:
+    with pytest.raises(SourceError) as err:
+        start_sources(config_dir, [])
+    hints = overrides_in(str(err.value))
+    assert ["data.sources.web.truncate=true"] in hints and len(hints) == 3, str(err.value)
+    for hint in hints:
+        start_sources(config_dir, hint)  # raises if the hint does not get the run past this point
+
+
+def test_config_check_hints_each_pass_when_pasted(config_dir: Path) -> None:
+    failing = ["+data.sources.web.max_tokens=100", "data.sources.web.truncate=true"]
+    with pytest.raises(ConfigError) as err:
+        start_sources(config_dir, failing)
+    hints = overrides_in(str(err.value))
+    assert len(hints) == 2, str(err.value)
+    for hint in hints:
+        start_sources(config_dir, failing + hint)
+
+
+def test_bad_jsonl_rows_hints_each_pass_when_pasted(config_dir: Path) -> None:
+    with (config_dir / "code.jsonl").open("a") as f:
+        f.write("not json\n[1, 2]\n")
+    with pytest.raises(SourceError) as err:
+        start_sources(config_dir, ["data.sources.web.truncate=true"])
+    hints = overrides_in(str(err.value))
+    assert ["data.sources.code.on_bad_rows=skip"] in hints, str(err.value)
+    for hint in hints[1:]:  # the first names the current budget (max_bad_fraction=0), not a fix
+        start_sources(config_dir, ["data.sources.web.truncate=true", *hint])

@@ -1,0 +1,50 @@
+"""`megascale-data serve` before Ray starts: layout flags, refusals, what the ranks are told."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from megascale_data_ext.cli import main
+from megascale_data_ext.commands import serve
+from megascale_data_ext.dataplane.placetree import ClientPlaceTree
+
+
+def test_bad_layout_is_one_error_line_before_ray(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["serve", "--world-size", "3", "--tp", "2", "--pp", "1", "data.seq_length=512"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: cannot serve this layout: world size 3 is not divisible")
+
+
+def test_overrides_after_flags_reach_the_config(capsys: pytest.CaptureFixture[str]) -> None:
+    # the typo'd key after the flags is composed and rejected by name (no argparse "unrecognized")
+    assert main(["serve", "--world-size", "2", "--tp", "1", "--pp", "1", "data.seq_lenght=512"]) == 2
+    assert "seq_lenght" in capsys.readouterr().err
+
+
+def test_stray_flags_are_still_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["serve", "--world-size", "2", "--nonsense"])
+    assert "unrecognized arguments: --nonsense" in capsys.readouterr().err
+
+
+def test_layout_flags_override_the_config_parallel_node() -> None:
+    cfg = {"parallel": {"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2}}
+    args = SimpleNamespace(tp=None, pp=1, cp=None, vpp=None)
+    assert serve.layout(cfg, args) == {"tp": 2, "pp": 1, "cp": 1, "vpp": None}
+    assert serve.layout({}, args) == {"tp": 1, "pp": 1, "cp": 1, "vpp": None}
+
+
+def test_ranks_are_told_env_and_matching_megatron_flags() -> None:
+    tree = ClientPlaceTree.from_sizes(tp=2, pp=1, world_size=8)
+    handles = SimpleNamespace(address="10.0.0.1:6379", namespace="ns", ray_env={"RAY_AUTH_MODE": "token"})
+    env = serve.connect_env(handles, num_microbatches=4)
+    assert env == {"MEGASCALE_DATA": "1", "MEGASCALE_RAY_ADDRESS": "10.0.0.1:6379", "MEGASCALE_NAMESPACE": "ns",
+                   "MEGASCALE_NUM_MICROBATCHES": "4", "RAY_AUTH_MODE": "token"}
+    flags = serve.megatron_flags(tree, SimpleNamespace(num_microbatches=4, seq_length=2048))
+    got = dict(zip(flags[::2], flags[1::2], strict=True))
+    # Megatron: num_microbatches = global batch / (micro batch * DP) = 16 / (1 * 4) = the service's 4
+    assert got["--global-batch-size"] == "16" and got["--micro-batch-size"] == "1"
+    assert got["--dataloader-type"] == "external" and got["--tensor-model-parallel-size"] == "2"
+    assert got["--seq-length"] == "2048"
