@@ -100,6 +100,7 @@ class PlannerActor:
                                constructors=topology.num_constructors)
         self.restored_from: int | None = None
         self.rewinds = 0
+        self._rewind_lock = threading.Lock()
         self._reports: dict[int, list] = {}  # loss reports received, re-fed after every restore or rewind
         if self.checkpoints is not None:
             state = self.checkpoints.latest() if _reconstructed() else None
@@ -137,16 +138,28 @@ class PlannerActor:
             done = max(plan.step - self.planner.keep - 1, self.scaler.max_routed - self._horizon)
             self.scaler.release(min(done, self.planner.low_water() - 1))  # never what a constructor still builds
         if self.checkpoints is not None:  # under the planner's lock: the state right after this step
-            self.checkpoints.save(self.planner.state_dict())
+            self.checkpoints.save(self.planner.state_dict(), keep_from=self.planner.low_water())
 
     def _plan(self, step: int):
         try:
             return self.planner.plan(step)
         except ResumeError:
-            state = self.checkpoints.at(step) if self.checkpoints is not None else None
-            if state is None:
+            if self.checkpoints is None:
                 raise
-            self._load(state)  # deterministic: re-planning gives the same plans
+        # Rewind to the saved state before `step` and re-plan (deterministic: the same plans). One
+        # rewind at a time, planning `step` before the next may move the Planner elsewhere: two
+        # concurrent rewinds would each clear the plan the other just made.
+        with self._rewind_lock:
+            try:
+                return self.planner.plan(step)  # another rewind may have re-planned it meanwhile
+            except ResumeError:
+                pass
+            state = self.checkpoints.at(step)
+            if state is None:
+                raise ResumeError(f"plan for step {step} is neither kept nor checkpointed (planner at step "
+                                  f"{self.planner.next_step}, checkpoints of steps {self.checkpoints.steps()[:1]}.."
+                                  f"{self.checkpoints.steps()[-1:]}); raise data.fault_tolerance.checkpoint_keep")
+            self._load(state)
             self.rewinds += 1
             return self.planner.plan(step)
 

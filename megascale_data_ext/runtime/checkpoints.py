@@ -66,12 +66,15 @@ class PlannerCheckpoints:
     def steps(self) -> list[int]:
         return sorted(int(m.group(1)) for p in self.directory.iterdir() if (m := _PLANNER.match(p.name)))
 
-    def save(self, state: dict[str, Any]) -> None:
-        """Keep `state` (a `Planner.state_dict`, its ``step`` = the next step to plan)."""
+    def save(self, state: dict[str, Any], *, keep_from: int | None = None) -> None:
+        """Keep `state` (a `Planner.state_dict`, its ``step`` = the next step to plan); prune states
+        older than the newest ``keep`` and, given, older than `keep_from` (the oldest step a
+        constructor may still build: its state must survive however far planning ran ahead)."""
         step = int(state["step"])
         write_atomic(self.path(step), state)
+        below = step - self.keep + 1 if keep_from is None else min(step - self.keep + 1, keep_from)
         with self._lock:
-            for old in [s for s in self.steps() if s <= step - self.keep]:
+            for old in [s for s in self.steps() if s < below]:
                 self.path(old).unlink(missing_ok=True)
 
     def at(self, step: int) -> dict[str, Any] | None:

@@ -86,7 +86,8 @@ def test_shadows_replace_dead_loaders_and_a_constructor_that_stays_dead_is_named
     then a constructor dies for good and the client names it instead of hanging."""
     tree = ClientPlaceTree.from_sizes(dp=2)
     cfg, steps = config(text_spec, 3, "shadows"), 10
-    ft = FaultToleranceConfig(restart=False, shadow_loaders=True, hedge_s=0.3, rpc_timeout_s=2, recovery_timeout_s=4,
+    # budgets a loaded CI box never runs out of: the dead constructor is named by its retry count, not a clock
+    ft = FaultToleranceConfig(restart=False, shadow_loaders=True, hedge_s=0.3, rpc_timeout_s=30, recovery_timeout_s=120,
                               retries=2)
     svc = DataService(cfg, tree, fault_tolerance=ft, progress=None)
     handles = svc.start()
