@@ -408,6 +408,6 @@ def build_autoscale_plan(config: Any, *, nodes: Any, placement: Any = None, rest
 
 def nodes_affinity(nodes: Any, name: str) -> dict[str, Any]:
     """Soft node affinity to `name` (single-node and unplaced services: Ray may choose elsewhere)."""
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+    from megascale_data_ext.runtime.placement import node_affinity
 
-    return {"scheduling_strategy": NodeAffinitySchedulingStrategy(nodes.node_id(name), soft=True)}
+    return node_affinity(nodes.node_id(name), soft=True)

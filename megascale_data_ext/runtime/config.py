@@ -161,12 +161,13 @@ class PlacementConfig:
             (i + 1) * ranks_per_node)`` run on ``trainer_nodes[i]``. Each Data Constructor
             then runs on the node of the ranks it serves; empty = wherever Ray puts it.
         ranks_per_node: Trainer ranks per node.
-        soft: Let Ray place an actor elsewhere when its node is full or gone (False: fail).
+        soft: Let Ray restart an actor elsewhere when its node is gone (False: hard affinity, and
+            a lost node's actors can never restart).
     """
 
     trainer_nodes: list[str] = field(default_factory=list)
     ranks_per_node: int = 8
-    soft: bool = False
+    soft: bool = True
 
     def problems(self) -> list[FieldProblem]:
         out: list[FieldProblem] = []

@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 import ray
-from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError
+from ray.exceptions import ActorUnavailableError, GetTimeoutError, ObjectLostError, RayActorError
 
 from megascale_data_ext.dataplane.plan import LoaderPlan
 from megascale_data_ext.errors import SourceError
@@ -37,8 +37,10 @@ from megascale_data_ext.runtime.loader import SourceLoader
 
 __all__ = ["ACTOR_FAILURES", "LoaderFailover", "read_buckets"]
 
-ACTOR_FAILURES = (RayActorError, ActorUnavailableError, GetTimeoutError)
-"""What counts as a failed call: the actor died, is restarting or unreachable, or timed out."""
+ACTOR_FAILURES = (RayActorError, ActorUnavailableError, GetTimeoutError, ObjectLostError)
+"""What counts as a failed call: the actor died, is restarting or unreachable, or timed out, or
+its reply was lost with the node holding it (ObjectLostError and its kinds: reconstruction
+failed, owner died); each is answered by asking again."""
 _log = logging.getLogger(__name__)
 
 

@@ -23,9 +23,18 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from megascale_data_ext.dataplane.partitioner import LoaderAssignment, NodeResources
 from megascale_data_ext.errors import ConfigError
 
-__all__ = ["NODE_RESOURCE_PREFIX", "ClusterNodes", "Placement"]
+__all__ = ["NODE_RESOURCE_PREFIX", "ClusterNodes", "Placement", "node_affinity"]
 
 NODE_RESOURCE_PREFIX = "msd_node:"
+AFFINITY_CPUS = 0.01
+"""CPUs a placed actor asks for: Ray ignores soft node affinity for an actor that asks for none
+(3 of 6 landed on their node in a plain Ray 2.60 test, 6 of 6 with 0.01)."""
+
+
+def node_affinity(node_id: str, *, soft: bool) -> dict[str, Any]:
+    """``.options`` that put an actor on `node_id`; `soft` lets Ray restart it elsewhere when the
+    node is gone (hard affinity makes a lost node's actors unschedulable for good)."""
+    return {"scheduling_strategy": NodeAffinitySchedulingStrategy(node_id, soft=soft), "num_cpus": AFFINITY_CPUS}
 
 
 @dataclass(slots=True, frozen=True)
@@ -69,11 +78,12 @@ class Placement:
         trainer_nodes: Node names of the trainers, in rank order: ranks ``[i * ranks_per_node,
             (i + 1) * ranks_per_node)`` run on ``trainer_nodes[i]``.
         ranks_per_node: Trainer ranks (GPUs) per node.
-        soft: Let Ray place an actor elsewhere when its node is gone (True) or fail (False).
+        soft: Let Ray place an actor elsewhere when its node is gone (True) or fail (False: a lost
+            node's actors can never restart).
     """
 
     def __init__(self, nodes: ClusterNodes, trainer_nodes: Sequence[str], ranks_per_node: int, *,
-                 soft: bool = False) -> None:
+                 soft: bool = True) -> None:
         if ranks_per_node < 1:
             raise ConfigError(f"`ranks_per_node` must be >= 1, got {ranks_per_node!r}")
         for name in trainer_nodes:
@@ -82,8 +92,8 @@ class Placement:
         self.ranks_per_node, self.soft = ranks_per_node, soft
 
     def on_node(self, name: str) -> dict[str, Any]:
-        """Options pinning an actor to node `name` (hard unless `soft`)."""
-        return {"scheduling_strategy": NodeAffinitySchedulingStrategy(self.nodes.node_id(name), soft=self.soft)}
+        """Options putting an actor on node `name` (soft by default: it restarts elsewhere if the node goes)."""
+        return node_affinity(self.nodes.node_id(name), soft=self.soft)
 
     def loader(self, assignment: LoaderAssignment) -> dict[str, Any]:
         """A loader actor on the node the partitioner chose."""
