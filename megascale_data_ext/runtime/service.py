@@ -251,6 +251,23 @@ class DataService:
                     time.sleep(0.2)
         return out
 
+    def actors(self) -> list[dict[str, Any]]:
+        """Every actor of the service: ``role`` (``planner``, ``loader/<i>``, ``shadow/<i>``,
+        ``constructor/<j>``), ``state``, ``pid``, ``node_id``, ``serves`` (source ids or buckets) and
+        ``restarts``, read from Ray's control store (it answers while an actor restarts)."""
+        rows: list[tuple[str, Any, list[int]]] = [("planner", self.planner, [])] if self.planner is not None else []
+        if self.topology.autoscaled and self.planner is not None:
+            groups = self.loader_actors()
+            served = self._ask(groups, "ready")
+            rows += [(f"loader/{k}", h, (info or {}).get("sources", [])) for k, (h, info)
+                     in enumerate(zip(groups, served, strict=True))]
+        else:
+            rows += [(f"loader/{i}", h, [i]) for i, h in enumerate(self.loaders)]
+            rows += [(f"shadow/{i}", h, [i]) for i, h in enumerate(self.shadows)]
+        rows += [(f"constructor/{j}", h, list(b)) for j, (h, b)
+                 in enumerate(zip(self.constructors, self.topology.constructor_groups, strict=True))]
+        return [{"role": role, "serves": serves, **_actor_record(h)} for role, h, serves in rows]
+
     def stats(self) -> dict:
         return {
             "loaders": self._ask(self.loader_actors(), "stats"),
@@ -285,3 +302,14 @@ class DataService:
         if self._owns_ray:
             ray.shutdown()
             self._owns_ray = False
+
+
+def _actor_record(handle: Any) -> dict[str, Any]:
+    """State, pid, node and restarts of an actor from Ray's GCS (no call to the actor itself).
+    Ray has no public API for this without its dashboard; ``ray._private.state`` is what
+    ``ray list actors`` reads."""
+    from ray._private import state
+
+    info = state.actors(handle._actor_id.hex()) or {}
+    return {"state": info.get("State"), "pid": info.get("Pid"), "node_id": (info.get("Address") or {}).get("NodeID"),
+            "restarts": info.get("NumRestarts")}
