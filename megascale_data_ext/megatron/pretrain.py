@@ -298,6 +298,8 @@ class TrainingSession:
                          "lr": result["lr"], "grad_norm": result["grad_norm"],
                          "fetch_p50_ms": float(np.median(fetch)) * 1e3 if fetch else 0.0,
                          "data_wait_ms": float(np.sum(fetch)) * 1e3,  # time this rank waited on the service
+                         "constructor_lead": max((i.get("lead") or 0 for i in records["delivered"] if i is not None),
+                                                 default=None),  # steps its constructor holds ahead of the slowest
                          "digests": records["digests"],
                          "samples": [np.asarray(i["samples"]).tolist() for i in records["delivered"] if i is not None],
                          **extra}
@@ -341,7 +343,7 @@ class TrainingSession:
         print(f"step {step:4d} | loss {entry['loss']:.4f} | {step_counts(s, self.service_cfg)} | max/mean cost "
               f"vanilla {s['vanilla_max_over_mean']:.3f} -> {s['max_over_mean']:.3f} | lr {entry['lr']:.2e} | "
               f"grad norm {entry['grad_norm']:.2f} | {entry['num_tokens'] / entry['seconds']:,.0f} loss-tokens/s | "
-              f"data wait {entry['data_wait_ms']:.1f} ms | {entry['seconds']:.2f} s", flush=True)
+              f"data wait {entry['data_wait_ms']:.1f} ms{_lead(entry)} | {entry['seconds']:.2f} s", flush=True)
 
     def _stop(self) -> None:
         if self.service is not None:
@@ -372,3 +374,10 @@ def pretrain_gpt(cfg: Any) -> list[dict]:
     chunks = build_model_chunks(model_cfg)
     optimizer, scheduler = build_optimizer(chunks, cfg.train, bf16=model_cfg.bf16)
     return session.run(chunks, optimizer, scheduler=scheduler)
+
+
+def _lead(entry: dict) -> str:
+    """`` (lead N)``: steps rank 0's constructor held ahead of its slowest fetching rank (a fast
+    rank waits there at data.fault_tolerance.max_lead_steps); empty on ranks that do not fetch."""
+    lead = entry.get("constructor_lead")
+    return "" if lead is None else f" (constructor lead {lead})"

@@ -477,6 +477,7 @@ class DataConstructorActor:
         out = take()
         buckets = "+".join(map(str, self.constructor.buckets))
         service_metrics().buffered_steps(self.constructor.buffered_steps(), buckets)
+        service_metrics().constructor_lead(self.constructor.held.lead(), buckets)
         return out
 
     def get_encoder_images(self, step: int, rank: int, position: int | None = None):

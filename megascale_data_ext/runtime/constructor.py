@@ -322,7 +322,7 @@ class DataConstructor:
         batch = fields_for_stage(batch, pp_rank=coords["pp"], pp_size=self.tree.pp,
                                  middle_stage_masks=self.config.middle_stage_masks)
         self.held.take(step, rank, (bucket, microbatch))
-        return batch, info
+        return batch, {**info, "lead": self.held.lead()}  # how far this constructor is ahead of its slowest fetcher
 
     def get_encoder_images(self, step: int, rank: int, position: int | None = None) -> EncoderImages:
         """The images of this constructor's buckets that encoder rank `rank` encodes at `step`.
@@ -344,9 +344,9 @@ class DataConstructor:
             raise PlanError(f"encoder images of step {step} for rank {rank} were released: that rank already moved "
                             f"on to step {self.held.position(rank)} (or every rank took its share); take a step's "
                             "encoder images before moving past the step")
-        if built is None:  # asked before the microbatches: build it now (never waits for the lead)
+        if built is None:  # asked before the microbatches: build it now
             self.skip_to(step)
-            built = self.held.get_or_build(step, self._build, gated=False)
+            built = self.held.get_or_build(step, self._build)
         if built.images is None:
             raise PlanError(f"step {step} has no EncoderPlan: use a hybrid strategy (strategy=vlm_balance) "
                             "to balance images over the encoder axis")

@@ -7,12 +7,13 @@ as every consumer has taken its part or moved past it; nothing a slow consumer s
 dropped. Each step is built once: concurrent requests wait for that one build and get its
 result or its own error.
 
-Backpressure: a fetcher's request for a step ``max_lead`` or more ahead of the constructor's
-slowest fetcher waits for it. Only fetchers gate, and only their microbatch requests wait: the
-slowest fetcher never waits here, and encoder-image requests (every rank asks every constructor
-for its current step) never wait for the lead, so ranks blocked on each other's constructors
-cannot form a cycle. A rank that never asked this constructor for anything is not waited for:
-its encoder shares go once the fetchers are ``silent_after`` steps past them (a loop that never
+Backpressure: a request for a step ``max_lead`` or more ahead of the constructor's slowest
+fetcher waits for it. Only the constructor's own fetchers gate, and a request records its
+rank's step before it waits, so the slowest fetcher never waits here and ranks blocked on each
+other's constructors cannot form a cycle: every fetcher's first request of a step goes to its
+own constructor (microbatches first), or every rank asks every constructor at once (encoder
+images first). A rank that never asked this constructor for anything is not waited for: its
+encoder shares go once the fetchers are ``silent_after`` steps past them (a loop that never
 takes encoder images does not pin them).
 
 Plain Python (no Ray, no numpy); thread-safe.

@@ -64,6 +64,7 @@ class MetricDef:
 
 FETCH_LATENCY = "megascale_fetch_latency_seconds"
 BUFFERED_STEPS = "megascale_constructor_buffered_steps"
+CONSTRUCTOR_LEAD = "megascale_constructor_lead_steps"
 PLAN_SECONDS = "megascale_plan_seconds"
 PLAN_BALANCE = "megascale_plan_max_over_mean"
 PLAN_LAST_BALANCE = "megascale_plan_last_max_over_mean"
@@ -77,6 +78,8 @@ METRICS: dict[str, MetricDef] = {
                              ("rank",), _LATENCY_BOUNDS),
     BUFFERED_STEPS: MetricDef("gauge", "Steps a Data Constructor has built and not yet handed to every client",
                               ("constructor",)),
+    CONSTRUCTOR_LEAD: MetricDef("gauge", "Steps a Data Constructor holds ahead of its slowest fetching rank "
+                                "(at data.fault_tolerance.max_lead_steps, the fast ranks wait)", ("constructor",)),
     PLAN_SECONDS: MetricDef("histogram", "Seconds the Planner took to plan one step", (), _LATENCY_BOUNDS),
     PLAN_BALANCE: MetricDef("histogram", "Max/mean bucket cost of each planned step (balanced, vanilla, encoder)",
                             ("split",), _RATIO_BOUNDS),
@@ -198,6 +201,10 @@ class ServiceMetrics:
 
     def buffered_steps(self, steps: int, constructor: str) -> None:
         self.record(BUFFERED_STEPS, steps, {"constructor": constructor})
+
+    def constructor_lead(self, steps: int | None, constructor: str) -> None:
+        if steps is not None:
+            self.record(CONSTRUCTOR_LEAD, steps, {"constructor": constructor})
 
     def plan_made(self, seconds: float, summary: Mapping[str, Any]) -> None:
         """One planned step: its planning time and balance (`StepPlan.summary()`)."""

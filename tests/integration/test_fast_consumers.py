@@ -10,14 +10,11 @@ data was released on consumption, 0 of 4 such VLM runs on Ray delivered 8 steps 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import threading
-import time
 
-import numpy as np
 import pytest
 import ray
 
+from megascale_data_ext.commands.bench_consumers import lockstep, race
 from megascale_data_ext.dataplane.placetree import ClientPlaceTree
 from megascale_data_ext.runtime.config import RayConfig, ServiceConfig
 from megascale_data_ext.runtime.faults import FaultToleranceConfig
@@ -56,68 +53,9 @@ def config(specs, strategy: str) -> ServiceConfig:
                          ray=RayConfig(namespace=f"fast-{strategy}"))
 
 
-def step_digest(microbatches: list, images) -> str:
-    h = hashlib.sha1()
-    for batch, info in microbatches:
-        for k in sorted(batch):
-            h.update(k.encode() + np.ascontiguousarray(batch[k]).tobytes())
-        h.update(np.asarray(info["samples"]).tobytes())
-    if images is not None:
-        for part in images:
-            h.update(np.ascontiguousarray(part).tobytes())
-    return h.hexdigest()
-
-
-def consume(source, topology, rank: int, steps: range, *, images_first: bool, hybrid: bool,
-            m: int, stall: tuple[int, float] | None = None) -> dict[int, str]:
-    """One rank pulling `steps` as fast as they come: {step: digest of what it got}."""
-    out = {}
-    fetches = topology.fetches(rank)
-    for step in steps:
-        if stall is not None and step == stall[0]:
-            time.sleep(stall[1])
-        images = source.get_encoder_images(step, rank) if hybrid and images_first else None
-        mbs = [source.get(step, j, rank) for j in range(m)] if fetches else []
-        if hybrid and not images_first:
-            images = source.get_encoder_images(step, rank)
-        out[step] = step_digest(mbs, images)
-    return out
-
-
-def race(make_source, topology, steps: range, *, stall: tuple[int, float] | None = None,
-         **kw) -> dict[int, dict[int, str]]:
-    """Every rank in its own thread (the last fetching rank stalls, if asked); {rank: {step: digest}}."""
-    got, errors = {}, []
-    staller = topology.fetch_ranks()[-1]
-
-    def run(rank: int) -> None:
-        try:
-            got[rank] = consume(make_source(), topology, rank, steps, stall=stall if rank == staller else None, **kw)
-        except BaseException as exc:  # re-raised below with its rank
-            errors.append((rank, exc))
-
-    threads = [threading.Thread(target=run, args=(r,), daemon=True) for r in range(topology.tree.world_size)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=600)
-    assert not any(t.is_alive() for t in threads), "a consumer hung"
-    if errors:
-        rank, exc = errors[0]
-        raise AssertionError(f"rank {rank} failed: {exc!r}") from exc
-    return got
-
-
 def reference(cfg, tree, steps: list[int], *, hybrid: bool) -> dict[int, dict[int, str]]:
     """The slow consumer: one process, ranks in lockstep, images first."""
-    svc = InProcessService(cfg, tree)
-    topo = svc.topology
-    out: dict[int, dict[int, str]] = {r: {} for r in range(topo.tree.world_size)}
-    for step in steps:
-        for rank in range(topo.tree.world_size):
-            out[rank].update(consume(svc, topo, rank, range(step, step + 1), images_first=True, hybrid=hybrid,
-                                     m=cfg.num_microbatches))
-    return out
+    return lockstep(InProcessService(cfg, tree), steps, hybrid=hybrid, m=cfg.num_microbatches)
 
 
 RUNS = [(images_first, prefetch) for images_first in (True, False) for prefetch in (0, 4, 16)]
