@@ -128,17 +128,19 @@ def _ranks(res: BalanceResult, lens: np.ndarray, dp: int, m: int) -> list[Rank]:
     return out
 
 
-def _flops_rank(ranks: list[Rank], cost: TransformerCost) -> np.ndarray:
+def flops_per_rank(ranks: list[Rank], cost: TransformerCost) -> np.ndarray:
+    """Each rank's cost under `cost`: the sum over its microbatches' samples."""
     return np.array([sum(float(cost(np.asarray(mb)).sum()) for mb in rank) for rank in ranks])
 
 
 def _predicted(ranks: list[Rank], model: CalibratedCost | TransformerCost) -> np.ndarray:
     if isinstance(model, CalibratedCost):
         return np.array([model.predict([rank])[0] if rank else 0.0 for rank in ranks])
-    return _flops_rank(ranks, model)
+    return flops_per_rank(ranks, model)
 
 
-def _ratio(vanilla: np.ndarray, balanced: np.ndarray) -> float:
+def speedup(vanilla: np.ndarray, balanced: np.ndarray) -> float:
+    """Step-time speedup of balancing: the slowest vanilla rank over the slowest balanced one."""
     return float(vanilla.max() / balanced.max()) if balanced.max() > 0 else float("nan")
 
 
@@ -216,8 +218,8 @@ def _self_fit(rows: list[Row], shape: pm.ModelShape) -> dict[str, Any] | None:
     except ConfigError as exc:  # too few or too uniform microbatches (e.g. one tiny row)
         return {"error": str(exc)}
     for row in rows:
-        row.speedup_predicted_fitted = _ratio(_predicted(row._ranks["vanilla"], model),
-                                              _predicted(row._ranks["balanced"], model))
+        row.speedup_predicted_fitted = speedup(_predicted(row._ranks["vanilla"], model),
+                                                _predicted(row._ranks["balanced"], model))
     return {**model.to_dict(), "report": report.to_dict()}
 
 
@@ -285,12 +287,12 @@ def run(args: argparse.Namespace) -> int:
             van, bal = measured["vanilla"][0], measured["balanced"][0]
             rows.append(Row(
                 workload=name, dp=args.dp, cap=cap, microbatches=args.microbatches, samples=samples, tokens=tokens,
-                speedup_measured=_ratio(van, bal),
-                speedup_predicted=_ratio(_predicted(ranks["vanilla"], calibration),
-                                         _predicted(ranks["balanced"], calibration)),
+                speedup_measured=speedup(van, bal),
+                speedup_predicted=speedup(_predicted(ranks["vanilla"], calibration),
+                                           _predicted(ranks["balanced"], calibration)),
                 predicted_by=predicted_by,
-                speedup_predicted_flops=_ratio(_flops_rank(ranks["vanilla"], flops),
-                                               _flops_rank(ranks["balanced"], flops)),
+                speedup_predicted_flops=speedup(flops_per_rank(ranks["vanilla"], flops),
+                                                 flops_per_rank(ranks["balanced"], flops)),
                 max_over_mean_measured=float(bal.max() / bal.mean()),
                 vanilla_max_over_mean_measured=float(van.max() / van.mean()),
                 rank_ms_vanilla=(van * 1e3).round(3).tolist(), rank_ms_balanced=(bal * 1e3).round(3).tolist(),

@@ -45,6 +45,11 @@ class Vanilla:
     def __post_init__(self) -> None:
         self._cost = get_cost_model(self.model, kind=TransformerCost)
 
+    @property
+    def cost_model(self) -> Callable:
+        """The cost model `model` names, as the strategy applies it to samples."""
+        return self._cost
+
     def __call__(self, g: DGraph) -> DGraph:
         g = (
             g.distribute(self.axis)
@@ -78,6 +83,11 @@ class LLMBalance:
 
     def __post_init__(self) -> None:
         self._cost = get_cost_model(self.model, kind=TransformerCost)
+
+    @property
+    def cost_model(self) -> Callable:
+        """The cost model `model` names, as the strategy applies it to samples."""
+        return self._cost
 
     def __call__(self, g: DGraph) -> DGraph:
         g = g.distribute(self.axis, group_size=self.group_size).cost(self._cost)

@@ -251,14 +251,6 @@ class PlannerActor:
         """Every live loader actor (autoscaled), once."""
         return self._scaler().live()
 
-    def release(self, done_step: int) -> int:
-        """Reclaim loaders whose steps are all <= `done_step`; how many went."""
-        return self._scaler().release(done_step)
-
-    def layouts(self) -> list[list[list[int]]]:
-        """Per source, ``[from_step, shards]`` of each live layout."""
-        return self._scaler().layout_table()
-
     def scaling_events(self) -> list[dict[str, Any]]:
         return list(self._scaler().events)
 

@@ -33,10 +33,11 @@ from megascale_data_ext.dataplane.cp_slicing import slice_for_cp
 from megascale_data_ext.dataplane.microbatch import fields_for_stage
 from megascale_data_ext.dataplane.packing import pack_microbatch, span_view
 from megascale_data_ext.dataplane.plan import ConstructorPlan, StepPlan
-from megascale_data_ext.errors import PlanError
+from megascale_data_ext.errors import PlanError, SampleError
 from megascale_data_ext.runtime.config import ServiceConfig
 from megascale_data_ext.runtime.held_steps import IMAGES, HeldSteps, Takers
 from megascale_data_ext.runtime.topology import ServiceTopology
+from megascale_data_ext.sources.transforms import DeferredDecoder
 
 FetchFn = Callable[[int, int, list[int]], dict[str, list]]
 """(source_id, step, buckets) -> a loader's `fetch` result."""
@@ -129,7 +130,6 @@ class DataConstructor:
         fetch: ``(source_id, step, buckets) -> samples`` (a Source Loader).
         pad_id: Padding / masked-label token.
         image_token_id: Image placeholder token (VLM); None for text-only.
-        decode: Optional per-sample transform applied before packing (deferred image decoding).
         get_encoder_plan: ``(step, buckets) -> EncoderRows | None`` (the Planner); given, the
             constructor keeps each step's images per encoder rank for `get_encoder_images`.
         start_step: The step every consumer starts at; None for a constructor restarted in a
@@ -152,7 +152,6 @@ class DataConstructor:
         fetch: FetchFn,
         pad_id: int,
         image_token_id: int | None = None,
-        decode: Callable[[Any], Any] | None = None,
         get_encoder_plan: Callable[[int, list[int]], EncoderRows | None] | None = None,
         start_step: int | None = 0,
         max_lead: int | None = None,
@@ -170,7 +169,8 @@ class DataConstructor:
         self.fetch = fetch
         self.pad_id = pad_id
         self.image_token_id = image_token_id
-        self.decode = decode
+        # transformation reordering: images of sources with decode_images="constructor" are decoded here
+        self.decode = DeferredDecoder.of(config.sources)
         self.split_loss = config.feedback_mixing  # per-token source ids so the loss splits per source
         self.layout = topology.layout
         self.fetchers = {b: topology.fetchers(b) for b in self.buckets}
@@ -206,7 +206,7 @@ class DataConstructor:
                 self.skipped.append((step, s, pos, bad.reason))
                 self.skipped_total += 1
         if self.decode is not None:
-            pool = {key: self.decode(x) for key, x in pool.items()}
+            pool = self._decoded(step, pool)
         wants_images = self.get_encoder_plan is not None and any(p.encoder for p in plans.values())
         rows = self.get_encoder_plan(step, self.buckets) if wants_images else None  # no round trip for text
         mult = self.config.pad_to_multiple_of * 2 * self.tree.cp
@@ -251,6 +251,18 @@ class DataConstructor:
         self.build_seconds.append(time.perf_counter() - t0)
         self.built_steps += 1
         return built, takers
+
+    def _decoded(self, step: int, pool: dict[tuple[int, int], Any]) -> dict[tuple[int, int], Any]:
+        """`pool` with deferred images decoded; a sample whose image cannot be decoded is left
+        out and recorded as skipped, as its loader would have skipped it decoding there."""
+        out = {}
+        for (s, pos), sample in pool.items():
+            try:
+                out[(s, pos)] = self.decode(s, sample)
+            except SampleError as exc:
+                self.skipped.append((step, s, pos, str(exc)))
+                self.skipped_total += 1
+        return out
 
     def _encoder_images(self, step: int, rows: EncoderRows, pool: dict[tuple[int, int], Any]) -> _ImageStep:
         """Group the step's images by encoder rank; images of skipped samples are not encoded."""

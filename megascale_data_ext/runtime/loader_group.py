@@ -30,7 +30,6 @@ from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-import numpy as np
 import ray
 
 from megascale_data_ext.dataplane.partitioner import ShardRef
@@ -43,7 +42,7 @@ from megascale_data_ext.runtime.metrics import rss_bytes, samples_in, service_me
 from megascale_data_ext.runtime.topology import PLANNER_NAME
 from megascale_data_ext.sources.base import SourceSpec
 
-__all__ = ["GROUP_CONCURRENCY", "LoaderGroup", "LoaderGroupActor", "merge_fetches", "positions_of", "shard_of_plan"]
+__all__ = ["GROUP_CONCURRENCY", "LoaderGroup", "LoaderGroupActor", "merge_fetches", "shard_of_plan"]
 
 GROUP_CONCURRENCY = 16
 _log = logging.getLogger(__name__)
@@ -108,11 +107,6 @@ class LoaderGroup:
     def summary_buffer(self, source: int, start: int, count: int):
         """Metadata of the whole source's stream (every shard has all of it: it is metadata only)."""
         return self._member(source).summary_buffer(start, count)
-
-    def execute(self, source: int, plan: LoaderPlan) -> None:
-        """Push mode: stage `plan` (the whole source's) cut to this member's shard."""
-        ref = self.refs[source]
-        self._member(source).execute(shard_of_plan(plan, ref.shard, ref.num_shards))
 
     def fetch(self, source: int, step: int, buckets: list[int]) -> dict[str, list]:
         """This member's samples of `step` for `buckets`; schedules read-ahead on the worker threads."""
@@ -194,9 +188,6 @@ class LoaderGroupActor:
     def summary_buffer(self, source: int, start: int, count: int):
         return self.group.summary_buffer(source, start, count)
 
-    def execute(self, source: int, plan: LoaderPlan) -> None:
-        self.group.execute(source, plan)
-
     def fetch(self, source: int, step: int, buckets: list[int]):
         """This member's samples of `step` for `buckets`; buckets popped before are read again."""
         out = self.group.fetch(source, step, buckets)
@@ -234,8 +225,3 @@ def merge_fetches(parts: Sequence[Mapping[str, list]]) -> dict[str, list]:
     samples = sorted((x for p in parts for x in p["samples"]), key=lambda x: (x[0], x[1]))
     skipped = sorted((x for p in parts for x in p["skipped"]), key=lambda x: (x[0], x[1]))
     return {"samples": samples, "skipped": skipped}
-
-
-def positions_of(result: Mapping[str, list]) -> np.ndarray:
-    """Stream positions in a fetch result (delivered and skipped): the accounting unit."""
-    return np.asarray([p for _, p, _ in result["samples"]] + [p for _, p, _ in result["skipped"]], dtype=np.int64)

@@ -34,12 +34,13 @@ from megascale_data_ext.sources.tokenizer import (
     load_tokenizer,
     tokenizer_types,
 )
-from megascale_data_ext.sources.transforms import decode_images
+from megascale_data_ext.sources.transforms import DeferredDecoder, decode_images
 from megascale_data_ext.sources.writer import PreparedParquetWriter
 
 __all__ = [
     "METADATA_KEYS",
     "ByteTokenizer",
+    "DeferredDecoder",
     "GPT2BPETokenizer",
     "HFTokenizer",
     "JsonlSource",

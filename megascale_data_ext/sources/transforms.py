@@ -9,6 +9,7 @@ is by construction the size ``read()`` produces.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -171,6 +172,43 @@ def decode_images(sample: Sample, *, patch_size: int = 16, max_patches: int = 10
         return _decode_into(sample, patch_size=patch_size, max_patches=max_patches)
     except SampleError as exc:
         raise SampleError(f"sample {sample.index}: {exc}", source=sample.source) from exc
+
+
+class DeferredDecoder:
+    """The Data Constructor's half of transformation reordering (paper Sec. 4).
+
+    A source with ``decode_images="constructor"`` hands over its samples' encoded images;
+    ``decoder(source_id, sample)`` decodes them with that source's ``patch_size`` and
+    ``max_image_patches`` (source id = index in `specs`, as plans number sources), so a
+    constructor packs exactly what loader-side decoding would have delivered. Stateless and
+    thread-safe; the sample it is given is left as it is (a loader in the same process may keep
+    it to serve a re-read).
+
+    Args:
+        specs: Every source of the service, in plan order.
+    """
+
+    def __init__(self, specs: Sequence[SourceSpec]) -> None:
+        self.settings: dict[int, tuple[int, int]] = {
+            i: (s.patch_size, s.max_image_patches) for i, s in enumerate(specs) if s.decode_images == "constructor"}
+
+    @classmethod
+    def of(cls, specs: Sequence[SourceSpec]) -> DeferredDecoder | None:
+        """The decoder of `specs`, or None when every source decodes in its loader."""
+        decoder = cls(specs)
+        return decoder if decoder.settings else None
+
+    def __call__(self, source_id: int, sample: Sample) -> Sample:
+        """`sample` of source `source_id` with its deferred images decoded (a new `Sample`).
+
+        Raises:
+            SampleError: An image cannot be decoded (names the source, sample and image).
+        """
+        settings = self.settings.get(source_id)
+        if settings is None or sample.image_bytes is None:
+            return sample
+        out = dataclasses.replace(sample, images=[], extra=dict(sample.extra))
+        return decode_images(out, patch_size=settings[0], max_patches=settings[1])
 
 
 def _decode_into(sample: Sample, *, patch_size: int, max_patches: int) -> Sample:

@@ -13,6 +13,7 @@ from megascale_data_ext.dataplane.partitioner import MiB
 from megascale_data_ext.dataplane.placetree import ClientPlaceTree
 from megascale_data_ext.dataplane.profiles import ProfileJournal, SourceProfile
 from megascale_data_ext.runtime.config import AutoscaleConfig, PlacementConfig, RayConfig, ServiceConfig
+from megascale_data_ext.runtime.placement import ClusterNodes
 from megascale_data_ext.runtime.service import DataService
 from megascale_data_ext.sources.demo_data import make_demo_data
 from megascale_data_ext.sources.profiling import source_fingerprint
@@ -53,7 +54,7 @@ def test_service_places_loaders_by_partition_and_constructors_beside_their_ranks
         tree = ClientPlaceTree.from_sizes(dp=3)
         service = DataService(cfg, tree, progress=None)
         service.start()
-        nodes = service._nodes()
+        nodes = ClusterNodes.discover(memory_fraction=cfg.autoscale.node_memory_fraction)  # what the service saw
         assert set(trainers) <= set(nodes.ids)
         where = ray.get([h.ready.remote() for h in service.loader_actors()])
         want = {a.node for a in service.partition.assignments}

@@ -151,7 +151,7 @@ def test_injected_planner_and_loader_kills_through_the_client_lose_nothing(specs
     try:
         service = DataService(cfg, tree, progress=None)
         service.start()
-        before = {h._actor_id for h in service.loader_actors()}
+        before = set(service.loader_actors())  # handles compare by actor id
         client = RemoteConstructors(service.topology)
         seen: Counter = Counter()
         for step in range(14):
@@ -161,7 +161,7 @@ def test_injected_planner_and_loader_kills_through_the_client_lose_nothing(specs
                     got, got_info = client.get(step, j, rank)
                     assert np.array_equal(got["tokens"], batch["tokens"]), f"step {step} rank {rank} differs"
                     seen.update((int(s), int(p)) for s, p, _ in got_info["samples"].tolist())
-        after = {h._actor_id for h in service.loader_actors()}
+        after = set(service.loader_actors())
         fired = [(e.component, e.step) for e in client.injector.events]
         planner = service.stats()["planner"]
         restored = planner["restored_from"]

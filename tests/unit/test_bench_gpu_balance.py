@@ -76,7 +76,7 @@ def test_flops_prediction_matches_the_cost_model_on_the_planned_split() -> None:
     vanilla = [sum(float(cost(np.array(mb)).sum()) for mb in rank) for rank in ranks["vanilla"]]
     balanced = [sum(float(cost(np.array(mb)).sum()) for mb in rank) for rank in ranks["balanced"]]
     assert max(balanced) <= max(vanilla)
-    assert gb._ratio(gb._flops_rank(ranks["vanilla"], cost), gb._flops_rank(ranks["balanced"], cost)) == \
+    assert gb.speedup(gb.flops_per_rank(ranks["vanilla"], cost), gb.flops_per_rank(ranks["balanced"], cost)) == \
         pytest.approx(max(vanilla) / max(balanced))
 
 

@@ -100,6 +100,6 @@ def test_strategies_take_a_calibrated_model_by_path(tmp_path) -> None:
     assert "calibrated:<path>" in cost_model_names()
     path = CalibratedCost(fixed=0.02, linear=1e-5, quadratic=1e-9).save(tmp_path / "Fit.json")  # path keeps its case
     strategy = build_strategy("llm_balance", num_microbatches=2, cap=4096, model=f"calibrated:{path}")
-    assert isinstance(strategy._cost, CalibratedCost) and strategy._cost.fixed == 0.02
+    assert isinstance(strategy.cost_model, CalibratedCost) and strategy.cost_model.fixed == 0.02
     with pytest.raises(ConfigError, match=r"calibration file .*nope\.json.* does not exist"):
         build_strategy("llm_balance", num_microbatches=2, model=f"calibrated:{tmp_path / 'nope.json'}")

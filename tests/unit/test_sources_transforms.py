@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from PIL import Image
 
 from megascale_data_ext.errors import ConfigError, SampleError, SourceError
-from megascale_data_ext.sources import ByteTokenizer, SourceSpec, make_metadata, take_metadata
+from megascale_data_ext.sources import ByteTokenizer, DeferredDecoder, Sample, SourceSpec, make_metadata, take_metadata
 from megascale_data_ext.sources.base import SkippedSample
 from megascale_data_ext.sources.images import (
     IMAGE_MEAN,
@@ -130,3 +130,25 @@ def test_hf_tokenizer_errors(tmp_path):
     Tokenizer(models.WordLevel({"<unk>": 0, "a": 1}, unk_token="<unk>")).save(str(tmp_path / "noeod.json"))
     with pytest.raises(ConfigError, match="none of the EOD tokens"):
         HFTokenizer(tmp_path / "noeod.json")
+
+
+def test_deferred_decoder_decodes_each_source_with_its_own_settings_and_leaves_the_input():
+    specs = [SourceSpec(name="text", format="parquet", paths=["t"]),
+             SourceSpec(name="a", format="parquet", paths=["a"], image_column="im", decode_images="constructor",
+                        patch_size=16, max_image_patches=64),
+             SourceSpec(name="b", format="parquet", paths=["b"], image_column="im", decode_images="constructor",
+                        patch_size=8, max_image_patches=32)]
+    decoder = DeferredDecoder.of(specs)
+    assert DeferredDecoder.of(specs[:1]) is None  # nothing deferred: no decoding step at all
+    jpeg = synthetic_jpeg(96, 64, seed=1)
+    for source, (patch, cap) in ((1, (16, 64)), (2, (8, 32))):
+        raw = Sample(source=specs[source].name, index=3, tokens=np.arange(4), image_bytes=[jpeg])
+        out = decoder(source, raw)
+        want, grid = decode_patches(jpeg, patch_size=patch, max_patches=cap)
+        assert len(out.images) == 1 and np.array_equal(out.images[0], want)
+        assert out.extra["image_grids"] == [grid] and out.image_bytes is None
+        assert raw.image_bytes == [jpeg] and raw.images == [] and raw.extra == {}  # a loader may serve it again
+    text = Sample(source="text", index=0, tokens=np.arange(3))
+    assert decoder(0, text) is text
+    with pytest.raises(SampleError, match=r"sample 7: image 0"):
+        decoder(1, Sample(source="a", index=7, tokens=np.arange(2), image_bytes=[b"not an image"]))
