@@ -27,7 +27,7 @@ SOURCES = {"web": 40, "code": 24}  # the user's JSONL files and their line count
 
 def cli(script: Path, *args: str, cwd: Path = REPO) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, str(script), *args], cwd=cwd, env=launch.torchrun_env(),
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=300)
 
 
 def write_user_config(root: Path, **layout: int) -> Path:
@@ -155,7 +155,7 @@ def test_a_bad_layout_is_reported_before_torch_or_megatron_is_imported(tmp_path)
     conf = write_user_config(tmp_path, tensor_model_parallel_size=2)  # tp2 x pp2 on 3 ranks
     env = {**launch.torchrun_env(), "WORLD_SIZE": "3", "RANK": "0", "TORCHELASTIC_ERROR_FILE": str(tmp_path / "e.json")}
     proc = subprocess.run([sys.executable, "-X", "importtime", str(GPT), "--config-dir", str(conf),
-                           "--config-name", "mytrain"], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+                           "--config-name", "mytrain"], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 1
     error = next(line for line in proc.stderr.splitlines() if line.startswith("error: "))
     assert "world size 3 is not divisible by tp*pp*cp = 2*2*1 = 4" in error
@@ -169,7 +169,7 @@ def test_a_bad_layout_is_reported_before_torch_or_megatron_is_imported(tmp_path)
 
 def test_own_config_trains_under_torchrun_on_the_users_jsonl_sources(tmp_path):
     conf = write_user_config(tmp_path)  # TP1 x PP2 on 2 processes
-    launch.run_torchrun(GPT, 2, ["--config-dir", str(conf), "--config-name", "mytrain"], timeout=400)
+    launch.run_torchrun(GPT, 2, ["--config-dir", str(conf), "--config-name", "mytrain"], timeout=540)
     logs = {int(p.stem[4:]): json.loads(p.read_text()) for p in (tmp_path / "logs").glob("rank*.json")}
     assert sorted(logs) == [0, 1]
     seen = set()
@@ -189,7 +189,7 @@ def test_bad_config_value_exits_nonzero_with_one_line_per_rank(tmp_path):
     conf = write_user_config(tmp_path)
     with pytest.raises(launch.TorchrunError) as err:
         launch.run_torchrun(GPT, 2, ["--config-dir", str(conf), "--config-name", "mytrain", "data.seq_length=-1"],
-                            timeout=300)
+                            timeout=540)
     out = err.value.output
     assert err.value.returncode not in (0, None)
     assert "error: ConfigError" in out and "`data.seq_length`" in out

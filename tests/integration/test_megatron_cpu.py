@@ -259,7 +259,7 @@ def test_grad_clipping_scales_the_global_norm_down(one_process: Any) -> None:
 
 def _train(tmp_path: Path, name: str, nproc: int, *args: str, steps: int = STEPS) -> list[dict[str, Any]]:
     out = tmp_path / name
-    proc = run_torchrun(SCRIPT, nproc=nproc, timeout=180, lazy_compile=True,
+    proc = run_torchrun(SCRIPT, nproc=nproc, timeout=540, lazy_compile=True,
                         args=["--repeat", "--invariant-init", "--steps", str(steps), "--out", str(out), *args])
     records = [json.loads((out / f"rank{r}.json").read_text()) for r in range(nproc)]
     print(proc.stdout[-2000:])

@@ -140,8 +140,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _poll(port: int, want, timeout: float = 60.0) -> dict:
-    """Scrape until `want(parsed)` holds; the last parse is returned either way."""
+def _poll(port: int, want, timeout: float = 600.0) -> dict:
+    """Scrape until `want(parsed)` holds (at once on a quiet box; a loaded one exports late, so the
+    budget is generous); the last parse is returned either way."""
     deadline, parsed = time.monotonic() + timeout, {}
     while time.monotonic() < deadline:
         try:
@@ -165,7 +166,7 @@ def ray_metrics_port():
     if ray.is_initialized():
         pytest.skip("Ray already initialised in this process")
     port = _free_port()
-    ray.init(num_cpus=1, include_dashboard=False, configure_logging=False, log_to_driver=False,
+    ray.init(address="local", num_cpus=1, include_dashboard=False, configure_logging=False, log_to_driver=False,
              _metrics_export_port=port, _system_config={"metrics_report_interval_ms": 1000})
     service_metrics().reset()  # drop Ray metric objects of an earlier session in this process
     yield port
