@@ -253,8 +253,8 @@ class DataService:
 
     def actors(self) -> list[dict[str, Any]]:
         """Every actor of the service: ``role`` (``planner``, ``loader/<i>``, ``shadow/<i>``,
-        ``constructor/<j>``), ``state``, ``pid``, ``node_id``, ``serves`` (source ids or buckets) and
-        ``restarts``, read from Ray's control store (it answers while an actor restarts)."""
+        ``constructor/<j>``), ``state``, ``pid``, ``node_id``, ``serves`` (source ids or buckets),
+        ``restarts`` and ``actor_id`` (stable across restarts), read from Ray's control store (it answers while an actor restarts)."""
         rows: list[tuple[str, Any, list[int]]] = [("planner", self.planner, [])] if self.planner is not None else []
         if self.topology.autoscaled and self.planner is not None:
             groups = self.loader_actors()
@@ -312,4 +312,4 @@ def _actor_record(handle: Any) -> dict[str, Any]:
 
     info = state.actors(handle._actor_id.hex()) or {}
     return {"state": info.get("State"), "pid": info.get("Pid"), "node_id": (info.get("Address") or {}).get("NodeID"),
-            "restarts": info.get("NumRestarts")}
+            "restarts": info.get("NumRestarts"), "actor_id": handle._actor_id.hex()}
