@@ -48,5 +48,9 @@ class SampleError(MegascaleDataError):
         self.source, self.path, self.row = source, path, row
 
 
+class JobMismatchError(ConfigError):
+    """A client of one data service (job) asked another's actors; names both jobs."""
+
+
 class ResumeError(MegascaleDataError, ValueError):
     """A saved data state does not match the current configuration; names the changed field."""

@@ -30,7 +30,7 @@ import numpy as np
 import ray
 
 from megascale_data_ext.dataplane.scaling import ScalingPolicy
-from megascale_data_ext.errors import PlanError, ResumeError
+from megascale_data_ext.errors import JobMismatchError, PlanError, ResumeError
 from megascale_data_ext.runtime.autoscaler import AutoScaler, AutoscalePlan, RoutedFetch, spawn_loader_groups
 from megascale_data_ext.runtime.checkpoints import LoaderSnapshots, PlannerCheckpoints
 from megascale_data_ext.runtime.config import ServiceConfig
@@ -393,7 +393,8 @@ class DataConstructorActor:
     step a client asks for and rebuilds steps from their plans (loaders re-read what the dead
     instance had taken); a consumer counts for backpressure once it asks for something. Each
     rise of the slowest consumer's step is told to the Planner (it keeps plans until then).
-    Threads: `constructor_concurrency` (set by the service through ``.options``).
+    Threads: `constructor_concurrency` (set by the service through ``.options``). A request that
+    presents a ``job`` other than this service's (`ServiceTopology.job`) is refused by name.
     """
 
     def __init__(self, buckets: list[int], config: ServiceConfig, topology: ServiceTopology, planner: Any,
@@ -409,6 +410,7 @@ class DataConstructorActor:
         self.restarted = _reconstructed()
         self._planner = planner
         self._index = topology.constructor_of_bucket(buckets[0])
+        self._job = topology.job
         self._wake = threading.Event()
         self.constructor = DataConstructor(
             buckets,
@@ -453,12 +455,21 @@ class DataConstructorActor:
                 log("constructor %s: prefetch up to step %d failed (attempt %d): %s",
                                  self.constructor.buckets, target, failures, exc)
 
-    def get(self, step: int, microbatch: int, rank: int, position: int | None = None):
+    def _check_job(self, job: str | None) -> None:
+        """A string compare per request; None is a caller inside the service (no client)."""
+        if job is not None and job != self._job:
+            raise JobMismatchError(f"constructor/{self._index} of data service {self._job!r} refuses a request from a "
+                                   f"client of {job!r}: that client was given another job's topology or handles; "
+                                   "pass each trainer the ServiceHandles its own DataService.start() returned")
+
+    def get(self, step: int, microbatch: int, rank: int, position: int | None = None, *, job: str | None = None):
+        self._check_job(job)
         return self._deliver(step, lambda: self.constructor.get(step, microbatch, rank, position))
 
-    def get_step(self, step: int, rank: int, position: int | None = None):
+    def get_step(self, step: int, rank: int, position: int | None = None, *, job: str | None = None):
         """Every microbatch of `step` for `rank` in one reply (the client's step prefetch); the
-        rank is on step `position` (default `step`)."""
+        rank is on step `position` (default `step`); `job`: the client's `ServiceTopology.job`."""
+        self._check_job(job)
         return self._deliver(step, lambda: self.constructor.get_step(step, rank, position))
 
     def _deliver(self, step: int, take: Any) -> Any:
@@ -472,8 +483,9 @@ class DataConstructorActor:
         service_metrics().constructor_lead(self.constructor.held.lead(), buckets)
         return out
 
-    def get_encoder_images(self, step: int, rank: int, position: int | None = None):
+    def get_encoder_images(self, step: int, rank: int, position: int | None = None, *, job: str | None = None):
         """This constructor's images that global rank `rank` encodes at `step` (hybrid strategies)."""
+        self._check_job(job)
         return self.constructor.get_encoder_images(step, rank, position)
 
     def stats(self) -> dict:

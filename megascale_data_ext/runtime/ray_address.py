@@ -3,10 +3,18 @@
 `ray.init(address="host:port")` keeps retrying a GCS that is not there (and under torchrun
 every rank waits with it). Before joining, the address is probed with a plain TCP connect for
 a bounded time; an address that never answers is a `ConfigError` naming ``data.ray.address``.
+
+An address that accepts TCP but is no Ray cluster (another service on the port, a proxy that
+holds the connection) would still leave `ray.init` retrying: so the probe then speaks the first
+words of gRPC, which both the GCS and the Ray Client server talk: an HTTP/2 connection preface,
+to which any gRPC server answers with a SETTINGS frame at once. Anything else within
+`H2_SECONDS` is the same named error. With TLS (``RAY_USE_TLS=1``) the GCS speaks TLS first, so
+only the TCP connect is checked.
 """
 
 from __future__ import annotations
 
+import os
 import socket
 import time
 
@@ -15,6 +23,9 @@ from megascale_data_ext.errors import ConfigError
 DEFAULT_GCS_PORT = 6379
 DEFAULT_CLIENT_PORT = 10001
 PROBE_SECONDS = 15.0
+H2_SECONDS = 5.0
+H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])  # + an empty SETTINGS frame
+_SETTINGS = 4
 
 
 def host_port(address: str) -> tuple[str, int] | None:
@@ -40,7 +51,9 @@ def check_reachable(address: str | None, *, seconds: float = PROBE_SECONDS) -> N
     last: OSError | None = None
     while time.monotonic() < deadline:
         try:
-            with socket.create_connection(endpoint, timeout=min(2.0, max(0.1, deadline - time.monotonic()))):
+            with socket.create_connection(endpoint, timeout=min(2.0, max(0.1, deadline - time.monotonic()))) as sock:
+                if os.environ.get("RAY_USE_TLS", "0").lower() not in ("1", "true"):
+                    _speaks_grpc(sock, address, endpoint)
                 return
         except OSError as exc:
             last = exc
@@ -48,3 +61,27 @@ def check_reachable(address: str | None, *, seconds: float = PROBE_SECONDS) -> N
     raise ConfigError(f"`data.ray.address` {address!r}: nothing answers at {endpoint[0]}:{endpoint[1]} after "
                       f"{seconds:g} s ({last}); start the Ray head there (`ray start --head`), fix the address, "
                       "or set data.ray.address=null for an embedded local Ray")
+
+
+def _speaks_grpc(sock: socket.socket, address: str, endpoint: tuple[str, int], seconds: float = H2_SECONDS) -> None:
+    """Raise `ConfigError` unless the peer answers an HTTP/2 preface with a SETTINGS frame (gRPC)."""
+    what = "said nothing"
+    try:
+        sock.settimeout(seconds)
+        sock.sendall(H2_PREFACE)
+        head = b""
+        while len(head) < 9:
+            chunk = sock.recv(9 - len(head))
+            if not chunk:
+                what = "closed the connection"
+                break
+            head += chunk
+        if len(head) == 9 and head[3] == _SETTINGS:
+            return
+        if len(head) == 9:
+            what = f"answered {head!r}, not gRPC"
+    except OSError as exc:  # a timeout: it holds the connection and says nothing
+        what = f"said nothing ({exc or type(exc).__name__})"
+    raise ConfigError(f"`data.ray.address` {address!r}: {endpoint[0]}:{endpoint[1]} accepts TCP but is no Ray "
+                      f"cluster (to an HTTP/2 preface it {what} within {seconds:g} s); give the address of the Ray "
+                      "head's GCS (`ray start --head` prints it, port 6379 by default) or ray://host:10001")

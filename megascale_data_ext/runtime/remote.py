@@ -9,7 +9,9 @@ Failures: a step's request to a constructor that died (or stopped answering) is 
 constructor Ray restarted, found again by name, within bounded retries and a recovery
 deadline (`FaultToleranceConfig`, asked of the Planner); the restarted constructor rebuilds the
 step from its plan. Past the budget the client raises `ServiceUnavailableError` naming the
-constructor. The first fetching rank also fires the fault-injection schedule, if any.
+constructor. The first fetching rank also fires the fault-injection schedule, if any. Every
+request carries the topology's ``job``; a constructor of another service refuses it
+(`JobMismatchError`, not retried).
 """
 
 from __future__ import annotations
@@ -136,7 +138,7 @@ class RemoteConstructors:
             handle = self._handle(index)
             for ahead in range(step, step + 1 + self.prefetch_steps):  # `step` is where this rank is
                 if (rank, ahead) not in self._pending:
-                    self._pending[(rank, ahead)] = handle.get_step.remote(ahead, rank, step)
+                    self._pending[(rank, ahead)] = handle.get_step.remote(ahead, rank, step, job=self.topology.job)
             ref = self._pending.pop((rank, step))
             for stale in [k for k in self._pending if k[0] == rank and k[1] < step]:
                 del self._pending[stale]  # skipped steps: released once this rank is past them
@@ -174,7 +176,7 @@ class RemoteConstructors:
                     continue
                 time.sleep(min(0.05 * 2 ** (attempts - 1), 1.0))
                 handle = self._handle(index, fresh=True)  # the restarted actor, by name
-                ref = handle.get_step.remote(step, rank, step)
+                ref = handle.get_step.remote(step, rank, step, job=self.topology.job)
                 self._resend_failed(handle, rank, step)
 
     def _resend_failed(self, handle: Any, rank: int, step: int) -> None:
@@ -193,7 +195,7 @@ class RemoteConstructors:
                 try:
                     ray.get(self._pending[key], timeout=0)
                 except ACTOR_FAILURES:
-                    self._pending[key] = handle.get_step.remote(key[1], rank, step)
+                    self._pending[key] = handle.get_step.remote(key[1], rank, step, job=self.topology.job)
 
     def report_loss(self, step: int, losses: dict[int, float]) -> None:
         """Hand the Planner the per-source loss of `step` (loss-driven mixing)."""
@@ -206,4 +208,5 @@ class RemoteConstructors:
         import ray
 
         handles = [self._handle(j) for j in range(self.topology.num_constructors)]
-        return merge_encoder_images(ray.get([h.get_encoder_images.remote(step, rank, step) for h in handles]))
+        job = self.topology.job
+        return merge_encoder_images(ray.get([h.get_encoder_images.remote(step, rank, step, job=job) for h in handles]))

@@ -23,7 +23,9 @@ import shutil
 import sys
 import tempfile
 import time
+import uuid
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import ray
@@ -85,7 +87,8 @@ class DataService:
                  fault_tolerance: FaultToleranceConfig | None = None,
                  progress: Callable[[str], None] | None = print_progress):
         self.config = config
-        self.topology = ServiceTopology.of(config, tree)
+        self.topology = replace(ServiceTopology.of(config, tree),
+                                job=f"{config.ray.namespace}#{uuid.uuid4().hex[:8]}")  # see ServiceTopology.job
         self.tree = self.topology.tree
         self.ft = fault_tolerance or config.fault_tolerance
         self.progress = progress
@@ -139,6 +142,7 @@ class DataService:
             ray.init(**cfg.ray.init_kwargs(), include_dashboard=False, log_to_driver=True, configure_logging=False)
             self._owns_ray = True
         ns = topo.namespace
+        _check_namespace_free(ns)
         check_sources(cfg.sources)
         ckpt = self._prepare_checkpoint_dir()
         self._phase("sources checked", t0, f" ({len(cfg.sources)} sources)")
@@ -253,8 +257,8 @@ class DataService:
 
     def actors(self) -> list[dict[str, Any]]:
         """Every actor of the service: ``role`` (``planner``, ``loader/<i>``, ``shadow/<i>``,
-        ``constructor/<j>``), ``state``, ``pid``, ``node_id``, ``serves`` (source ids or buckets) and
-        ``restarts``, read from Ray's control store (it answers while an actor restarts)."""
+        ``constructor/<j>``), ``state``, ``pid``, ``node_id``, ``serves`` (source ids or buckets),
+        ``restarts`` and ``actor_id`` (stable across restarts), read from Ray's control store (it answers while an actor restarts)."""
         rows: list[tuple[str, Any, list[int]]] = [("planner", self.planner, [])] if self.planner is not None else []
         if self.topology.autoscaled and self.planner is not None:
             groups = self.loader_actors()
@@ -312,4 +316,21 @@ def _actor_record(handle: Any) -> dict[str, Any]:
 
     info = state.actors(handle._actor_id.hex()) or {}
     return {"state": info.get("State"), "pid": info.get("Pid"), "node_id": (info.get("Address") or {}).get("NodeID"),
-            "restarts": info.get("NumRestarts")}
+            "restarts": info.get("NumRestarts"), "actor_id": handle._actor_id.hex()}
+
+
+def _check_namespace_free(namespace: str) -> None:
+    """Refuse to start a second service in a namespace one already runs in (its actor names
+    would collide), naming the key and the job holding it."""
+    from megascale_data_ext.errors import ConfigError
+
+    try:
+        other = ray.get_actor(PLANNER_NAME, namespace=namespace)
+    except ValueError:  # no such actor: the namespace is free
+        return
+    try:
+        job = ray.get(other.topology.remote(), timeout=10).job or "unnamed"
+    except Exception:  # noqa: BLE001 - restarting or wedged: still holds the names
+        job = "unknown (its planner does not answer)"
+    raise ConfigError(f"`data.ray.namespace` {namespace!r} is in use by the running data service {job!r}: "
+                      "give each job on a shared Ray cluster its own namespace, or stop that service first")

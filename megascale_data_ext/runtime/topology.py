@@ -77,6 +77,9 @@ class ServiceTopology:
         namespace: Ray namespace of the named actors.
         autoscaled: Loaders are the partition's groups and shards, owned by the Planner and
             found through it (``route``, ``loaders_of``), not by name.
+        job: Which running service this is (``<namespace>#<random id>``, stamped by
+            `DataService`; empty for in-process wiring): clients present it on every request
+            and a constructor of another job refuses them (`JobMismatchError`).
     """
 
     tree: ClientPlaceTree
@@ -84,6 +87,7 @@ class ServiceTopology:
     num_sources: int
     namespace: str
     autoscaled: bool = False
+    job: str = ""
 
     @classmethod
     def of(cls, config: Any, tree: ClientPlaceTree, strategy: Any = None) -> ServiceTopology:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import socket
+import threading
 import time
 
 import pytest
@@ -27,10 +28,39 @@ def test_unreachable_address_fails_fast_naming_the_key():
     assert time.monotonic() - t0 < 10
 
 
-def test_a_listening_address_passes():
-    with socket.socket() as server:
-        server.bind(("127.0.0.1", 0))
-        server.listen()
-        check_reachable(f"127.0.0.1:{server.getsockname()[1]}", seconds=2.0)
+def _serve_once(server: socket.socket, reply: bytes) -> None:
+    """Accept one connection, read the client's first bytes and answer `reply`."""
+    conn, _ = server.accept()
+    with conn:
+        conn.recv(64)
+        conn.sendall(reply)
+        time.sleep(0.5)
+
+
+def _listening(reply: bytes | None) -> tuple[socket.socket, str]:
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen()
+    if reply is not None:  # else the kernel accepts the connection and nobody ever speaks
+        threading.Thread(target=_serve_once, args=(server, reply), daemon=True).start()
+    return server, f"127.0.0.1:{server.getsockname()[1]}"
+
+
+def test_a_grpc_server_passes():
+    server, address = _listening(bytes([0, 0, 0, 4, 0, 0, 0, 0, 0]))  # an HTTP/2 SETTINGS frame: what gRPC answers
+    with server:
+        check_reachable(address, seconds=2.0)
     check_reachable(None)
     check_reachable("auto")
+
+
+@pytest.mark.parametrize(("reply", "said"), [(None, "said nothing"), (b"HTTP/1.1 400 Bad Request\r\n\r\n", "not gRPC")])
+def test_tcp_without_ray_fails_within_30s_in_one_line_naming_the_key(reply, said):
+    server, address = _listening(reply)
+    t0 = time.monotonic()
+    with server, pytest.raises(ConfigError) as err:
+        check_reachable(address)
+    assert time.monotonic() - t0 < 30
+    message = str(err.value)
+    assert "\n" not in message and message.startswith(f"`data.ray.address` {address!r}: ")
+    assert "accepts TCP but is no Ray cluster" in message and said in message
