@@ -136,6 +136,11 @@ class DataService:
         cfg, topo, ft = self.config, self.topology, self.ft
         if not ray.is_initialized():
             check_reachable(cfg.ray.address)  # a named error in seconds, not ray.init retrying for minutes
+            if cfg.ray.address is None:
+                # Ray turns token auth on for a new local cluster and prints a notice saying so
+                # unless the mode is named; naming the same mode keeps it on, without the notice
+                # (RAY_AUTH_MODE=disabled in the environment still opts out).
+                os.environ.setdefault("RAY_AUTH_MODE", "token")
             ray.init(**cfg.ray.init_kwargs(), include_dashboard=False, log_to_driver=True, configure_logging=False)
             self._owns_ray = True
         ns = topo.namespace
