@@ -6,6 +6,8 @@ source, row or config field and says what to do about it.
 
 from __future__ import annotations
 
+import sys
+
 
 class MegascaleDataError(Exception):
     """Base class of every error this package raises on purpose."""
@@ -54,3 +56,20 @@ class JobMismatchError(ConfigError):
 
 class ResumeError(MegascaleDataError, ValueError):
     """A saved data state does not match the current configuration; names the changed field."""
+
+
+def root_cause(exc: BaseException) -> BaseException:
+    """The error a service actor raised, unwrapped from Ray's ``RayTaskError`` layers.
+
+    An error inside a Source Loader reaches the trainer wrapped once per actor hop (loader ->
+    constructor -> client), each layer's message carrying the whole remote traceback. This
+    returns the innermost cause (e.g. the loader's `SourceError`), or `exc` itself when it is no
+    Ray wrapper. Ray is not imported: a process that never loaded it holds no Ray error.
+    """
+    wrapper = getattr(sys.modules.get("ray.exceptions"), "RayTaskError", None)
+    for _ in range(16):  # one layer per actor hop; bounded against a self-referencing cause
+        cause = getattr(exc, "cause", None) if wrapper is not None and isinstance(exc, wrapper) else None
+        if not isinstance(cause, BaseException) or cause is exc:
+            return exc
+        exc = cause
+    return exc

@@ -52,7 +52,9 @@ class TrainConfig:
     """``train``: steps, optimizer recipe (AdamW, warm-up then ``lr_decay_style`` to ``min_lr`` at
     ``lr_decay_iters``, default ``train_iters``), precision, checkpoints and step logs.
 
-    ``train_iters`` and ``lr`` are required; ``save_interval`` > 0 needs ``save``.
+    ``train_iters`` and ``lr`` are required; ``save_interval`` > 0 needs ``save``. ``run_dir`` keeps
+    the composed config and overrides (``.hydra/``) and holds relative ``save``/``log_dir``/
+    ``tensorboard_dir``; ``tensorboard_dir`` gets rank 0's scalars every ``log_interval`` steps.
     """
 
     train_iters: int | None = None
@@ -73,6 +75,9 @@ class TrainConfig:
     load: str | None = None
     log_dir: str | None = None
     record_digests: bool = False
+    run_dir: str | None = None
+    tensorboard_dir: str | None = None
+    log_interval: int = 1
 
 
 RUN_NODES: dict[str, type] = {"model": ModelConfig, "train": TrainConfig, "parallel": ParallelConfig}
@@ -120,6 +125,7 @@ def check_values(run: RunConfig, problems: Problems) -> None:
         if getattr(t, name) is None:
             problems.add(f"train.{name}", f"is required: {what}")
     _at_least(problems, "train.train_iters", t.train_iters, 1, "steps to train")
+    _at_least(problems, "train.log_interval", t.log_interval, 1, "steps between TensorBoard scalars")
     if t.lr is not None and t.lr <= 0:
         problems.add("train.lr", f"must be > 0, got {t.lr!r}")
     for name in ("lr_warmup_iters", "lr_decay_iters", "save_interval", "clip_grad", "weight_decay", "min_lr"):

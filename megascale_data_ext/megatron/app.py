@@ -25,8 +25,12 @@ checks the parallel layout against the launcher's ``WORLD_SIZE``, the whole ``da
 the Ray address, and reports every problem at once. Training then runs inside
 :func:`torch.distributed.elastic.multiprocessing.errors.record`, so torchrun
 prints the root cause of a failure (the first failing rank's error file). Our own
-:class:`~megascale_data_ext.errors.MegascaleDataError` (a bad config value, a missing source) is
-printed as one line ``error: <Type>: <message>`` per rank instead of a traceback, with exit code 1.
+:class:`~megascale_data_ext.errors.MegascaleDataError` (a bad config value, a missing source, a
+source failing inside the service mid-run: unwrapped from Ray's ``RayTaskError``) is printed as
+one line ``error: <Type>: <message> (full log: <path>)`` per rank instead of a traceback, with exit
+code 1; the log (``megatron.run_dir.error_log_path``) holds the whole chain, remote tracebacks included.
+With ``train.run_dir`` set, rank 0 first writes the composed config and the overrides there
+(``.hydra/config.yaml``, ``.hydra/overrides.yaml``, see :mod:`~megascale_data_ext.megatron.run_dir`).
 """
 
 from __future__ import annotations
@@ -41,8 +45,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from megascale_data_ext.errors import ConfigError, MegascaleDataError
+from megascale_data_ext.errors import ConfigError, MegascaleDataError, root_cause
 from megascale_data_ext.megatron.preflight import preflight
+from megascale_data_ext.megatron.run_dir import error_log_path, resolve_run_paths, write_error_log, write_run_config
 
 TrainFn = Callable[[Any], "list[dict] | None"]
 
@@ -158,19 +163,33 @@ def run(train: TrainFn, argv: Sequence[str] | None = None, *, config_name: str, 
         # pays for importing torch and megatron-core.
         cfg = compose(args, config_name)
         preflight(cfg)
+        write_run_config(cfg, args.overrides)
+        resolve_run_paths(cfg)
     except MegascaleDataError as e:
         write_error_file(e)
         print(f"error: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
         return 1
-    quiet_other_ranks()
+    quiet_imports()
+    log = error_log_path(cfg)
     try:
         from torch.distributed.elastic.multiprocessing.errors import record
 
-        record(_train, error_handler=_error_handler())(train, cfg)
+        record(_train, error_handler=_error_handler(log))(train, cfg)
         return 0
-    except MegascaleDataError as e:  # record() already wrote it to torchrun's error file
-        print(f"error: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+    except Exception as e:
+        # Ours, raised here or inside a service actor (unwrapped from Ray's layers by the client):
+        # one line naming the source or key and the fix, the whole chain in the log it names.
+        # record() already wrote the same line to torchrun's error file.
+        cause = root_cause(e)
+        if not isinstance(cause, MegascaleDataError):
+            raise
+        print(error_line(cause, write_error_log(log, e)), file=sys.stderr, flush=True)
         return 1
+
+
+def error_line(e: BaseException, log: Path | None = None) -> str:
+    """``error: <Type>: <message> (full log: <path>)``: what a rank prints for one of our errors."""
+    return f"error: {type(e).__name__}: {e}" + (f" (full log: {log})" if log is not None else "")
 
 
 def format_config(args: argparse.Namespace, config_name: str) -> str:
@@ -193,15 +212,19 @@ def format_config(args: argparse.Namespace, config_name: str) -> str:
         raise ConfigError(f"cannot print the composed config: {e}") from e
 
 
-def quiet_other_ranks() -> None:
-    """Rank 0 alone shows megatron-core's import-time fallback warnings (Apex / Transformer Engine
-    not installed); every rank printing the same six warnings buries the lines that matter."""
-    if os.environ.get("RANK", "0") != "0":
-        warnings.filterwarnings("ignore", message=r".*(Apex|Transformer Engine).* (is|are) not installed",
-                                category=UserWarning)
+def quiet_imports() -> None:
+    """Hide megatron-core's import-time warnings that no user of these examples can act on.
+
+    The fallbacks it announces when Transformer Engine or Apex is absent (a CPU run, or a GPU
+    image without them) are the ones these examples are built to use: ``model.attention``
+    picks the backend and says which. (Its ``cuda_graph_scope`` deprecation warning is avoided
+    where the config is built: `megatron.model.quiet_config_defaults`.)
+    """
+    warnings.filterwarnings("ignore", message=r"(Transformer Engine and Apex are|Apex is) not installed\. "
+                                              r"Falling back to", category=UserWarning)
 
 
-def write_error_file(e: MegascaleDataError) -> None:
+def write_error_file(e: BaseException, log: Path | None = None) -> None:
     """Record one of our errors in torchrun's error file as its message (no traceback).
 
     Without ``extraInfo.py_callstack`` torchrun's failure summary shows the message itself
@@ -211,18 +234,21 @@ def write_error_file(e: MegascaleDataError) -> None:
     if not file:
         return
     info = {"timestamp": str(int(time.time()))}
-    Path(file).write_text(json.dumps({"message": {"message": f"{type(e).__name__}: {e}", "extraInfo": info}}))
+    message = error_line(e, log).removeprefix("error: ")
+    Path(file).write_text(json.dumps({"message": {"message": message, "extraInfo": info}}))
 
 
-def _error_handler() -> Any:
-    """torchrun's error-file writer, which records our own errors as their message (no traceback)."""
+def _error_handler(log: Path) -> Any:
+    """torchrun's error-file writer, which records our own errors (unwrapped from Ray's layers) as
+    their message and the log that `run` writes the whole chain to (no traceback)."""
     from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
     class MessageErrorHandler(ErrorHandler):
         def record_exception(self, e: BaseException) -> None:
-            if not isinstance(e, MegascaleDataError) or not os.environ.get("TORCHELASTIC_ERROR_FILE"):
+            cause = root_cause(e)
+            if not isinstance(cause, MegascaleDataError) or not os.environ.get("TORCHELASTIC_ERROR_FILE"):
                 return super().record_exception(e)
-            write_error_file(e)
+            write_error_file(cause, log)
 
     return MessageErrorHandler()
 

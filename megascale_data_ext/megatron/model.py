@@ -73,6 +73,16 @@ _FIRST_STAGE_KEYS = ("tokens", "position_ids")
 _LAST_STAGE_KEYS = ("labels", "loss_mask")
 
 
+
+def quiet_config_defaults() -> dict[str, Any]:
+    """TransformerConfig fields whose megatron-core default warns on every model build.
+
+    megatron-core 0.16 defaults ``cuda_graph_scope`` to ``"full"`` and then warns that "full"
+    is deprecated in favour of ``[]``, which means the same (the whole layer); versions without
+    the field get nothing.
+    """
+    return {"cuda_graph_scope": []} if "cuda_graph_scope" in TransformerConfig.__dataclass_fields__ else {}
+
 @dataclass(slots=True, kw_only=True)
 class GPTModelConfig:
     """Shape and parallel layout of the GPT trained on the service's batches.
@@ -162,6 +172,7 @@ class GPTModelConfig:
             # default (overlap on, batching off) orders p2p even/odd, one direction per call.
             overlap_p2p_comm=self.vpp is not None,
             batch_p2p_comm=self.vpp is None,
+            **quiet_config_defaults(),
         )
 
 

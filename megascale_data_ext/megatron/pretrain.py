@@ -31,14 +31,14 @@ import torch
 import torch.distributed as dist
 
 from megascale_data_ext.config.run import LR_DECAY_STYLES
-from megascale_data_ext.errors import ConfigError, ResumeError
+from megascale_data_ext.errors import ConfigError, ResumeError, root_cause
 
 CHECKPOINT_VERSION = 1
 
 
 def serve(service_config: Any, tree: Any, *, state: dict | None):
     """Start the service on rank 0 and tell every rank where it is. Returns (service|None, handles)."""
-    service, payload = None, [None]
+    service, payload, failure = None, [None], None
     if dist.get_rank() == 0:
         from megascale_data_ext.runtime.service import DataService
 
@@ -46,9 +46,13 @@ def serve(service_config: Any, tree: Any, *, state: dict | None):
         try:
             payload[0] = service.start(state=state)
         except Exception as exc:  # every rank must learn about it, not hang in the broadcast
-            payload[0] = exc
+            # Ray's wrapper of an actor's error does not pickle and repeats the remote traceback
+            # in its message: the other ranks get the actor's own error, rank 0 keeps the chain.
+            failure, payload[0] = exc, root_cause(exc)
     dist.broadcast_object_list(payload, src=0)
     if isinstance(payload[0], Exception):
+        if failure is not None and payload[0] is not failure:
+            raise payload[0] from failure
         raise payload[0]
     return service, payload[0]
 
@@ -241,6 +245,7 @@ class TrainingSession:
                                      broadcast_group=broadcast_group(self.handles.topology),
                                      record_digests=bool(cfg.train.get("record_digests", False)))
         self.planner = None
+        self._summary: tuple[int, dict] | None = None
         if self.rank == 0:
             import ray
 
@@ -251,6 +256,22 @@ class TrainingSession:
         import ray
 
         return ray.get(self.planner.plan.remote(step))
+
+    def step_summary(self, step: int) -> dict:
+        """The step plan's summary (balance, per-source samples), asked of the Planner once per step."""
+        if self._summary is None or self._summary[0] != step:
+            self._summary = (step, self.plan(step).summary())
+        return self._summary[1]
+
+    def _scalar_log(self) -> Any:
+        """Rank 0's TensorBoard writer when ``train.tensorboard_dir`` is set, else None."""
+        directory = self.cfg.train.get("tensorboard_dir")
+        if self.rank != 0 or not directory:
+            return None
+        from megascale_data_ext.megatron.tensorboard import ScalarLog
+
+        return ScalarLog(directory, interval=int(self.cfg.train.get("log_interval") or 1),
+                         source_names=[s.name for s in self.service_cfg.sources])
 
     def run(
         self,
@@ -280,6 +301,7 @@ class TrainingSession:
         log: list[dict] = []
         save_dir, interval = tcfg.get("save"), int(tcfg.get("save_interval") or 0)
         calibration = self._step_calibration()
+        scalars = self._scalar_log()
         try:
             for step in range(self.start, int(tcfg.train_iters)):
                 t0 = time.perf_counter()
@@ -305,6 +327,8 @@ class TrainingSession:
                          **extra}
                 if self.rank == 0:
                     (report or self._report)(step, entry)
+                if scalars is not None and scalars.due(step):
+                    scalars.write(step, entry, self.step_summary(step))
                 log.append(entry)
                 if save_dir and interval and (step + 1) % interval == 0:
                     save_checkpoint(save_dir, step + 1, chunks, optimizer, hooks, self.service, scheduler)
@@ -312,6 +336,9 @@ class TrainingSession:
             hooks.uninstall()  # no barrier: peers may be blocked in a collective; torchrun tears the job down
             self._stop()
             raise
+        finally:
+            if scalars is not None:
+                scalars.close()
         hooks.uninstall()
         if calibration is not None:
             print(calibration.report(), flush=True)
@@ -339,7 +366,7 @@ class TrainingSession:
         return StepCalibration(plan_of, self.service_cfg.strategy_args)
 
     def _report(self, step: int, entry: dict) -> None:
-        s = self.plan(step).summary()
+        s = self.step_summary(step)
         print(f"step {step:4d} | loss {entry['loss']:.4f} | {step_counts(s, self.service_cfg)} | max/mean cost "
               f"vanilla {s['vanilla_max_over_mean']:.3f} -> {s['max_over_mean']:.3f} | lr {entry['lr']:.2e} | "
               f"grad norm {entry['grad_norm']:.2f} | {entry['num_tokens'] / entry['seconds']:,.0f} loss-tokens/s | "

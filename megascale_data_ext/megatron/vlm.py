@@ -48,7 +48,7 @@ from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megascale_data_ext.errors import ConfigError, SampleError
-from megascale_data_ext.megatron.model import GPTModelConfig, build_gpt_model, device
+from megascale_data_ext.megatron.model import GPTModelConfig, build_gpt_model, device, quiet_config_defaults
 
 __all__ = ["FrozenViT", "ViTConfig", "VLMChunk", "VLMFeed", "build_vlm_chunks", "exchange_features"]
 
@@ -99,7 +99,7 @@ class FrozenViT(torch.nn.Module):
             use_cpu_initialization=not torch.cuda.is_available(), params_dtype=torch.float32,
             pipeline_dtype=torch.float32,
             bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
-            gradient_accumulation_fusion=False, persist_layer_norm=False,
+            gradient_accumulation_fusion=False, persist_layer_norm=False, **quiet_config_defaults(),
         )
         spec = get_vit_layer_with_local_spec()
         spec.submodules.self_attention.params = {"attn_mask_type": AttnMaskType.no_mask}

@@ -28,6 +28,7 @@ fields ``step`` and ``microbatch`` of the next microbatch to deliver.
 from __future__ import annotations
 
 import hashlib
+import os
 import time
 from collections import deque
 from collections.abc import Iterator, Mapping
@@ -38,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from megascale_data_ext.dataplane.cp_slicing import slice_for_cp
-from megascale_data_ext.errors import ConfigError, ResumeError
+from megascale_data_ext.errors import ConfigError, MegascaleDataError, ResumeError, root_cause
 from megascale_data_ext.runtime.constructor import EncoderImages
 from megascale_data_ext.runtime.metrics import service_metrics
 from megascale_data_ext.runtime.topology import ServiceTopology
@@ -72,13 +73,40 @@ class MicrobatchSource(Protocol):
         ...
 
 
+_NUMPY_DTYPES = {k: torch.empty(0, dtype=v).numpy().dtype for k, v in _DTYPES.items()}
+
+
 def to_torch(batch: Mapping[str, np.ndarray]) -> dict[str, torch.Tensor]:
+    """Megatron's tensors of a microbatch, each made with at most one copy.
+
+    Arrays read from the object store are read-only views of its shared memory, which a torch
+    tensor must not wrap (an in-place op would write into Ray's buffer); they are copied, with
+    the dtype conversion in the same copy. Writable arrays of the right dtype are wrapped as they are.
+    """
     out = {}
     for k, v in batch.items():
-        t = torch.from_numpy(np.ascontiguousarray(v))
-        want = _DTYPES.get(k)
-        out[k] = t.to(want) if want is not None and t.dtype != want else t
+        v = np.asarray(v)
+        want = _NUMPY_DTYPES.get(k, v.dtype)
+        if v.dtype != want or not v.flags.writeable or not v.flags.c_contiguous:
+            v = np.array(v, dtype=want, order="C")
+        out[k] = torch.from_numpy(v)
     return out
+
+
+def raise_service_error(exc: BaseException) -> None:
+    """Re-raise an error from inside the service as the error the service raised.
+
+    Ray wraps an actor's error once per hop (loader -> constructor -> client), each layer
+    printing the remote traceback again; our own errors (`SourceError`, `PlanError`, ...) come
+    out unwrapped, chained to the Ray error (``__cause__``) so a full log still shows where they
+    were raised. The steps this rank prefetched fail with the same cause: Ray would print each
+    one's traceback when it is dropped, so those reports are turned off (RAY_IGNORE_UNHANDLED_ERRORS).
+    """
+    cause = root_cause(exc)
+    if cause is exc or not isinstance(cause, MegascaleDataError):
+        raise exc
+    os.environ.setdefault("RAY_IGNORE_UNHANDLED_ERRORS", "1")
+    raise cause from exc
 
 
 def digest(batch: Mapping[str, torch.Tensor]) -> str:
@@ -160,7 +188,10 @@ class Client:
             raise ConfigError(f"rank {self.rank} does not fetch here (it receives from rank {self.src}, reads "
                               "nothing, or was given no source)")
         t0 = time.perf_counter()
-        batch, info = self.source.get(step, microbatch, self.rank)
+        try:
+            batch, info = self.source.get(step, microbatch, self.rank)
+        except Exception as exc:
+            raise_service_error(exc)
         seconds = time.perf_counter() - t0
         self.fetch_seconds.append(seconds)
         service_metrics().fetch_latency(seconds, self.rank)
@@ -252,7 +283,10 @@ class Client:
         if self.source is None:
             raise ConfigError(f"rank {self.rank} has no source to pull encoder images from")
         t0 = time.perf_counter()
-        out = self.source.get_encoder_images(step, self.rank)
+        try:
+            out = self.source.get_encoder_images(step, self.rank)
+        except Exception as exc:
+            raise_service_error(exc)
         self.encoder_seconds.append(time.perf_counter() - t0)
         return out
 
@@ -260,7 +294,10 @@ class Client:
         """Report `step`'s per-source training loss to the Planner (feedback mixing)."""
         if self.source is None:
             raise ConfigError(f"rank {self.rank} has no source to report losses through")
-        self.source.report_loss(step, dict(losses))
+        try:
+            self.source.report_loss(step, dict(losses))
+        except Exception as exc:
+            raise_service_error(exc)
 
     def drain(self) -> dict[str, list]:
         """The records since the last drain (``delivered``, ``fetch_seconds``, ``digests``), cleared."""

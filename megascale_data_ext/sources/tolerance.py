@@ -8,6 +8,7 @@ and location so the runtime can report it and keep its accounting exact.
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 
 from megascale_data_ext.errors import SourceError
@@ -46,7 +47,9 @@ class BadSampleTracker:
             raise SourceError(
                 f"source {self.source!r}: {len(self.skipped)} bad samples out of {self.samples_read} read "
                 f"exceeds max_bad_fraction={self.max_bad_fraction} (allowed {allowed:.1f}); "
-                f"first in this read: {first.reason}; fix the data or raise max_bad_fraction"
+                f"first in this read: {first.reason}. Fix the data (`megascale-data lint` lists the bad rows) "
+                f"or allow more with `data.sources.{self.source}.max_bad_fraction="
+                f"{min(1.0, math.ceil(len(self.skipped) / self.samples_read * 100) / 100):g}`"
             )
 
     def reasons(self) -> dict[str, int]:
