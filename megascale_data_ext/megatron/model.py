@@ -6,17 +6,14 @@ This is the trainer side the data service feeds in tests, examples and benchmark
 project's over torch kernels; the dense S x S mask as a fallback), megatron's own pipeline
 schedules with ``variable_seq_lengths=True`` (each microbatch may have its own length after
 balancing; PP stages exchange shapes first), megatron's DistributedDataParallel for the DP
-gradient all-reduce, and a torch optimizer. Batches follow Megatron-LM's ``get_batch`` contract
-per pipeline stage.
+gradient all-reduce, a torch optimizer; batches per stage as Megatron-LM's ``get_batch``.
 
 Devices: with CUDA, each process uses ``cuda:LOCAL_RANK`` (model, batches, loss and norm
 buffers), NCCL for CUDA tensors and gloo for CPU ones; ``bf16`` follows Megatron's mixed
 precision (bf16 params and activations, ``Float16Module``, fp32 gradient reduction, fp32 master
 weights in the optimizer of `pretrain.build_optimizer`). Without CUDA everything runs on CPU/gloo.
 
-Process contract: call `initialize_parallel` once per torchrun process before building
-models; everything else reads megatron's ``parallel_state``.
-"""
+Process contract: `initialize_parallel` once per torchrun process before building models."""
 
 from __future__ import annotations
 
@@ -73,15 +70,10 @@ _FIRST_STAGE_KEYS = ("tokens", "position_ids")
 _LAST_STAGE_KEYS = ("labels", "loss_mask")
 
 
-
 def quiet_config_defaults() -> dict[str, Any]:
-    """TransformerConfig fields whose megatron-core default warns on every model build.
-
-    megatron-core 0.16 defaults ``cuda_graph_scope`` to ``"full"`` and then warns that "full"
-    is deprecated in favour of ``[]``, which means the same (the whole layer); versions without
-    the field get nothing.
-    """
+    """Config fields whose megatron-core 0.16 default warns each build (``cuda_graph_scope`` "full" = ``[]``)."""
     return {"cuda_graph_scope": []} if "cuda_graph_scope" in TransformerConfig.__dataclass_fields__ else {}
+
 
 @dataclass(slots=True, kw_only=True)
 class GPTModelConfig:
@@ -480,9 +472,8 @@ def train_step(
         micro_batch_size=micro_batch_size,
         forward_only=False,
     )
-    # DDP accumulates into param.main_grad (already all-reduced over DP by
-    # finalize_model_grads); a plain torch optimizer reads param.grad (an fp32-master optimizer
-    # reads main_grad itself: it sets `reads_main_grad`).
+    # DDP accumulates into param.main_grad (all-reduced over DP by finalize_model_grads); a plain torch
+    # optimizer reads param.grad (an fp32-master one reads main_grad itself: `reads_main_grad`).
     params = [p for chunk in model_chunks for p in chunk.parameters() if p.requires_grad]
     grad_norm = _clip_grads(params, clip_grad)
     if not getattr(optimizer, "reads_main_grad", False):
