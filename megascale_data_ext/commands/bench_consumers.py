@@ -4,14 +4,15 @@ One service on embedded Ray (seeded image-text and text Parquet sources, ``vlm_b
 default, DP x PP ranks) is consumed by one thread per rank, each pulling its encoder share and
 its microbatches as fast as they arrive (``--client-prefetch`` steps in flight). At
 ``--stall-at`` the last fetching rank sleeps ``--stall`` seconds, then races to catch up. Every
-``--sample-every`` steps the resident memory of each Data Constructor actor and of this client
+``--sample-seconds`` the resident memory of each Data Constructor actor and of this client
 process is read, with each constructor's held steps and its lead over its slowest fetcher.
 
 What it shows: data is released when taken, not by a window, so a fast rank never loses a step
 (every rank's bytes are compared with a slow lockstep in-process consumer's, ``mismatches``), and
 memory is bounded by backpressure: constructors hold at most ``max_lead`` steps
-(``fault_tolerance.max_lead_steps``) however long the stall. Rows (JSON ``samples``): ``step``,
-``wall_s``, ``constructor_rss_mib`` (per constructor), ``client_rss_mib``, ``held_steps``, ``lead``.
+(``fault_tolerance.max_lead_steps``) however long the stall. Rows (JSON ``samples``): ``wall_s``,
+``slowest_step``, ``fastest_step``, ``constructor_rss_mib`` (per constructor), ``client_rss_mib``,
+``held_steps``, ``lead``.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--client-prefetch", type=int, default=4, help="steps each rank keeps requested ahead")
     p.add_argument("--stall-at", type=int, default=50, help="step at which the last fetching rank stalls")
     p.add_argument("--stall", type=float, default=30.0, help="seconds it stalls before racing")
-    p.add_argument("--sample-every", type=int, default=10, help="steps between memory samples")
+    p.add_argument("--sample-seconds", type=float, default=1.0, help="seconds between memory samples")
     p.add_argument("--check-steps", type=int, default=40,
                    help="steps compared byte for byte with an in-process lockstep consumer (0 = none)")
     p.add_argument("--json", default=None, help="write the summary and samples here")
@@ -151,36 +152,41 @@ def run(args: argparse.Namespace) -> int:
         handles = svc.start()
         samples: list[dict[str, Any]] = []
         t0 = time.perf_counter()
-        sampled: set[int] = set()
-        lock = threading.Lock()
+        at: dict[int, int] = {}  # rank -> last step it finished
+        done = threading.Event()
 
-        def sample(rank: int, step: int) -> None:  # the first rank to finish a sampled step reads memory
-            if step % args.sample_every:
-                return
-            with lock:
-                if step in sampled:
+        def sample() -> None:  # every --sample-seconds, so the stall itself is seen
+            while not done.wait(args.sample_seconds):
+                try:
+                    rss = ray.get([c.__ray_call__.remote(lambda _self: rss_bytes()) for c in svc.constructors])
+                    stats = ray.get([c.stats.remote() for c in svc.constructors])
+                except Exception:  # the service is stopping
                     return
-                sampled.add(step)
-            rss = ray.get([c.__ray_call__.remote(lambda _self: rss_bytes()) for c in svc.constructors])
-            stats = ray.get([c.stats.remote() for c in svc.constructors])
-            row = {"step": step, "wall_s": round(time.perf_counter() - t0, 2),
-                   "constructor_rss_mib": [round(b / 2**20, 1) for b in rss], "client_rss_mib": round(rss_bytes() / 2**20, 1),
-                   "held_steps": [s["buffered_steps"] for s in stats], "lead": [s["lead"] for s in stats]}
-            samples.append(row)
-            print(f"step {step:4d}/{args.steps} | {row['wall_s']:7.1f} s | constructors {row['constructor_rss_mib']} MiB "
-                  f"| client {row['client_rss_mib']} MiB | held steps {row['held_steps']} | lead {row['lead']}",
-                  flush=True)
+                steps = list(at.values()) or [0]
+                row = {"wall_s": round(time.perf_counter() - t0, 2), "slowest_step": min(steps),
+                       "fastest_step": max(steps), "constructor_rss_mib": [round(b / 2**20, 1) for b in rss],
+                       "client_rss_mib": round(rss_bytes() / 2**20, 1),
+                       "held_steps": [x["buffered_steps"] for x in stats], "lead": [x["lead"] for x in stats]}
+                samples.append(row)
+                if len(samples) % 10 == 1:
+                    print(f"{row['wall_s']:7.1f} s | ranks at steps {row['slowest_step']}..{row['fastest_step']}/"
+                          f"{args.steps} | constructors {row['constructor_rss_mib']} MiB | client "
+                          f"{row['client_rss_mib']} MiB | held steps {row['held_steps']} | lead {row['lead']}", flush=True)
 
+        sampler = threading.Thread(target=sample, daemon=True, name="sampler")
+        sampler.start()
         try:
             topo = handles.topology
             got = race(lambda: RemoteConstructors(topo, prefetch_steps=args.client_prefetch, fault_tolerance=ft), topo,
-                       range(args.steps), images_first=True, hybrid=hybrid, m=m, on_step=sample,
-                       stall=(args.stall_at, args.stall))
+                       range(args.steps), images_first=True, hybrid=hybrid, m=m,
+                       on_step=lambda rank, step: at.__setitem__(rank, step), stall=(args.stall_at, args.stall))
             final = ray.get([c.stats.remote() for c in svc.constructors])
         finally:
+            done.set()
+            sampler.join()
             svc.stop()
     mismatches = sum(got[r][s] != want[r][s] for r in want for s in check)
-    warm = [r for r in samples if r["step"] >= min(args.stall_at, 20)]
+    warm = [r for r in samples if r["slowest_step"] >= min(args.stall_at, 20)]
     summary = {
         "steps": args.steps, "ranks": tree.world_size, "strategy": args.strategy, "client_prefetch": args.client_prefetch,
         "stall_at": args.stall_at, "stall_s": args.stall, "max_lead_steps": ft.max_lead(cfg.prefetch),
