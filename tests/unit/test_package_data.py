@@ -26,7 +26,8 @@ def test_wheel_ships_conf_and_composes_from_it(tmp_path):
                     "-w", str(tmp_path / "dist")], check=True, cwd=tmp_path, capture_output=True)
     (wheel,) = (tmp_path / "dist").glob("megascale_data_ext-*.whl")
 
-    expected = {p.relative_to(REPO / "conf").as_posix(): p.read_bytes() for p in (REPO / "conf").rglob("*.yaml")}
+    expected = {p.relative_to(REPO / "conf").as_posix(): p.read_bytes() for p in (REPO / "conf").rglob("*")
+                if p.suffix in (".yaml", ".py")}  # __init__.py: `pkg://megascale_data_ext/conf` needs a package
     assert {"train_gpt.yaml", "data/megascale.yaml", "strategy/llm_balance.yaml"} <= set(expected)
     with zipfile.ZipFile(wheel) as zf:
         shipped = {n.removeprefix("megascale_data_ext/conf/"): zf.read(n) for n in zf.namelist()
@@ -41,6 +42,15 @@ def test_wheel_ships_conf_and_composes_from_it(tmp_path):
         print(conf_dir())
         cfg = compose_config(["data.seq_length=64", "strategy=vanilla"])
         print(cfg.data.seq_length, cfg.data.strategy._target_, len(cfg.data.sources))
+        import pathlib, tempfile, warnings
+        from hydra import compose, initialize_config_dir
+        d = tempfile.mkdtemp()  # a user's own config finding the groups through the package search path
+        pathlib.Path(d, "mine.yaml").write_text(
+            "hydra:\\n  searchpath: [pkg://megascale_data_ext/conf]\\ndefaults:\\n  - data: megascale\\n  - _self_\\n")
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # Hydra only warns when a search path is not available
+            with initialize_config_dir(d, version_base=None):
+                print(compose("mine").data.seq_length)
     """)
     env = {k: v for k, v in os.environ.items() if k != "MEGASCALE_CONF_DIR"}
     env["PYTHONPATH"] = str(tmp_path / "site")
@@ -50,3 +60,4 @@ def test_wheel_ships_conf_and_composes_from_it(tmp_path):
     assert out[0] == str(site / "__init__.py")  # the unpacked wheel, not the checkout
     assert out[1] == str(site / "conf") and not (site / "conf").is_symlink()
     assert out[2] == "64 megascale_data_ext.dataplane.strategies.Vanilla 4"  # strategy=vanilla from the wheel
+    assert out[3] == "1024"  # the README's `hydra.searchpath: [pkg://megascale_data_ext/conf]` adoption
