@@ -32,6 +32,7 @@ import ray
 from megascale_data_ext.dataplane.scaling import ScalingPolicy
 from megascale_data_ext.errors import PlanError, ResumeError
 from megascale_data_ext.runtime.autoscaler import AutoScaler, AutoscalePlan, RoutedFetch, spawn_loader_groups
+from megascale_data_ext.runtime.calls import CallCounter
 from megascale_data_ext.runtime.checkpoints import LoaderSnapshots, PlannerCheckpoints
 from megascale_data_ext.runtime.config import ServiceConfig
 from megascale_data_ext.runtime.constructor import DataConstructor, EncoderRows, encoder_rows
@@ -87,15 +88,20 @@ class PlannerActor:
         self.ft = ft or _NO_FAULT_TOLERANCE
         self.checkpoints = PlannerCheckpoints(checkpoint_dir, self.ft.checkpoint_keep) if checkpoint_dir else None
         self.scaler: AutoScaler | None = None
+        self.calls = CallCounter()
         if autoscale is None:
-            self._loaders: LoaderFailover | None = LoaderFailover(loader_handles, shadow_handles, self.ft)
+            self._loaders: LoaderFailover | None = LoaderFailover(loader_handles, shadow_handles, self.ft,
+                                                                  calls=self.calls, caller="planner")
             summarize = self._loaders.summary
         else:
             self._loaders = None
             self.scaler = self._start_autoscaler(config, autoscale)
             self._horizon = delivery_horizon(config, self.ft)
-            scaler, ft_ = self.scaler, self.ft
-            summarize = lambda source, start, count: scaler.summary(source, start, count, ft_)  # noqa: E731
+            scaler, ft_, calls = self.scaler, self.ft, self.calls
+
+            def summarize(source: int, start: int, count: int) -> Any:
+                calls.add("planner>loader summary_buffer")
+                return scaler.summary(source, start, count, ft_)
         self.planner = Planner(config, topology, summarize, on_planned=self._on_planned,
                                constructors=topology.num_constructors)
         self.restored_from: int | None = None
@@ -212,7 +218,8 @@ class PlannerActor:
 
     def stats(self) -> dict:
         out = {"next_step": self.planner.next_step, "restored_from": self.restored_from, "rewinds": self.rewinds,
-               "failovers": self._loaders.failovers if self._loaders is not None else 0}
+               "failovers": self._loaders.failovers if self._loaders is not None else 0,
+               "ray_calls": self.calls.snapshot()}
         if self.scaler is not None:
             out["autoscale"] = {"layouts": self.scaler.layout_table(), "live_actors": len(self.scaler.actors),
                                 "events": list(self.scaler.events)}
@@ -276,6 +283,7 @@ class SourceLoaderActor:
         self.read_ahead = 0 if shadow else read_ahead
         self.rereads = 0
         self.direct_fetches = 0
+        self.calls = CallCounter()
         self.snapshots = LoaderSnapshots(snapshot_dir, snapshot_every) if snapshot_dir and not shadow else None
         self._snapshot_step = -snapshot_every
         self.restored_step: int | None = None
@@ -305,6 +313,7 @@ class SourceLoaderActor:
         if plan is None:
             if self._planner is None:
                 self._planner = ray.get_actor(PLANNER_NAME, namespace=self._namespace)
+            self.calls.add("loader>planner loader_plan")
             plan = ray.get(self._planner.loader_plan.remote(step, source))
             with self._plans_lock:
                 self._plans[step] = plan
@@ -352,7 +361,7 @@ class SourceLoaderActor:
 
     def stats(self) -> dict:
         return {**self.loader.stats(), "rereads": self.rereads, "direct_fetches": self.direct_fetches,
-                "restored_step": self.restored_step, "shadow": self.shadow}
+                "restored_step": self.restored_step, "shadow": self.shadow, "ray_calls": self.calls.snapshot()}
 
     def rss_bytes(self) -> int:
         """This process's resident memory (what a shadow costs)."""
@@ -395,11 +404,17 @@ class DataConstructorActor:
                  loaders: list[Any], pad_id: int, image_token_id: int | None, start_step: int = 0,
                  ft: FaultToleranceConfig | None = None, shadows: list[Any] | None = None):
         self.ft = ft or _NO_FAULT_TOLERANCE
+        self.calls = calls = CallCounter()
+
+        def ask(method: str, *args: Any) -> Any:  # a counted call to the Planner, waiting for its answer
+            calls.add(f"constructor>planner {method}")
+            return ray.get(getattr(planner, method).remote(*args))
+
         if topology.autoscaled:  # the Planner says which shards hold a step of a source
-            self._loaders: Any = RoutedFetch(lambda step, s: ray.get(planner.route.remote(step, s)), self.ft)
+            self._loaders: Any = RoutedFetch(lambda step, s: ask("route", step, s), self.ft, calls=calls)
             fetch = self._loaders
         else:
-            self._loaders = LoaderFailover(loaders, shadows, self.ft)
+            self._loaders = LoaderFailover(loaders, shadows, self.ft, calls=calls)
             fetch = self._loaders.fetch
         self.restarted = _reconstructed()
         self._planner = planner
@@ -409,11 +424,11 @@ class DataConstructorActor:
             buckets,
             config,
             topology,
-            get_plan=lambda step, b: ray.get(planner.constructor_plan.remote(step, b)),
+            get_plan=lambda step, b: ask("constructor_plan", step, b),
             fetch=fetch,
             pad_id=pad_id,
             image_token_id=image_token_id,
-            get_encoder_plan=lambda step, bs: ray.get(planner.encoder_plan.remote(step, bs)),
+            get_encoder_plan=lambda step, bs: ask("encoder_plan", step, bs),
             start_step=None if self.restarted else start_step,
             max_lead=self.ft.max_lead(config.prefetch),
             wait_timeout_s=0.5 * self.ft.recovery_timeout_s,  # named here before the client's deadline
@@ -427,6 +442,7 @@ class DataConstructorActor:
         self._wake.set()
 
     def _on_floor(self, step: int) -> None:
+        self.calls.add("constructor>planner constructor_floor")
         self._planner.constructor_floor.remote(self._index, step)  # no reply awaited
         self._wake.set()  # the lead moved: prefetch may go on
 
@@ -472,7 +488,7 @@ class DataConstructorActor:
 
     def stats(self) -> dict:
         return {**self.constructor.stats(), "restarted": self.restarted, "prefetch_errors": self.prefetch_errors,
-                "failovers": self._loaders.failovers}
+                "failovers": self._loaders.failovers, "ray_calls": self.calls.snapshot()}
 
     @ray.method(max_task_retries=0)  # never re-run on the restarted actor
     def crash(self) -> None:

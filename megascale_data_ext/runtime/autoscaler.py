@@ -39,6 +39,7 @@ import ray
 from megascale_data_ext.dataplane.partitioner import ShardRef
 from megascale_data_ext.dataplane.scaling import ScalingConfig, ScalingDecision, ScalingPolicy
 from megascale_data_ext.errors import PlanError
+from megascale_data_ext.runtime.calls import CallCounter
 from megascale_data_ext.runtime.failover import ACTOR_FAILURES
 from megascale_data_ext.runtime.faults import FaultToleranceConfig, ServiceUnavailableError
 from megascale_data_ext.runtime.loader_group import LoaderGroupActor, merge_fetches
@@ -290,8 +291,10 @@ class RoutedFetch:
     a loader reads buckets it handed out before again from the plan.
     """
 
-    def __init__(self, route: Callable[[int, int], list[Any]], ft: FaultToleranceConfig | None = None) -> None:
+    def __init__(self, route: Callable[[int, int], list[Any]], ft: FaultToleranceConfig | None = None, *,
+                 calls: CallCounter | None = None) -> None:
         self.route = route
+        self.calls = calls
         self.ft = ft or FaultToleranceConfig(restart=False)
         self._cache: dict[tuple[int, int], list[Any]] = {}
         self.failovers = 0
@@ -312,6 +315,8 @@ class RoutedFetch:
             handles = self._handles(step, source, fresh)
             try:
                 refs = [h.fetch.remote(source, step, buckets) for h in handles]
+                if self.calls is not None:
+                    self.calls.add("constructor>loader fetch", len(refs))
                 return merge_fetches(ray.get(refs, timeout=self.ft.rpc_timeout_s))
             except ACTOR_FAILURES as exc:
                 self.failovers += 1

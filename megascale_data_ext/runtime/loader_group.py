@@ -36,6 +36,7 @@ import ray
 from megascale_data_ext.dataplane.partitioner import ShardRef
 from megascale_data_ext.dataplane.plan import LoaderPlan
 from megascale_data_ext.errors import SourceError
+from megascale_data_ext.runtime.calls import CallCounter
 from megascale_data_ext.runtime.failover import missing_buckets, read_buckets
 from megascale_data_ext.runtime.faults import crash_self
 from megascale_data_ext.runtime.loader import SourceLoader
@@ -167,6 +168,7 @@ class LoaderGroupActor:
         self._plans: OrderedDict[tuple[int, int], LoaderPlan] = OrderedDict()  # whole-source plans, bounded
         self._plans_lock = threading.Lock()
         self.rereads = 0
+        self.calls = CallCounter()
 
     def _get_plan(self, step: int, source: int) -> LoaderPlan:
         key = (step, source)
@@ -175,6 +177,7 @@ class LoaderGroupActor:
         if plan is None:
             if self._planner is None:  # no handle given: find the Planner by name
                 self._planner = ray.get_actor(PLANNER_NAME, namespace=self._namespace)
+            self.calls.add("loader>planner loader_plan")
             plan = ray.get(self._planner.loader_plan.remote(step, source))
             with self._plans_lock:
                 self._plans[key] = plan
@@ -212,7 +215,8 @@ class LoaderGroupActor:
         return out
 
     def stats(self) -> dict:
-        return {"members": self.group.stats(), "rereads": self.rereads, "workers": self.group.workers}
+        return {"members": self.group.stats(), "rereads": self.rereads, "workers": self.group.workers,
+                "ray_calls": self.calls.snapshot()}
 
     def rss_bytes(self) -> int:
         """This process's resident memory."""

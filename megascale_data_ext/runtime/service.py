@@ -261,6 +261,14 @@ class DataService:
             "phases": dict(self.phases),
         }
 
+    def ray_calls(self) -> dict[str, int]:
+        """The Ray calls the actors made to each other so far, by kind (`runtime.calls`), summed over
+        the Planner, the live loaders (reclaimed ones' calls are gone with them) and the constructors."""
+        from megascale_data_ext.runtime.calls import sum_calls
+
+        actors = self.loader_actors() + self.shadows + [self.planner] + self.constructors
+        return sum_calls(s.get("ray_calls") if s is not None else None for s in self._ask(actors, "stats"))
+
     def memory(self) -> dict[str, int]:
         """Resident bytes of the live primary loaders and of the shadows (the shadows' memory cost)."""
         return {"loaders_rss": sum(filter(None, self._ask(self.loader_actors(), "rss_bytes"))),
