@@ -183,7 +183,7 @@ def measure_service(specs: list[Any], *, ranks: int, seq_length: int, steps: int
     planner = PlannerActor.remote(cfg, topo, [], None, None, None, fleet)
     con = DataConstructor(list(range(ranks)), cfg, topo,
                           get_plan=lambda step, b: ray.get(planner.constructor_plan.remote(step, b)),
-                          fetch=RoutedFetch(lambda step, s: ray.get(planner.route.remote(step, s))),
+                          fetch=RoutedFetch(lambda step, ss: ray.get(planner.routes.remote(step, ss))),
                           pad_id=0, image_token_id=image_token_id)
     step = 0
     held = want = nbytes = 0

@@ -89,21 +89,21 @@ class PlannerActor:
         self.checkpoints = PlannerCheckpoints(checkpoint_dir, self.ft.checkpoint_keep) if checkpoint_dir else None
         self.scaler: AutoScaler | None = None
         self.calls = CallCounter()
-        if autoscale is None:
+        summarize, summarize_many = None, None
+        if autoscale is None:  # one actor per source: a call per source is a call per actor
             self._loaders: LoaderFailover | None = LoaderFailover(loader_handles, shadow_handles, self.ft,
                                                                   calls=self.calls, caller="planner")
             summarize = self._loaders.summary
-        else:
+        else:  # each loader actor asked once for all of its sources (`AutoScaler.summaries`)
             self._loaders = None
             self.scaler = self._start_autoscaler(config, autoscale)
             self._horizon = delivery_horizon(config, self.ft)
             scaler, ft_, calls = self.scaler, self.ft, self.calls
 
-            def summarize(source: int, start: int, count: int) -> Any:
-                calls.add("planner>loader summary_buffer")
-                return scaler.summary(source, start, count, ft_)
-        self.planner = Planner(config, topology, summarize, on_planned=self._on_planned,
-                               constructors=topology.num_constructors)
+            def summarize_many(requests: list[tuple[int, int, int]]) -> list[Any]:
+                return scaler.summaries(requests, ft_, calls)
+        self.planner = Planner(config, topology, summarize, summarize_many=summarize_many,
+                               on_planned=self._on_planned, constructors=topology.num_constructors)
         self.restored_from: int | None = None
         self.rewinds = 0
         self._reports: dict[int, list] = {}  # loss reports received, re-fed after every restore or rewind
@@ -176,6 +176,11 @@ class PlannerActor:
     def loader_plan(self, step: int, source: int):
         return self._plan(step).loader_do_plan(source)
 
+    def loader_plans(self, step: int, sources: list[int]):
+        """`step`'s LoaderPlans of `sources` (a loader actor's members) in one reply; a source left out
+        has nothing in the step."""
+        return self._plan(step).loader_do_plans(sources)
+
     def constructor_plan(self, step: int, bucket: int):
         return self._plan(step).constructor_do_plan(bucket)
 
@@ -236,6 +241,11 @@ class PlannerActor:
         """The loader actors holding `source`'s samples of `step`, shard k at index k."""
         self._plan(step)  # plan (and observe) up to `step` first, so its layout is decided
         return self._scaler().route(step, source)
+
+    def routes(self, step: int, sources: list[int]) -> list[list[Any]]:
+        """`route` of each of `sources`, in order: a constructor's whole step in one call."""
+        self._plan(step)
+        return self._scaler().routes(step, sources)
 
     def loaders_of(self, source: int) -> list[Any]:
         """The actors serving `source` now (newest layout)."""
@@ -411,11 +421,11 @@ class DataConstructorActor:
             return ray.get(getattr(planner, method).remote(*args))
 
         if topology.autoscaled:  # the Planner says which shards hold a step of a source
-            self._loaders: Any = RoutedFetch(lambda step, s: ask("route", step, s), self.ft, calls=calls)
+            self._loaders: Any = RoutedFetch(lambda step, ss: ask("routes", step, ss), self.ft, calls=calls)
             fetch = self._loaders
         else:
             self._loaders = LoaderFailover(loaders, shadows, self.ft, calls=calls)
-            fetch = self._loaders.fetch
+            fetch = self._loaders.fetch_many
         self.restarted = _reconstructed()
         self._planner = planner
         self._index = topology.constructor_of_bucket(buckets[0])

@@ -96,6 +96,10 @@ class LoaderFailover:
     def fetch(self, source: int, step: int, buckets: list[int]) -> dict[str, list]:
         return self._call(source, "fetch", step, buckets)
 
+    def fetch_many(self, step: int, sources: list[int], buckets: list[int]) -> dict[int, dict[str, list]]:
+        """A constructor's fetch of `sources` (one actor per source: one call each)."""
+        return {s: self.fetch(s, step, buckets) for s in sources}
+
     def summary(self, source: int, start: int, count: int) -> Any:
         return self._call(source, "summary_buffer", start, count)
 
