@@ -193,7 +193,7 @@ def measure_service(specs: list[Any], *, ranks: int, seq_length: int, steps: int
         step += 1
         if step < steps:
             continue
-        loaders = [ray.get(planner.route.remote(step, g[0]))[0] for g in groups]
+        loaders = [hs[0] for hs in ray.get(planner.routes.remote(step, [g[0] for g in groups]))]
         if fill_steps <= 0:
             break
         held, want, nbytes = cache_state(loaders)

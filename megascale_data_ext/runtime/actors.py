@@ -1,10 +1,11 @@
 """Ray actor façades over the plain runtime classes, and the pull-model wiring between them.
 
 Pull model (paper Sec. 3): a Client asks its Data Constructor, the constructor asks Source
-Loaders, a loader asks the Planner for its plan, the Planner asks loaders for metadata.
+Loaders, a loader asks the Planner for its plan, the Planner asks loaders for metadata —
+autoscaled, each of these once per loader actor for all the sources it holds (`runtime.calls`).
 The Planner -> loader call happens while a loader may be waiting on the Planner, so loaders
 and constructors are threaded actors (``max_concurrency`` = `ACTOR_CONCURRENCY`): a loader's
-`summary_buffer` is served on another thread while its `fetch` waits. The Planner is threaded
+`summaries` are served on another thread while its `fetch` waits. The Planner is threaded
 too: with loss-driven mixing, planning a step waits for a trainer's `report_loss`, which must
 be served meanwhile (the Planner's lock serialises planning itself). The Planner never
 waits on a constructor, so the call graph has no cycle that can exhaust the thread pools.
@@ -19,6 +20,7 @@ sends itself (fault injection).
 
 from __future__ import annotations
 
+import functools
 import logging
 import queue
 import threading
@@ -89,7 +91,7 @@ class PlannerActor:
         self.checkpoints = PlannerCheckpoints(checkpoint_dir, self.ft.checkpoint_keep) if checkpoint_dir else None
         self.scaler: AutoScaler | None = None
         self.calls = CallCounter()
-        summarize, summarize_many = None, None
+        summarize = summarize_many = None
         if autoscale is None:  # one actor per source: a call per source is a call per actor
             self._loaders: LoaderFailover | None = LoaderFailover(loader_handles, shadow_handles, self.ft,
                                                                   calls=self.calls, caller="planner")
@@ -98,10 +100,7 @@ class PlannerActor:
             self._loaders = None
             self.scaler = self._start_autoscaler(config, autoscale)
             self._horizon = delivery_horizon(config, self.ft)
-            scaler, ft_, calls = self.scaler, self.ft, self.calls
-
-            def summarize_many(requests: list[tuple[int, int, int]]) -> list[Any]:
-                return scaler.summaries(requests, ft_, calls)
+            summarize_many = functools.partial(self.scaler.summaries, ft=self.ft, calls=self.calls)
         self.planner = Planner(config, topology, summarize, summarize_many=summarize_many,
                                on_planned=self._on_planned, constructors=topology.num_constructors)
         self.restored_from: int | None = None
@@ -177,8 +176,7 @@ class PlannerActor:
         return self._plan(step).loader_do_plan(source)
 
     def loader_plans(self, step: int, sources: list[int]):
-        """`step`'s LoaderPlans of `sources` (a loader actor's members) in one reply; a source left out
-        has nothing in the step."""
+        """`step`'s LoaderPlans of `sources` (a loader group's members) in one reply; absent: nothing."""
         return self._plan(step).loader_do_plans(sources)
 
     def constructor_plan(self, step: int, bucket: int):
@@ -237,14 +235,10 @@ class PlannerActor:
                             "find loaders by name (`loader/<i>`), not through the Planner")
         return self.scaler
 
-    def route(self, step: int, source: int) -> list[Any]:
-        """The loader actors holding `source`'s samples of `step`, shard k at index k."""
-        self._plan(step)  # plan (and observe) up to `step` first, so its layout is decided
-        return self._scaler().route(step, source)
-
     def routes(self, step: int, sources: list[int]) -> list[list[Any]]:
-        """`route` of each of `sources`, in order: a constructor's whole step in one call."""
-        self._plan(step)
+        """Per source of `sources`, the loader actors holding its samples of `step` (shard k at index
+        k): a constructor's whole step in one call."""
+        self._plan(step)  # plan (and observe) up to `step` first, so its layout is decided
         return self._scaler().routes(step, sources)
 
     def loaders_of(self, source: int) -> list[Any]:
