@@ -151,9 +151,10 @@ class PlannerActor:
             state = self.checkpoints.at(step) if self.checkpoints is not None else None
             if state is None:
                 raise
-            self._load(state)  # deterministic: re-planning gives the same plans
-            self.rewinds += 1
-            return self.planner.plan(step)
+            with self.planner.planning():  # no concurrent rewind moves the planner before we plan
+                self._load(state)  # deterministic: re-planning gives the same plans
+                self.rewinds += 1
+                return self.planner.plan(step)
 
     def _load(self, state: dict) -> None:
         """Load a saved state, then hand back the loss reports it predates (feedback mixing)."""

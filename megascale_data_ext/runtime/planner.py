@@ -397,6 +397,11 @@ class Planner:
                 if self.next_step == target:
                     self._plan_next()
 
+    def planning(self) -> threading.RLock:
+        """The planning lock (re-entrant): held, no other thread plans or loads a state, so a caller
+        can load a saved state and plan from it with nothing in between (a rewind)."""
+        return self._lock
+
     def loader_plan(self, step: int, source: int) -> LoaderPlan:
         return self.plan(step).loader_do_plan(source)
 
