@@ -183,7 +183,7 @@ def measure_service(specs: list[Any], *, ranks: int, seq_length: int, steps: int
     planner = PlannerActor.remote(cfg, topo, [], None, None, None, fleet)
     con = DataConstructor(list(range(ranks)), cfg, topo,
                           get_plan=lambda step, b: ray.get(planner.constructor_plan.remote(step, b)),
-                          fetch=RoutedFetch(lambda step, s: ray.get(planner.route.remote(step, s))),
+                          fetch=RoutedFetch(lambda step, ss: ray.get(planner.routes.remote(step, ss))),
                           pad_id=0, image_token_id=image_token_id)
     step = 0
     held = want = nbytes = 0
@@ -193,7 +193,7 @@ def measure_service(specs: list[Any], *, ranks: int, seq_length: int, steps: int
         step += 1
         if step < steps:
             continue
-        loaders = [ray.get(planner.route.remote(step, g[0]))[0] for g in groups]
+        loaders = [hs[0] for hs in ray.get(planner.routes.remote(step, [g[0] for g in groups]))]
         if fill_steps <= 0:
             break
         held, want, nbytes = cache_state(loaders)
@@ -220,7 +220,8 @@ def measure_constructor(spec: Any, *, seq_length: int, ranks_per_node: int, seed
     import ray
 
     from megascale_data_ext.dataplane.placetree import ClientPlaceTree
-    from megascale_data_ext.runtime.actors import DataConstructorActor, PlannerActor, SourceLoaderActor
+    from megascale_data_ext.runtime.actors import PlannerActor, SourceLoaderActor
+    from megascale_data_ext.runtime.constructor_actor import DataConstructorActor
     from megascale_data_ext.runtime.config import RayConfig, ServiceConfig
     from megascale_data_ext.runtime.topology import ServiceTopology
 

@@ -15,9 +15,14 @@ prefixes, each from start to the first microbatch of DP rank 0 (imports excluded
   profile journal yet (written at the end of that start), journal = the same start again with
   it present. ``ray.init`` runs once per process and is reported apart (``ray_init_s``: that one
   start's seconds, on every row).
+* **Ray calls per step** (``ray_calls_per_step``): after the journal start's first microbatch,
+  every fetching rank takes `CALL_STEPS` steps; the calls the actors made to each other
+  (`DataService.ray_calls`: plans, routes, metadata, fetches) over them, per step. The
+  trainer's own calls (one ``get_step`` per fetching rank per step) are not in it. By kind:
+  the JSON's ``ray_calls_by_kind``.
 
 Rows: ``prefixes, documents, megatron_cold_s, megatron_warm_s, service_inproc_s,
-service_ray_cold_s, service_ray_journal_s, ray_init_s``.
+service_ray_cold_s, service_ray_journal_s, ray_init_s, ray_calls_per_step``.
 """
 
 from __future__ import annotations
@@ -39,8 +44,9 @@ NAME = "bench startup"
 HELP = "Seconds to the first microbatch vs the number of Megatron prefixes: Megatron's builder vs this service."
 
 ROW_KEYS = ("prefixes", "documents", "megatron_cold_s", "megatron_warm_s", "service_inproc_s", "service_ray_cold_s",
-            "service_ray_journal_s", "ray_init_s")
+            "service_ray_journal_s", "ray_init_s", "ray_calls_per_step")
 NUM_MICROBATCHES = 4
+CALL_STEPS = 8
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -164,8 +170,11 @@ def start_ray(config: Any) -> float:
     return _RAY_INIT_S[0] if _RAY_INIT_S else 0.0
 
 
-def time_ray(config: Any, dp: int) -> float:
-    """Seconds from constructing a `DataService` (Ray already up) to rank 0's first microbatch via a `Client`."""
+def time_ray(config: Any, dp: int, *, count_calls: bool = False) -> tuple[float, dict[str, float] | None]:
+    """Seconds from constructing a `DataService` (Ray already up) to rank 0's first microbatch via a
+    `Client`; with `count_calls`, also the actors' Ray calls per step over `CALL_STEPS` further steps
+    of every fetching rank (`runtime.calls.calls_per_step`), else None."""
+    from megascale_data_ext.runtime.calls import calls_per_step
     from megascale_data_ext.runtime.client import Client
     from megascale_data_ext.runtime.service import DataService
 
@@ -173,17 +182,30 @@ def time_ray(config: Any, dp: int) -> float:
     service = DataService(config, _tree(dp), progress=_progress)
     try:
         handles = service.start()
-        client = Client.connect(handles, service.topology.fetch_ranks()[0], num_microbatches=NUM_MICROBATCHES,
-                                broadcast=False)
+        ranks = service.topology.fetch_ranks()
+        client = Client.connect(handles, ranks[0], num_microbatches=NUM_MICROBATCHES, broadcast=False)
         client.next_microbatch()
-        return time.perf_counter() - t0
+        seconds = time.perf_counter() - t0
+        if not count_calls:
+            return seconds, None
+        clients = [client] + [Client.connect(handles, r, num_microbatches=NUM_MICROBATCHES, broadcast=False)
+                              for r in ranks[1:]]
+        for c in clients:  # the rest of step 0
+            for _ in range(NUM_MICROBATCHES - (c is client)):
+                c.next_microbatch()
+        before = service.ray_calls()
+        for _ in range(CALL_STEPS * NUM_MICROBATCHES):
+            for c in clients:
+                c.next_microbatch()
+        return seconds, calls_per_step(before, service.ray_calls(), CALL_STEPS)
     finally:
         service.stop()
 
 
 # -- the run -----------------------------------------------------------------------------
-def measure(n: int, args: argparse.Namespace, work: Path) -> dict[str, Any]:
-    """One row: every loader on `n` generated prefixes."""
+def measure(n: int, args: argparse.Namespace, work: Path, calls_by_kind: dict[int, dict[str, float]] | None = None
+            ) -> dict[str, Any]:
+    """One row: every loader on `n` generated prefixes (the Ray calls per step by kind go to `calls_by_kind`)."""
     t0 = time.perf_counter()
     prefixes = write_prefixes(work / f"data-{n}", prefixes=n, docs=args.docs, seq_length=args.seq_length,
                               seed=args.seed)
@@ -197,24 +219,30 @@ def measure(n: int, args: argparse.Namespace, work: Path) -> dict[str, Any]:
                                            journal=None, namespace=ns), args.dp)
     _progress(f"{n} prefixes: service in-process {inproc:.2f} s")
     row = {"prefixes": n, "documents": n * args.docs, "megatron_cold_s": cold, "megatron_warm_s": warm,
-           "service_inproc_s": inproc, "service_ray_cold_s": None, "service_ray_journal_s": None, "ray_init_s": None}
+           "service_inproc_s": inproc, "service_ray_cold_s": None, "service_ray_journal_s": None, "ray_init_s": None,
+           "ray_calls_per_step": None}
     if not args.skip_ray:
         journal = work / f"profiles-{n}.json"
         journal.unlink(missing_ok=True)
         configs = [service_config(prefixes, dp=args.dp, seq_length=args.seq_length, seed=args.seed, journal=journal,
                                   namespace=f"{ns}-{kind}") for kind in ("cold", "journal")]
         row["ray_init_s"] = start_ray(configs[0])
-        row["service_ray_cold_s"] = time_ray(configs[0], args.dp)
+        row["service_ray_cold_s"], _ = time_ray(configs[0], args.dp)
         _progress(f"{n} prefixes: Ray service cold {row['service_ray_cold_s']:.2f} s")
-        row["service_ray_journal_s"] = time_ray(configs[1], args.dp)
+        row["service_ray_journal_s"], calls = time_ray(configs[1], args.dp, count_calls=True)
         _progress(f"{n} prefixes: Ray service with journal {row['service_ray_journal_s']:.2f} s")
+        row["ray_calls_per_step"] = calls["total"]
+        if calls_by_kind is not None:
+            calls_by_kind[n] = calls
+        _progress(f"{n} prefixes: Ray calls per step {calls['total']:.1f} ("
+                  + ", ".join(f"{k} {v:.1f}" for k, v in calls.items() if k != "total") + ")")
     return row
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:
     """Both sides per size and the service / Megatron-cold ratios."""
     head = ["prefixes", "documents", "megatron cold", "megatron warm", "in-process", "ray cold", "ray journal",
-            "ray.init", "in-proc/mcold", "ray cold/mcold", "ray journal/mcold"]
+            "ray.init", "in-proc/mcold", "ray cold/mcold", "ray journal/mcold", "ray calls/step"]
 
     def sec(x: float | None) -> str:
         return "n/a" if x is None else f"{x:.2f} s"
@@ -228,7 +256,8 @@ def format_table(rows: list[dict[str, Any]]) -> str:
         lines.append([str(r["prefixes"]), f"{r['documents']:,}", sec(ref), sec(r["megatron_warm_s"]),
                       sec(r["service_inproc_s"]), sec(r["service_ray_cold_s"]), sec(r["service_ray_journal_s"]),
                       sec(r["ray_init_s"]), ratio(r["service_inproc_s"], ref), ratio(r["service_ray_cold_s"], ref),
-                      ratio(r["service_ray_journal_s"], ref)])
+                      ratio(r["service_ray_journal_s"], ref),
+                      "n/a" if r["ray_calls_per_step"] is None else f"{r['ray_calls_per_step']:.1f}"])
     widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
     out = ["  ".join(c.rjust(w) for c, w in zip(line, widths, strict=True)) for line in lines]
     out.insert(1, "-" * len(out[0]))
@@ -278,15 +307,16 @@ def run(args: argparse.Namespace) -> int:
 
     work = args.workdir or Path(tempfile.mkdtemp(prefix="megascale-bench-startup-"))
     work.mkdir(parents=True, exist_ok=True)
-    rows = []
+    rows: list[dict[str, Any]] = []
+    by_kind: dict[int, dict[str, float]] = {}
     try:
         for n in args.prefixes:
-            rows.append(measure(n, args, work))
+            rows.append(measure(n, args, work, by_kind))
             if args.json:  # after every size: a long run interrupted keeps its rows
                 args.json.parent.mkdir(parents=True, exist_ok=True)
                 args.json.write_text(json.dumps({"args": {k: (str(v) if isinstance(v, Path) else v)
                                                           for k, v in vars(args).items() if not k.startswith("_")},
-                                                 "rows": rows}, indent=2))
+                                                 "rows": rows, "ray_calls_by_kind": by_kind}, indent=2))
     finally:
         import ray
 

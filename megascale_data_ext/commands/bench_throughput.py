@@ -27,7 +27,9 @@ after the first batch: "loader CPU" is the DataLoader worker + main process for 
 the Ray actors (loaders, planner, constructors; pids via ``__ray_call__``) for the service;
 "all-in CPU" adds the consumer and every descendant process (raylet, GCS, idle workers).
 "actor RSS (MiB)" sums VmRSS over the loading processes (Megatron's DataLoader worker; every
-service actor) at the end of the run, shared pages counted in each.
+service actor) at the end of the run, shared pages counted in each. ``ray_calls_per_step``: the
+Ray calls the service's actors made to each other from the first batch to the last, per step,
+by kind (`DataService.ray_calls`; the trainer's own calls are not in it).
 """
 
 from __future__ import annotations
@@ -82,6 +84,7 @@ class LoaderResult:
     startup: dict[str, float] = field(default_factory=dict)
     cpu_by_role: dict[str, float] = field(default_factory=dict)
     actors_importing_torch: int = 0
+    ray_calls_per_step: dict[str, float] = field(default_factory=dict)
 
     @property
     def tokens_per_s(self) -> float:
@@ -124,6 +127,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--autoscale", action="store_true",
                         help="also run each strategy with autoscaled loaders (sources partitioned into loader actors)")
+    parser.add_argument("--autoscale-only", action="store_true",
+                        help="run the service with autoscaled loaders only (hundreds of sources: one actor per "
+                             "source does not fit)")
     parser.add_argument("--strategies", default=None,
                         help="service strategies, comma-separated (default vanilla,llm_balance; --quick: llm_balance)")
     parser.add_argument("--attention-mask", action="store_true", help="build the [s, s] attention mask in both loaders")
@@ -283,6 +289,7 @@ def run_service(prefixes: list[str], *, strategy: str, seq_length: int, steps: i
     import ray
 
     from megascale_data_ext.dataplane.placetree import ClientPlaceTree
+    from megascale_data_ext.runtime.calls import calls_per_step
     from megascale_data_ext.runtime.client import Client
     from megascale_data_ext.runtime.service import DataService
 
@@ -326,6 +333,7 @@ def run_service(prefixes: list[str], *, strategy: str, seq_length: int, steps: i
                         now = time.perf_counter()
                         bar.update()
                         if first == 0.0:
+                            calls0 = service.ray_calls()
                             first, first_after_init = now - t0, now - t_init
                             startup["first batch after actors (s)"] = first_after_init - startup["actors ready (s)"]
                             _progress(f"service {strategy}: first batch {first:.2f} s after start "
@@ -333,7 +341,7 @@ def run_service(prefixes: list[str], *, strategy: str, seq_length: int, steps: i
                             startup_cpu = loader_cpu0 = cpu_seconds(actor_pids)
                             role_cpu0 = {k: cpu_seconds(v) for k, v in roles.items()}
                             all_meter.mark()
-                            t_first = now
+                            t_first = time.perf_counter()  # after the call count: not in the steady time
                             continue
                         fetch_ms.append((now - f0) * 1e3)
                         tokens += int(client.last_info["tokens"])
@@ -345,6 +353,7 @@ def run_service(prefixes: list[str], *, strategy: str, seq_length: int, steps: i
         by_role = {k: cpu_seconds(v) - role_cpu0[k] for k, v in roles.items()}
         all_cpu = all_meter.since_mark()
         rss = rss_mib(actor_pids)
+        calls = calls_per_step(calls0, service.ray_calls(), max(steps - 1, 1))
     finally:
         service.stop()
     count_mode = config.tokens_per_step is None
@@ -354,7 +363,8 @@ def run_service(prefixes: list[str], *, strategy: str, seq_length: int, steps: i
         first_batch_s=first, steady_s=steady, fetch_ms=fetch_ms, cpu_loader_s=loader_cpu, cpu_all_s=all_cpu,
         cpu_loader_total_s=startup_cpu + loader_cpu, samples_per_step=config.samples_per_step if count_mode else None,
         tokens_per_step=config.tokens_per_step, num_microbatches=m, step_wait_ms=waits, rss_mib=rss,
-        first_after_init_s=first_after_init, startup=startup, cpu_by_role=by_role, actors_importing_torch=heavy)
+        first_after_init_s=first_after_init, startup=startup, cpu_by_role=by_role, actors_importing_torch=heavy,
+        ray_calls_per_step=calls)
 
 
 # -- report ------------------------------------------------------------------------------
@@ -412,7 +422,8 @@ def run(args: argparse.Namespace) -> int:
                             cache=work / "megatron-cache", attention_mask=args.attention_mask)]
     try:
         for strategy in strategies:
-            for autoscale in (False, True) if getattr(args, "autoscale", False) else (False,):
+            for autoscale in ((True,) if getattr(args, "autoscale_only", False)
+                              else (False, True) if getattr(args, "autoscale", False) else (False,)):
                 results.append(run_service(prefixes, strategy=strategy, seq_length=args.seq_length, steps=args.steps,
                                            seed=args.seed, attention_mask=args.attention_mask, dp=args.dp,
                                            restart=not getattr(args, "no_restart", False), autoscale=autoscale))
@@ -426,8 +437,10 @@ def run(args: argparse.Namespace) -> int:
                     if r.tokens_per_step else f"{r.samples_per_step} documents per step")
         phases = ", ".join(f"{k} {v:.2f}" for k, v in r.startup.items())
         roles = ", ".join(f"{k} {v:.2f}" for k, v in r.cpu_by_role.items())
+        calls = ", ".join(f"{k} {v:.1f}" for k, v in r.ray_calls_per_step.items())
         print(f"{r.name}: {per_step}; start-up: {phases}; steady loader CPU-s by actor: {roles}; "
-              f"RSS per actor (MiB): {[round(x) for x in r.rss_mib]}, {r.actors_importing_torch} import torch/megatron")
+              f"RSS per actor (MiB): {[round(x) for x in r.rss_mib]}, {r.actors_importing_torch} import torch/megatron; "
+              f"Ray calls per step: {calls}")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({

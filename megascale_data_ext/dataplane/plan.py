@@ -9,6 +9,7 @@ microbatches it assembles), and a Client asks `fetch_ranks` (whether it fetches 
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -146,7 +147,22 @@ class StepPlan:
         return float(costs.max() / costs.mean()) if costs.mean() > 0 else 1.0
 
     def loader_do_plan(self, source: int) -> LoaderPlan:
-        rows = np.flatnonzero(self.source == source)
+        return self._loader_plan_of(source, np.flatnonzero(self.source == source))
+
+    def loader_do_plans(self, sources: Iterable[int]) -> dict[int, LoaderPlan]:
+        """`loader_do_plan` of each of `sources` that has samples in the step (one pass over the
+        plan, for a loader actor hosting many sources); a source left out has none."""
+        want = np.unique(np.asarray(list(sources), dtype=np.int64))
+        rows = np.flatnonzero(np.isin(self.source, want))
+        rows = rows[np.argsort(self.source[rows], kind="stable")]  # by source, plan order kept inside
+        src = self.source[rows]
+        starts = np.flatnonzero(np.diff(src, prepend=-1))  # where each source's rows begin
+        ends = np.append(starts[1:], len(src))
+        return {int(src[a]): self._loader_plan_of(int(src[a]), rows[a:b])
+                for a, b in zip(starts.tolist(), ends.tolist(), strict=True)}
+
+    def _loader_plan_of(self, source: int, rows: np.ndarray) -> LoaderPlan:
+        """The LoaderPlan of `source` from its rows of the plan (ascending)."""
         if self.span_start is None:
             rows = rows[np.argsort(self.position[rows], kind="stable")]
         else:  # spans of one sample going to one bucket: read and ship it once

@@ -1,10 +1,12 @@
-"""Ray actor façades over the plain runtime classes, and the pull-model wiring between them.
+"""Ray actor façades over the plain runtime classes (Planner, Source Loader; the Data
+Constructor's is `runtime.constructor_actor`), and the pull-model wiring between them.
 
 Pull model (paper Sec. 3): a Client asks its Data Constructor, the constructor asks Source
-Loaders, a loader asks the Planner for its plan, the Planner asks loaders for metadata.
+Loaders, a loader asks the Planner for its plan, the Planner asks loaders for metadata —
+autoscaled, each of these once per loader actor for all the sources it holds (`runtime.calls`).
 The Planner -> loader call happens while a loader may be waiting on the Planner, so loaders
 and constructors are threaded actors (``max_concurrency`` = `ACTOR_CONCURRENCY`): a loader's
-`summary_buffer` is served on another thread while its `fetch` waits. The Planner is threaded
+`summaries` are served on another thread while its `fetch` waits. The Planner is threaded
 too: with loss-driven mixing, planning a step waits for a trainer's `report_loss`, which must
 be served meanwhile (the Planner's lock serialises planning itself). The Planner never
 waits on a constructor, so the call graph has no cycle that can exhaust the thread pools.
@@ -19,6 +21,7 @@ sends itself (fault injection).
 
 from __future__ import annotations
 
+import functools
 import logging
 import queue
 import threading
@@ -30,11 +33,12 @@ import numpy as np
 import ray
 
 from megascale_data_ext.dataplane.scaling import ScalingPolicy
-from megascale_data_ext.errors import JobMismatchError, PlanError, ResumeError
-from megascale_data_ext.runtime.autoscaler import AutoScaler, AutoscalePlan, RoutedFetch, spawn_loader_groups
+from megascale_data_ext.errors import PlanError, ResumeError
+from megascale_data_ext.runtime.autoscaler import AutoScaler, AutoscalePlan, spawn_loader_groups
+from megascale_data_ext.runtime.calls import CallCounter
 from megascale_data_ext.runtime.checkpoints import LoaderSnapshots, PlannerCheckpoints
 from megascale_data_ext.runtime.config import ServiceConfig
-from megascale_data_ext.runtime.constructor import DataConstructor, EncoderRows, encoder_rows
+from megascale_data_ext.runtime.constructor import EncoderRows, encoder_rows
 from megascale_data_ext.runtime.elastic import reshard_planner_state
 from megascale_data_ext.runtime.failover import LoaderFailover, missing_buckets, read_buckets
 from megascale_data_ext.runtime.faults import FaultToleranceConfig, crash_self
@@ -44,11 +48,11 @@ from megascale_data_ext.runtime.planner import Planner
 from megascale_data_ext.runtime.topology import PLANNER_NAME, ServiceTopology
 
 ACTOR_CONCURRENCY = 16
-_NO_FAULT_TOLERANCE = FaultToleranceConfig(restart=False)
+NO_FAULT_TOLERANCE = FaultToleranceConfig(restart=False)
 _log = logging.getLogger(__name__)
 
 
-def _reconstructed() -> bool:
+def reconstructed() -> bool:
     """Whether Ray restarted this actor after a failure (its __init__ runs again)."""
     with warnings.catch_warnings():  # Ray's own property reads its deprecated `actor_id` ("Use get_actor_id()")
         warnings.simplefilter("ignore", DeprecationWarning)
@@ -84,26 +88,27 @@ class PlannerActor:
                  ft: FaultToleranceConfig | None = None, checkpoint_dir: str | None = None,
                  shadow_handles: list[Any] | None = None, autoscale: AutoscalePlan | None = None):
         self._topology = topology
-        self.ft = ft or _NO_FAULT_TOLERANCE
+        self.ft = ft or NO_FAULT_TOLERANCE
         self.checkpoints = PlannerCheckpoints(checkpoint_dir, self.ft.checkpoint_keep) if checkpoint_dir else None
         self.scaler: AutoScaler | None = None
-        if autoscale is None:
-            self._loaders: LoaderFailover | None = LoaderFailover(loader_handles, shadow_handles, self.ft)
+        self.calls = CallCounter()
+        summarize = summarize_many = None
+        if autoscale is None:  # one actor per source: a call per source is a call per actor
+            self._loaders: LoaderFailover | None = LoaderFailover(loader_handles, shadow_handles, self.ft,
+                                                                  calls=self.calls, caller="planner")
             summarize = self._loaders.summary
-        else:
+        else:  # each loader actor asked once for all of its sources (`AutoScaler.summaries`)
             self._loaders = None
             self.scaler = self._start_autoscaler(config, autoscale)
             self._horizon = delivery_horizon(config, self.ft)
-            scaler, ft_ = self.scaler, self.ft
-            summarize = lambda source, start, count: scaler.summary(source, start, count, ft_)  # noqa: E731
-        self.planner = Planner(config, topology, summarize, on_planned=self._on_planned,
-                               constructors=topology.num_constructors)
+            summarize_many = functools.partial(self.scaler.summaries, ft=self.ft, calls=self.calls)
+        self.planner = Planner(config, topology, summarize, summarize_many=summarize_many,
+                               on_planned=self._on_planned, constructors=topology.num_constructors)
         self.restored_from: int | None = None
         self.rewinds = 0
-        self._rewind_lock = threading.Lock()
         self._reports: dict[int, list] = {}  # loss reports received, re-fed after every restore or rewind
         if self.checkpoints is not None:
-            state = self.checkpoints.latest() if _reconstructed() else None
+            state = self.checkpoints.latest() if reconstructed() else None
             if state is not None:
                 self._reports = self.checkpoints.reports()
                 self._load(state)
@@ -122,7 +127,7 @@ class PlannerActor:
                             shard_options=plan.shard_options or None, online=plan.online)
         scaler.start(plan.actors)
         ray.get([h.ready.remote() for h in scaler.live()])  # every source opens (or fails, named) now
-        saved = self.checkpoints.autoscaler() if self.checkpoints is not None and _reconstructed() else None
+        saved = self.checkpoints.autoscaler() if self.checkpoints is not None and reconstructed() else None
         if saved is not None:  # back to the shard counts it had scaled to (the old actors died with it)
             scaler.load_state_dict(saved)
         return scaler
@@ -146,10 +151,10 @@ class PlannerActor:
         except ResumeError:
             if self.checkpoints is None:
                 raise
-        # Rewind to the saved state before `step` and re-plan (deterministic: the same plans). One
-        # rewind at a time, planning `step` before the next may move the Planner elsewhere: two
-        # concurrent rewinds would each clear the plan the other just made.
-        with self._rewind_lock:
+        # Rewind to the saved state before `step` and re-plan (deterministic: the same plans) under
+        # the planning lock: concurrent calls wait, and no other rewind moves the Planner before
+        # `step` is planned (two concurrent rewinds used to clear each other's plan).
+        with self.planner.planning():
             try:
                 return self.planner.plan(step)  # another rewind may have re-planned it meanwhile
             except ResumeError:
@@ -182,6 +187,10 @@ class PlannerActor:
 
     def loader_plan(self, step: int, source: int):
         return self._plan(step).loader_do_plan(source)
+
+    def loader_plans(self, step: int, sources: list[int]):
+        """`step`'s LoaderPlans of `sources` (a loader group's members) in one reply; absent: nothing."""
+        return self._plan(step).loader_do_plans(sources)
 
     def constructor_plan(self, step: int, bucket: int):
         return self._plan(step).constructor_do_plan(bucket)
@@ -225,7 +234,8 @@ class PlannerActor:
 
     def stats(self) -> dict:
         out = {"next_step": self.planner.next_step, "restored_from": self.restored_from, "rewinds": self.rewinds,
-               "failovers": self._loaders.failovers if self._loaders is not None else 0}
+               "failovers": self._loaders.failovers if self._loaders is not None else 0,
+               "ray_calls": self.calls.snapshot()}
         if self.scaler is not None:
             out["autoscale"] = {"layouts": self.scaler.layout_table(), "live_actors": len(self.scaler.actors),
                                 "events": list(self.scaler.events)}
@@ -238,10 +248,11 @@ class PlannerActor:
                             "find loaders by name (`loader/<i>`), not through the Planner")
         return self.scaler
 
-    def route(self, step: int, source: int) -> list[Any]:
-        """The loader actors holding `source`'s samples of `step`, shard k at index k."""
+    def routes(self, step: int, sources: list[int]) -> list[list[Any]]:
+        """Per source of `sources`, the loader actors holding its samples of `step` (shard k at index
+        k): a constructor's whole step in one call."""
         self._plan(step)  # plan (and observe) up to `step` first, so its layout is decided
-        return self._scaler().route(step, source)
+        return self._scaler().routes(step, sources)
 
     def loaders_of(self, source: int) -> list[Any]:
         """The actors serving `source` now (newest layout)."""
@@ -281,10 +292,11 @@ class SourceLoaderActor:
         self.read_ahead = 0 if shadow else read_ahead
         self.rereads = 0
         self.direct_fetches = 0
+        self.calls = CallCounter()
         self.snapshots = LoaderSnapshots(snapshot_dir, snapshot_every) if snapshot_dir and not shadow else None
         self._snapshot_step = -snapshot_every
         self.restored_step: int | None = None
-        if self.snapshots is not None and _reconstructed():
+        if self.snapshots is not None and reconstructed():
             got = self.snapshots.load(source_id)
             if got is not None:
                 self._snapshot_step, state = got
@@ -310,6 +322,7 @@ class SourceLoaderActor:
         if plan is None:
             if self._planner is None:
                 self._planner = ray.get_actor(PLANNER_NAME, namespace=self._namespace)
+            self.calls.add("loader>planner loader_plan")
             plan = ray.get(self._planner.loader_plan.remote(step, source))
             with self._plans_lock:
                 self._plans[step] = plan
@@ -357,7 +370,7 @@ class SourceLoaderActor:
 
     def stats(self) -> dict:
         return {**self.loader.stats(), "rereads": self.rereads, "direct_fetches": self.direct_fetches,
-                "restored_step": self.restored_step, "shadow": self.shadow}
+                "restored_step": self.restored_step, "shadow": self.shadow, "ray_calls": self.calls.snapshot()}
 
     def rss_bytes(self) -> int:
         """This process's resident memory (what a shadow costs)."""
@@ -368,129 +381,6 @@ class SourceLoaderActor:
 
     def load_state_dict(self, state: dict) -> None:
         self.loader.load_state_dict(state)
-
-    @ray.method(max_task_retries=0)  # never re-run on the restarted actor
-    def crash(self) -> None:
-        crash_self()
-
-
-def constructor_concurrency(topology: ServiceTopology, buckets: list[int], ft: FaultToleranceConfig,
-                            images: bool) -> int:
-    """Threads a constructor actor needs so a consumer waiting for a slower one (backpressure)
-    never takes the slow one's thread: each fetcher's requests in flight (its step and
-    ``client_prefetch`` more), one encoder-image call per rank of the world, and slack."""
-    fetchers = sum(len(topology.fetchers(b)) for b in buckets)
-    world = topology.tree.world_size if images else 0
-    return max(ACTOR_CONCURRENCY, fetchers * (ft.client_prefetch + 1) + world + 4)
-
-
-@ray.remote(num_cpus=0, max_concurrency=ACTOR_CONCURRENCY)
-class DataConstructorActor:
-    """A Data Constructor with a background prefetch thread `prefetch` steps ahead.
-
-    A prefetch failure is logged and retried with backoff, never latched: a client's request
-    builds (or fails) its own step. A constructor Ray restarted starts prefetching at the first
-    step a client asks for and rebuilds steps from their plans (loaders re-read what the dead
-    instance had taken); a consumer counts for backpressure once it asks for something. Each
-    rise of the slowest consumer's step is told to the Planner (it keeps plans until then).
-    Threads: `constructor_concurrency` (set by the service through ``.options``). A request that
-    presents a ``job`` other than this service's (`ServiceTopology.job`) is refused by name.
-    """
-
-    def __init__(self, buckets: list[int], config: ServiceConfig, topology: ServiceTopology, planner: Any,
-                 loaders: list[Any], pad_id: int, image_token_id: int | None, start_step: int = 0,
-                 ft: FaultToleranceConfig | None = None, shadows: list[Any] | None = None):
-        self.ft = ft or _NO_FAULT_TOLERANCE
-        if topology.autoscaled:  # the Planner says which shards hold a step of a source
-            self._loaders: Any = RoutedFetch(lambda step, s: ray.get(planner.route.remote(step, s)), self.ft)
-            fetch = self._loaders
-        else:
-            self._loaders = LoaderFailover(loaders, shadows, self.ft)
-            fetch = self._loaders.fetch
-        self.restarted = _reconstructed()
-        self._planner = planner
-        self._index = topology.constructor_of_bucket(buckets[0])
-        self._job = topology.job
-        self._wake = threading.Event()
-        self.constructor = DataConstructor(
-            buckets,
-            config,
-            topology,
-            get_plan=lambda step, b: ray.get(planner.constructor_plan.remote(step, b)),
-            fetch=fetch,
-            pad_id=pad_id,
-            image_token_id=image_token_id,
-            get_encoder_plan=lambda step, bs: ray.get(planner.encoder_plan.remote(step, bs)),
-            start_step=None if self.restarted else start_step,
-            max_lead=self.ft.max_lead(config.prefetch),
-            wait_timeout_s=0.5 * self.ft.recovery_timeout_s,  # named here before the client's deadline
-            on_floor=self._on_floor,
-        )
-        self.constructor.skip_to(start_step)
-        self.prefetch_depth = config.prefetch
-        self._target: int | None = None if self.restarted else start_step + self.prefetch_depth - 1
-        self.prefetch_errors = 0
-        threading.Thread(target=self._prefetch_loop, daemon=True, name="prefetch").start()
-        self._wake.set()
-
-    def _on_floor(self, step: int) -> None:
-        self._planner.constructor_floor.remote(self._index, step)  # no reply awaited
-        self._wake.set()  # the lead moved: prefetch may go on
-
-    def _prefetch_loop(self) -> None:
-        failures = 0
-        while True:
-            self._wake.wait(timeout=min(0.1 * 2 ** failures, 5.0) if failures else None)
-            self._wake.clear()
-            target = self._target
-            if target is None:  # restarted: wait for the first client request
-                continue
-            try:
-                self.constructor.prefetch(target)
-                failures = 0
-            except Exception as exc:  # retried; the client's own request reports a lasting failure
-                failures += 1
-                self.prefetch_errors += 1
-                log = _log.warning if failures > 1 else _log.debug  # one is routine in a recovery; two are news
-                log("constructor %s: prefetch up to step %d failed (attempt %d): %s",
-                                 self.constructor.buckets, target, failures, getattr(exc, "cause", None) or exc)
-
-    def _check_job(self, job: str | None) -> None:
-        """A string compare per request; None is a caller inside the service (no client)."""
-        if job is not None and job != self._job:
-            raise JobMismatchError(f"constructor/{self._index} of data service {self._job!r} refuses a request from a "
-                                   f"client of {job!r}: that client was given another job's topology or handles; "
-                                   "pass each trainer the ServiceHandles its own DataService.start() returned")
-
-    def get(self, step: int, microbatch: int, rank: int, position: int | None = None, *, job: str | None = None):
-        self._check_job(job)
-        return self._deliver(step, lambda: self.constructor.get(step, microbatch, rank, position))
-
-    def get_step(self, step: int, rank: int, position: int | None = None, *, job: str | None = None):
-        """Every microbatch of `step` for `rank` in one reply (the client's step prefetch); the
-        rank is on step `position` (default `step`); `job`: the client's `ServiceTopology.job`."""
-        self._check_job(job)
-        return self._deliver(step, lambda: self.constructor.get_step(step, rank, position))
-
-    def _deliver(self, step: int, take: Any) -> Any:
-        self.constructor.skip_to(step)
-        if self._target is None or step + self.prefetch_depth > self._target:
-            self._target = step + self.prefetch_depth
-            self._wake.set()
-        out = take()
-        buckets = "+".join(map(str, self.constructor.buckets))
-        service_metrics().buffered_steps(self.constructor.buffered_steps(), buckets)
-        service_metrics().constructor_lead(self.constructor.held.lead(), buckets)
-        return out
-
-    def get_encoder_images(self, step: int, rank: int, position: int | None = None, *, job: str | None = None):
-        """This constructor's images that global rank `rank` encodes at `step` (hybrid strategies)."""
-        self._check_job(job)
-        return self.constructor.get_encoder_images(step, rank, position)
-
-    def stats(self) -> dict:
-        return {**self.constructor.stats(), "restarted": self.restarted, "prefetch_errors": self.prefetch_errors,
-                "failovers": self._loaders.failovers}
 
     @ray.method(max_task_retries=0)  # never re-run on the restarted actor
     def crash(self) -> None:

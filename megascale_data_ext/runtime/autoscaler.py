@@ -35,10 +35,12 @@ from typing import Any
 
 import numpy as np
 import ray
+from ray.exceptions import GetTimeoutError
 
 from megascale_data_ext.dataplane.partitioner import ShardRef
 from megascale_data_ext.dataplane.scaling import ScalingConfig, ScalingDecision, ScalingPolicy
 from megascale_data_ext.errors import PlanError
+from megascale_data_ext.runtime.calls import CallCounter
 from megascale_data_ext.runtime.failover import ACTOR_FAILURES
 from megascale_data_ext.runtime.faults import FaultToleranceConfig, ServiceUnavailableError
 from megascale_data_ext.runtime.loader_group import LoaderGroupActor, merge_fetches
@@ -177,9 +179,13 @@ class AutoScaler:
 
     def route(self, step: int, source: int) -> list[Any]:
         """The loader actors holding `source`'s samples of `step`, shard k at index k."""
+        return self.routes(step, [source])[0]
+
+    def routes(self, step: int, sources: Sequence[int]) -> list[list[Any]]:
+        """`route` of each of `sources`, in order (a constructor's whole step in one call)."""
         with self._lock:
             self.max_routed = max(self.max_routed, step)
-            return [self.actors[a] for a in self._layout_at(step, source).actors]
+            return [[self.actors[a] for a in self._layout_at(step, s).actors] for s in sources]
 
     def metadata_actor(self, source: int) -> Any:
         """An actor of `source`'s newest layout, for metadata (`summary_buffer`); every shard has it all."""
@@ -209,6 +215,42 @@ class AutoScaler:
                         f"the loader of source {self.specs[source].name!r} did not answer `summary_buffer` within "
                         f"{ft.recovery_timeout_s:g} s (fault_tolerance.recovery_timeout_s): {exc!r}") from exc
                 time.sleep(0.2)
+
+    def summaries(self, requests: Sequence[tuple[int, int, int]], ft: FaultToleranceConfig,
+                  calls: CallCounter | None = None) -> list[Any]:
+        """`summary` of every ``(source, start, count)``, in request order: one call per loader actor
+        (each asked for all of its sources at once, the actors concurrently), waiting out restarts."""
+        out: list[Any] = [None] * len(requests)
+        todo = list(range(len(requests)))
+        deadline = time.monotonic() + ft.recovery_timeout_s
+        while True:
+            by_actor: dict[Any, list[int]] = {}
+            for i in todo:
+                by_actor.setdefault(self.metadata_actor(requests[i][0]), []).append(i)
+            refs = {h.summaries.remote([requests[i] for i in idx]): idx for h, idx in by_actor.items()}
+            if calls is not None:
+                calls.add("planner>loader summaries", len(refs))
+            ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=ft.rpc_timeout_s)
+            done, failed, last = set(ready), [], None
+            for ref, idx in refs.items():
+                try:
+                    if ref not in done:
+                        raise GetTimeoutError(f"no answer within {ft.rpc_timeout_s:g} s")
+                    for i, summ in zip(idx, ray.get(ref), strict=True):
+                        out[i] = summ
+                except ACTOR_FAILURES as exc:
+                    failed += idx
+                    last = exc
+            if not failed:
+                return out
+            if time.monotonic() > deadline:
+                names = sorted({self.specs[requests[i][0]].name for i in failed})
+                raise ServiceUnavailableError(
+                    f"the loaders of sources {names[:8]}{' ...' if len(names) > 8 else ''} did not answer "
+                    f"`summaries` within {ft.recovery_timeout_s:g} s (fault_tolerance.recovery_timeout_s): "
+                    f"{last!r}") from last
+            todo = failed
+            time.sleep(0.2)
 
     def shards(self, step: int, source: int) -> int:
         with self._lock:
@@ -282,46 +324,68 @@ class AutoScaler:
 
 
 class RoutedFetch:
-    """A constructor's ``fetch(source, step, buckets)`` over the shards a step routes to.
+    """A constructor's ``fetch(step, sources, buckets)`` over the shards a step routes to.
 
-    Asks the router once per (step, source) and merges the shards' disjoint results. A shard
-    that died (or is restarting) is asked again — the router is asked afresh, since a restarted
-    Planner starts a new fleet — until ``recovery_timeout_s``; a re-sent fetch is exact because
-    a loader reads buckets it handed out before again from the plan.
+    Asks the router once per step for every source not routed yet, then each loader actor once
+    for all the (shards of) sources it holds (`LoaderGroupActor.fetch_many`, the actors
+    concurrently), and merges each source's shards' disjoint results. A source one of whose
+    actors died (or is restarting) is asked again — the router is asked afresh, since a
+    restarted Planner starts a new fleet — until ``recovery_timeout_s``; a re-sent fetch is
+    exact because a loader reads buckets it handed out before again from the plan.
     """
 
-    def __init__(self, route: Callable[[int, int], list[Any]], ft: FaultToleranceConfig | None = None) -> None:
+    def __init__(self, route: Callable[[int, list[int]], list[list[Any]]], ft: FaultToleranceConfig | None = None,
+                 *, calls: CallCounter | None = None) -> None:
         self.route = route
         self.ft = ft or FaultToleranceConfig(restart=False)
+        self.calls = calls
         self._cache: dict[tuple[int, int], list[Any]] = {}
         self.failovers = 0
 
-    def _handles(self, step: int, source: int, fresh: bool) -> list[Any]:
-        handles = None if fresh else self._cache.get((step, source))
-        if handles is None:
-            handles = self.route(step, source)
-            if len(self._cache) > 4096:
+    def _handles(self, step: int, sources: list[int], fresh: bool) -> dict[int, list[Any]]:
+        """Each source's shard actors at `step` (shard k at index k), from the cache unless `fresh`."""
+        need = sources if fresh else [s for s in sources if (step, s) not in self._cache]
+        if need:
+            if len(self._cache) > 65536:
                 self._cache.clear()
-            self._cache[(step, source)] = handles
-        return handles
+            self._cache.update({(step, s): hs for s, hs in zip(need, self.route(step, need), strict=True)})
+        return {s: self._cache[(step, s)] for s in sources}
 
-    def __call__(self, source: int, step: int, buckets: list[int]) -> dict[str, list]:
+    def __call__(self, step: int, sources: list[int], buckets: list[int]) -> dict[int, dict[str, list]]:
         deadline = time.monotonic() + self.ft.recovery_timeout_s
-        fresh, attempt = False, 0
+        out: dict[int, dict[str, list]] = {}
+        todo, fresh, attempt = list(sources), False, 0
         while True:
-            handles = self._handles(step, source, fresh)
-            try:
-                refs = [h.fetch.remote(source, step, buckets) for h in handles]
-                return merge_fetches(ray.get(refs, timeout=self.ft.rpc_timeout_s))
-            except ACTOR_FAILURES as exc:
-                self.failovers += 1
-                if time.monotonic() > deadline:
-                    raise ServiceUnavailableError(
-                        f"the loaders of source {source} did not deliver step {step} within "
-                        f"{self.ft.recovery_timeout_s:g} s (fault_tolerance.recovery_timeout_s): {exc!r}. Check the "
-                        "actors' logs (`ray logs`), or raise the timeout") from exc
-                time.sleep(min(0.05 * 2 ** attempt, 1.0))
-                fresh, attempt = True, attempt + 1
+            by_actor: dict[Any, list[int]] = {}
+            for s, handles in self._handles(step, todo, fresh).items():
+                for h in handles:
+                    by_actor.setdefault(h, []).append(s)
+            refs = {h.fetch_many.remote(step, ss, buckets): ss for h, ss in by_actor.items()}
+            if self.calls is not None:
+                self.calls.add("constructor>loader fetch_many", len(refs))
+            ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=self.ft.rpc_timeout_s)
+            done, parts, failed, last = set(ready), {s: [] for s in todo}, set(), None
+            for ref, ss in refs.items():
+                try:
+                    if ref not in done:
+                        raise GetTimeoutError(f"no answer within {self.ft.rpc_timeout_s:g} s")
+                    got = ray.get(ref)
+                    for s in ss:
+                        parts[s].append(got[s])
+                except ACTOR_FAILURES as exc:
+                    failed.update(ss)
+                    last = exc
+            out.update({s: merge_fetches(parts[s]) for s in todo if s not in failed})
+            if not failed:
+                return out
+            self.failovers += 1
+            if time.monotonic() > deadline:
+                raise ServiceUnavailableError(
+                    f"the loaders of sources {sorted(failed)[:8]} did not deliver step {step} within "
+                    f"{self.ft.recovery_timeout_s:g} s (fault_tolerance.recovery_timeout_s): {last!r}. Check the "
+                    "actors' logs (`ray logs`), or raise the timeout") from last
+            time.sleep(min(0.05 * 2 ** attempt, 1.0))
+            todo, fresh, attempt = [s for s in todo if s in failed], True, attempt + 1
 
 
 def spawn_loader_groups(config: Any, planner: Any, restart_options: dict[str, Any]) -> Spawn:

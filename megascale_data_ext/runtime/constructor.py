@@ -39,8 +39,9 @@ from megascale_data_ext.runtime.held_steps import IMAGES, HeldSteps, Takers
 from megascale_data_ext.runtime.topology import ServiceTopology
 from megascale_data_ext.sources.transforms import DeferredDecoder
 
-FetchFn = Callable[[int, int, list[int]], dict[str, list]]
-"""(source_id, step, buckets) -> a loader's `fetch` result."""
+FetchFn = Callable[[int, list[int], list[int]], dict[int, dict[str, list]]]
+"""(step, source_ids, buckets) -> {source_id: that loader's `fetch` result}: the step's sources in one
+call, so a Ray façade asks each loader actor once for all the sources it holds."""
 
 EncoderImages = tuple[np.ndarray, np.ndarray, np.ndarray]
 """``(patches float32 [P, patch_dim], seqlens int32 [n], keys int64 [n, 3])``; key = (source, position, image)."""
@@ -127,7 +128,7 @@ class DataConstructor:
         config: Service config (seq length, microbatches, prefetch, attention mask).
         topology: The service topology (who fetches, CP/PP coordinates of clients).
         get_plan: ``(step, bucket) -> ConstructorPlan`` (the Planner).
-        fetch: ``(source_id, step, buckets) -> samples`` (a Source Loader).
+        fetch: ``(step, source_ids, buckets) -> {source_id: samples}`` (the Source Loaders, `FetchFn`).
         pad_id: Padding / masked-label token.
         image_token_id: Image placeholder token (VLM); None for text-only.
         get_encoder_plan: ``(step, buckets) -> EncoderRows | None`` (the Planner); given, the
@@ -198,8 +199,9 @@ class DataConstructor:
         plans = {b: self.get_plan(step, b) for b in self.buckets}
         sources = sorted({ref.source for p in plans.values() for mb in p.microbatches for ref in mb})
         pool: dict[tuple[int, int], Any] = {}
+        fetched = self.fetch(step, sources, self.buckets)
         for s in sources:
-            got = self.fetch(s, step, self.buckets)
+            got = fetched[s]
             for _b, pos, sample in got["samples"]:
                 pool[(s, pos)] = sample
             for _b, pos, bad in got["skipped"]:

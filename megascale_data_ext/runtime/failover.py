@@ -32,6 +32,7 @@ from ray.exceptions import ActorUnavailableError, GetTimeoutError, ObjectLostErr
 
 from megascale_data_ext.dataplane.plan import LoaderPlan
 from megascale_data_ext.errors import SourceError
+from megascale_data_ext.runtime.calls import CallCounter
 from megascale_data_ext.runtime.faults import FaultToleranceConfig, ServiceUnavailableError
 from megascale_data_ext.runtime.loader import SourceLoader
 
@@ -80,10 +81,15 @@ class LoaderFailover:
         primaries: One loader actor handle per source.
         shadows: A shadow handle per source, or None without shadows.
         ft: Timeouts and budgets.
+        calls: Counts each call submitted, as ``"<caller>>loader <method>"``.
+        caller: Who calls (``"planner"``, ``"constructor"``), for `calls`.
     """
 
-    def __init__(self, primaries: Sequence[Any], shadows: Sequence[Any] | None, ft: FaultToleranceConfig) -> None:
+    def __init__(self, primaries: Sequence[Any], shadows: Sequence[Any] | None, ft: FaultToleranceConfig, *,
+                 calls: CallCounter | None = None, caller: str = "constructor") -> None:
         self.primaries = list(primaries)
+        self.calls = calls
+        self.caller = caller
         self.shadows = list(shadows) if shadows else None
         self.ft = ft
         self._suspect_until = [0.0] * len(self.primaries)
@@ -91,6 +97,10 @@ class LoaderFailover:
 
     def fetch(self, source: int, step: int, buckets: list[int]) -> dict[str, list]:
         return self._call(source, "fetch", step, buckets)
+
+    def fetch_many(self, step: int, sources: list[int], buckets: list[int]) -> dict[int, dict[str, list]]:
+        """A constructor's fetch of `sources` (one actor per source: one call each)."""
+        return {s: self.fetch(s, step, buckets) for s in sources}
 
     def summary(self, source: int, start: int, count: int) -> Any:
         return self._call(source, "summary_buffer", start, count)
@@ -118,6 +128,8 @@ class LoaderFailover:
 
         def submit() -> None:
             role, handle, name = targets.pop(0)
+            if self.calls is not None:
+                self.calls.add(f"{self.caller}>loader {method}")
             pending[getattr(handle, name).remote(*args)] = (role, name)
 
         submit()

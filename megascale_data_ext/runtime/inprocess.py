@@ -53,7 +53,7 @@ class InProcessService:
             DataConstructor(
                 list(buckets), config, topo,
                 get_plan=lambda step, b: self.planner.plan(step).constructor_do_plan(b),
-                fetch=lambda s, step, bs: self.loaders[s].fetch(step, bs),
+                fetch=lambda step, ss, bs: {s: self.loaders[s].fetch(step, bs) for s in ss},
                 pad_id=tok.pad_id, image_token_id=image_id,
                 get_encoder_plan=lambda step, bs: encoder_rows(self.planner.plan(step), bs),
                 max_lead=max_lead, wait_timeout_s=wait_timeout_s,

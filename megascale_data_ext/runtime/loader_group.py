@@ -16,8 +16,13 @@ Workers: ``workers`` threads read ahead the next steps' plans of every member (w
 parallel: worker i starts step s + i while the constructors consume step s), so a costly
 transform has ``workers`` steps of time to finish.
 
+Batched calls: whatever crosses a process goes once per group, not once per member — the
+Planner's metadata (`summaries`), the step's plans (``get_plans(step, members)``, cached per
+step) and a constructor's fetch of every member it needs (`LoaderGroupActor.fetch_many`) — so
+Ray calls per step do not grow with the sources an actor hosts.
+
 Thread contract: as `SourceLoader`; the Ray façade is threaded (``max_concurrency``) because
-a member's `fetch` may wait on the Planner while the Planner asks for `summary_buffer`.
+a member's `fetch` may wait on the Planner while the Planner asks for `summaries`.
 """
 
 from __future__ import annotations
@@ -30,11 +35,13 @@ from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import numpy as np
 import ray
 
 from megascale_data_ext.dataplane.partitioner import ShardRef
 from megascale_data_ext.dataplane.plan import LoaderPlan
 from megascale_data_ext.errors import SourceError
+from megascale_data_ext.runtime.calls import CallCounter
 from megascale_data_ext.runtime.failover import missing_buckets, read_buckets
 from megascale_data_ext.runtime.faults import crash_self
 from megascale_data_ext.runtime.loader import SourceLoader
@@ -47,6 +54,49 @@ __all__ = ["GROUP_CONCURRENCY", "LoaderGroup", "LoaderGroupActor", "merge_fetche
 GROUP_CONCURRENCY = 16
 _log = logging.getLogger(__name__)
 GetPlan = Callable[[int, int], LoaderPlan]
+GetPlans = Callable[[int, list[int]], Mapping[int, LoaderPlan]]
+"""``(step, sources) -> {source: LoaderPlan}`` of the whole sources; a source left out has nothing in the step."""
+PLAN_STEPS = 64
+"""Steps of plans a group keeps (read-ahead and re-reads of recent steps find them)."""
+
+
+class PlanCache:
+    """A group's plans of its members, fetched once per step for all of them (`GetPlans`); thread-safe.
+
+    Concurrent misses on one step wait for the first one's answer instead of asking again.
+    """
+
+    def __init__(self, get_plans: GetPlans, sources: Sequence[int], steps: int = PLAN_STEPS) -> None:
+        self.get_plans = get_plans
+        self.sources = sorted(sources)
+        self.steps = steps
+        self._plans: OrderedDict[int, Mapping[int, LoaderPlan]] = OrderedDict()
+        self._lock = threading.Lock()
+        self._asking: dict[int, threading.Lock] = {}
+
+    def get(self, step: int, source: int) -> LoaderPlan:
+        plans = self._cached(step)
+        if plans is None:
+            with self._lock:
+                asking = self._asking.setdefault(step, threading.Lock())
+            with asking:
+                plans = self._cached(step)
+                if plans is None:
+                    plans = self.get_plans(step, self.sources)
+                    with self._lock:
+                        self._plans[step] = plans
+                        while len(self._plans) > self.steps:
+                            self._plans.popitem(last=False)
+                        self._asking.pop(step, None)
+        plan = plans.get(source)
+        if plan is None:
+            empty = np.zeros(0, dtype=np.int64)
+            plan = LoaderPlan(step=step, source=source, positions=empty, indices=empty, bucket=empty)
+        return plan
+
+    def _cached(self, step: int) -> Mapping[int, LoaderPlan] | None:
+        with self._lock:
+            return self._plans.get(step)
 
 
 def shard_of_plan(plan: LoaderPlan, shard: int, num_shards: int) -> LoaderPlan:
@@ -68,12 +118,15 @@ class LoaderGroup:
         workers: Read-ahead threads (worker parallelism for costly transforms).
         read_ahead: Steps each fetch schedules ahead (default: `workers`).
         get_plan: ``(step, source) -> LoaderPlan`` of the whole source (the Planner).
+        get_plans: ``(step, sources) -> {source: LoaderPlan}`` (`GetPlans`): every member's plan of
+            a step in one call, cached (`PlanCache`); replaces `get_plan`.
 
     Checkpoint: ``{"members": {source: SourceLoader state}}`` (each member's own schema).
     """
 
     def __init__(self, members: Sequence[tuple[ShardRef, SourceSpec]], *, seed: int, shuffle: bool = True,
-                 workers: int = 1, read_ahead: int | None = None, get_plan: GetPlan | None = None) -> None:
+                 workers: int = 1, read_ahead: int | None = None, get_plan: GetPlan | None = None,
+                 get_plans: GetPlans | None = None) -> None:
         seen = [ref.source for ref, _ in members]
         if len(set(seen)) != len(seen):
             raise ValueError(f"a loader group hosts a source at most once, got sources {seen}")
@@ -85,7 +138,8 @@ class LoaderGroup:
         self.read_ahead = self.workers if read_ahead is None else read_ahead
         self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="loader-worker")
         self._ahead_until: dict[int, int] = {s: -1 for s in self.loaders}
-        self.set_get_plan(get_plan)
+        self.plans = PlanCache(get_plans, list(self.loaders)) if get_plans is not None else None
+        self.set_get_plan(self.plans.get if self.plans is not None else get_plan)
 
     def set_get_plan(self, get_plan: GetPlan | None) -> None:
         """Give every member the Planner's plans, cut to its shard."""
@@ -107,6 +161,10 @@ class LoaderGroup:
     def summary_buffer(self, source: int, start: int, count: int):
         """Metadata of the whole source's stream (every shard has all of it: it is metadata only)."""
         return self._member(source).summary_buffer(start, count)
+
+    def summaries(self, requests: Sequence[tuple[int, int, int]]) -> list:
+        """`summary_buffer` of each ``(source, start, count)``, in request order (the Planner's batch)."""
+        return [self.summary_buffer(s, start, count) for s, start, count in requests]
 
     def fetch(self, source: int, step: int, buckets: list[int]) -> dict[str, list]:
         """This member's samples of `step` for `buckets`; schedules read-ahead on the worker threads."""
@@ -155,26 +213,18 @@ class LoaderGroupActor:
 
     def __init__(self, members: list[tuple[ShardRef, SourceSpec]], seed: int, shuffle: bool, workers: int = 1,
                  namespace: str | None = None, planner: Any = None):
-        self.group = LoaderGroup(members, seed=seed, shuffle=shuffle, workers=workers, get_plan=self._get_plan)
         self._namespace = namespace
         self._planner: Any = planner  # None: looked up by name in `namespace` on first use
-        self._plans: OrderedDict[tuple[int, int], LoaderPlan] = OrderedDict()  # whole-source plans, bounded
-        self._plans_lock = threading.Lock()
         self.rereads = 0
+        self.calls = CallCounter()
+        self.group = LoaderGroup(members, seed=seed, shuffle=shuffle, workers=workers, get_plans=self._get_plans)
 
-    def _get_plan(self, step: int, source: int) -> LoaderPlan:
-        key = (step, source)
-        with self._plans_lock:
-            plan = self._plans.get(key)
-        if plan is None:
-            if self._planner is None:  # no handle given: find the Planner by name
-                self._planner = ray.get_actor(PLANNER_NAME, namespace=self._namespace)
-            plan = ray.get(self._planner.loader_plan.remote(step, source))
-            with self._plans_lock:
-                self._plans[key] = plan
-                while len(self._plans) > 64 * max(1, len(self.group.loaders)):
-                    self._plans.popitem(last=False)
-        return plan
+    def _get_plans(self, step: int, sources: list[int]) -> Mapping[int, LoaderPlan]:
+        """Every member's plan of `step`: one call to the Planner (the group caches the answer)."""
+        if self._planner is None:  # no handle given: find the Planner by name
+            self._planner = ray.get_actor(PLANNER_NAME, namespace=self._namespace)
+        self.calls.add("loader>planner loader_plans")
+        return ray.get(self._planner.loader_plans.remote(step, sources))
 
     def ready(self) -> dict[str, Any]:
         """Where the actor runs and what it serves (placement checks and readiness)."""
@@ -187,6 +237,10 @@ class LoaderGroupActor:
 
     def summary_buffer(self, source: int, start: int, count: int):
         return self.group.summary_buffer(source, start, count)
+
+    def summaries(self, requests: list[tuple[int, int, int]]) -> list:
+        """The Planner's metadata requests for any of this actor's sources, answered in one call."""
+        return self.group.summaries(requests)
 
     def fetch(self, source: int, step: int, buckets: list[int]):
         """This member's samples of `step` for `buckets`; buckets popped before are read again."""
@@ -202,8 +256,13 @@ class LoaderGroupActor:
         service_metrics().source_read(loader.spec.name, samples=samples, tokens=tokens, skipped=skipped)
         return out
 
+    def fetch_many(self, step: int, sources: list[int], buckets: list[int]) -> dict[int, dict[str, list]]:
+        """`fetch` of every one of `sources` (members of this actor) in one call: a constructor's step."""
+        return {s: self.fetch(s, step, buckets) for s in sources}
+
     def stats(self) -> dict:
-        return {"members": self.group.stats(), "rereads": self.rereads, "workers": self.group.workers}
+        return {"members": self.group.stats(), "rereads": self.rereads, "workers": self.group.workers,
+                "ray_calls": self.calls.snapshot()}
 
     def rss_bytes(self) -> int:
         """This process's resident memory."""

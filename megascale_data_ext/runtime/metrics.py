@@ -4,7 +4,7 @@ What is measured (Ray exports each as ``ray_<name>``), and where it is recorded:
 
 - ``megascale_fetch_latency_seconds`` (histogram, tag ``rank``): `Client.fetch`, trainer side.
 - ``megascale_constructor_buffered_steps`` (gauge, tag ``constructor``): steps a Data
-  Constructor built that still wait for their clients (`DataConstructorActor.get`).
+  Constructor built that still wait for their clients (`constructor_actor.DataConstructorActor.get`).
 - ``megascale_plan_seconds`` (histogram): planning time of each step (the Planner's ``on_planned`` hook, `record_plan`).
 - ``megascale_plan_max_over_mean`` (histogram, tag ``split``) and ``megascale_plan_last_max_over_mean``
   (gauge, newest step): max/mean bucket cost of each planned step, ``split`` = ``balanced``

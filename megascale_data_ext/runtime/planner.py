@@ -33,7 +33,7 @@ import copy
 import dataclasses
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -58,8 +58,11 @@ from megascale_data_ext.runtime.topology import ServiceTopology, make_strategy
 from megascale_data_ext.state import StateSchema
 
 Summarize = Callable[[int, int, int], SourceSummary]
+SummaryRequest = tuple[int, int, int]
+"""``(source_id, start_position, count)``: metadata of `count` stream positions from `start_position`."""
+SummarizeMany = Callable[[Sequence[SummaryRequest]], Sequence[SourceSummary]]
 SUMMARY_EXTRA = 4096
-"""Samples of metadata fetched beyond the buffer per loader round trip (see `Planner._summary`)."""
+"""Samples of metadata fetched beyond the buffer per loader round trip (see `Planner._window`)."""
 
 
 class Planner:
@@ -68,7 +71,11 @@ class Planner:
     Args:
         config: The service config (sources, batch shape, strategy, mixing).
         topology: The service topology (its tree is the mesh plans are made for).
-        summarize: ``(source_id, start_position, count) -> SourceSummary`` — asks a loader.
+        summarize: ``(source_id, start_position, count) -> SourceSummary`` — asks a loader; None
+            when `summarize_many` is given.
+        summarize_many: ``[SummaryRequest, ...] -> [SourceSummary, ...]`` in request order: every
+            source the step needs metadata of in one call, which a Ray façade turns into one
+            call per loader actor (default: `summarize` per request).
         keep: How many planned steps (and their states) to keep behind the newest one at least: a
             checkpoint of the step the trainer is at (a 4,096-GPU plan is ~30 MiB, see
             `megascale-data simulate`).
@@ -83,13 +90,17 @@ class Planner:
     STATE = StateSchema("planner", 4, ("step", "cursors", "mixer", "reports", "carry"),
                         hint="resume with the data config and parallel layout of the saved run")
 
-    def __init__(self, config: ServiceConfig, topology: ServiceTopology, summarize: Summarize, *, keep: int = 16,
-                 report_timeout_s: float = 600.0, on_planned: Callable[[StepPlan, float], None] | None = None,
-                 constructors: int | None = None):
+    def __init__(self, config: ServiceConfig, topology: ServiceTopology, summarize: Summarize | None, *,
+                 summarize_many: SummarizeMany | None = None, keep: int = 16, report_timeout_s: float = 600.0,
+                 on_planned: Callable[[StepPlan, float], None] | None = None, constructors: int | None = None):
+        if summarize_many is None:
+            if summarize is None:
+                raise ValueError("Planner needs `summarize` or `summarize_many` (the loaders' metadata)")
+            summarize_many = lambda requests: [summarize(*r) for r in requests]  # noqa: E731
         self.config = config
         self.topology = topology
         self.tree = topology.tree
-        self.summarize = summarize
+        self.summarize_many = summarize_many
         self._summaries: dict[int, SourceSummary] = {}  # per source, a window of its (pure) stream metadata
         self.keep = keep
         self.strategy = make_strategy(config)
@@ -218,8 +229,7 @@ class Planner:
     def _planned(self, step: int) -> StepPlan:
         """Plan `step` live: buffer summaries -> mix -> strategy (deferring what does not fit)."""
         self._apply_reports(step)
-        window = self.config.buffer_size
-        summaries = [self._summary(s, int(self.cursors[s]), window) for s in range(len(self.cursors))]
+        summaries = self._window(self.config.buffer_size)
         if self.config.tokens_per_step is not None:
             return self._planned_tokens(step, summaries)
         buffer = BufferSummary.of(summaries)
@@ -234,23 +244,33 @@ class Planner:
             self.mixer.settle(step, plan.counts_per_source())
         return plan
 
-    def _summary(self, source: int, start: int, count: int) -> SourceSummary:
-        """Metadata of `count` samples from stream position `start`, from a cached window.
+    def _window(self, count: int) -> list[SourceSummary]:
+        """Metadata of the next `count` samples of every source (from its cursor), from cached windows.
 
         A stream's metadata is a pure function of the position (seed, epoch permutation), so
-        the planner asks a loader for ``SUMMARY_EXTRA`` more samples than the buffer and slices
-        steps out of them: one round trip per source every few dozen steps instead of one per step.
+        the planner asks for ``SUMMARY_EXTRA`` more samples than the buffer and slices steps out
+        of them; the sources whose window ran out are asked together (`summarize_many`), so a
+        step costs at most one round trip per loader actor, and most steps none.
         """
-        cached = self._summaries.get(source)
-        if cached is None or not (len(cached) and cached.positions[0] <= start
-                                  and start + count <= cached.positions[-1] + 1):
-            n = count + SUMMARY_EXTRA
-            cached = self._summaries[source] = self.summarize(source, start, n)
-            if len(cached) != n or (len(cached) and cached.positions[0] != start):
-                raise PlanError(f"source {source}: summary_buffer({start}, {n}) returned {len(cached)} samples "
-                                f"from position {int(cached.positions[0]) if len(cached) else None}; a loader must "
-                                "return exactly the positions asked for")
-        return cached.window(start - int(cached.positions[0]), count)
+        def covered(s: int, start: int) -> bool:
+            cached = self._summaries.get(s)
+            return cached is not None and len(cached) > 0 and cached.positions[0] <= start \
+                and start + count <= cached.positions[-1] + 1
+
+        starts = self.cursors.tolist()
+        requests = [(s, start, count + SUMMARY_EXTRA) for s, start in enumerate(starts) if not covered(s, start)]
+        if requests:
+            got = list(self.summarize_many(requests))
+            if len(got) != len(requests):
+                raise PlanError(f"summarize_many answered {len(got)} summaries for {len(requests)} requests")
+            for (s, start, n), summ in zip(requests, got, strict=True):
+                if len(summ) != n or (len(summ) and summ.positions[0] != start):
+                    raise PlanError(f"source {s}: summary_buffer({start}, {n}) returned {len(summ)} samples from "
+                                    f"position {int(summ.positions[0]) if len(summ) else None}; a loader must "
+                                    "return exactly the positions asked for")
+                self._summaries[s] = summ
+        return [self._summaries[s].window(start - int(self._summaries[s].positions[0]), count)
+                for s, start in enumerate(starts)]
 
     def _replayed(self, step: int) -> StepPlan:
         """The plan `megascale-data plan` wrote for `step`; it must continue the streams where they are."""
@@ -377,8 +397,18 @@ class Planner:
                 if self.next_step == target:
                     self._plan_next()
 
+    def planning(self) -> threading.RLock:
+        """The planning lock (re-entrant): held, no other thread plans or loads a state, so a caller
+        can load a saved state and plan from it with nothing in between (a rewind)."""
+        return self._lock
+
     def loader_plan(self, step: int, source: int) -> LoaderPlan:
         return self.plan(step).loader_do_plan(source)
+
+    def loader_plans(self, step: int, sources: Sequence[int]) -> dict[int, LoaderPlan]:
+        """The LoaderPlans of `step` for `sources` (a loader actor's members) at once; a source left
+        out has nothing in the step."""
+        return self.plan(step).loader_do_plans(sources)
 
     def report_loss(self, step: int, losses: Mapping[int | str, float]) -> None:
         """Record the trainer's per-source loss of `step` (by source index or name); a feedback

@@ -32,8 +32,8 @@ from typing import Any
 import ray
 
 from megascale_data_ext.dataplane.placetree import ClientPlaceTree
-from megascale_data_ext.runtime.actors import (DataConstructorActor, PlannerActor, SourceLoaderActor,
-                                              constructor_concurrency)
+from megascale_data_ext.runtime.actors import PlannerActor, SourceLoaderActor
+from megascale_data_ext.runtime.constructor_actor import DataConstructorActor, constructor_concurrency
 from megascale_data_ext.runtime.checkpoints import LoaderSnapshots, PlannerCheckpoints
 from megascale_data_ext.runtime.config import ServiceConfig
 from megascale_data_ext.runtime.faults import FaultToleranceConfig
@@ -303,6 +303,14 @@ class DataService:
             "startup_seconds": self.startup_seconds,
             "phases": dict(self.phases),
         }
+
+    def ray_calls(self) -> dict[str, int]:
+        """The Ray calls the actors made to each other so far, by kind (`runtime.calls`), summed over
+        the Planner, the live loaders (reclaimed ones' calls are gone with them) and the constructors."""
+        from megascale_data_ext.runtime.calls import sum_calls
+
+        actors = self.loader_actors() + self.shadows + [self.planner] + self.constructors
+        return sum_calls(s.get("ray_calls") if s is not None else None for s in self._ask(actors, "stats"))
 
     def memory(self) -> dict[str, int]:
         """Resident bytes of the live primary loaders and of the shadows (the shadows' memory cost)."""

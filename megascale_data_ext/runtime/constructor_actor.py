@@ -1,0 +1,159 @@
+"""The Data Constructor actor: a thin Ray façade over `DataConstructor` with a prefetch thread.
+
+Clients call `get_step` (a whole step for one rank), `get` and `get_encoder_images`, each with
+the step their rank is on (`runtime.held_steps`: data is released when taken, building waits for
+the slowest fetcher); every request carries the job id of the service it was started for.
+Restarted by Ray with ``max_task_retries=0``: the client decides what to re-send.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+import ray
+
+from megascale_data_ext.errors import JobMismatchError
+from megascale_data_ext.runtime.actors import ACTOR_CONCURRENCY, NO_FAULT_TOLERANCE, reconstructed
+from megascale_data_ext.runtime.autoscaler import RoutedFetch
+from megascale_data_ext.runtime.calls import CallCounter
+from megascale_data_ext.runtime.config import ServiceConfig
+from megascale_data_ext.runtime.constructor import DataConstructor
+from megascale_data_ext.runtime.failover import LoaderFailover
+from megascale_data_ext.runtime.faults import FaultToleranceConfig, crash_self
+from megascale_data_ext.runtime.metrics import service_metrics
+from megascale_data_ext.runtime.topology import ServiceTopology
+
+__all__ = ["DataConstructorActor", "constructor_concurrency"]
+_log = logging.getLogger(__name__)
+
+
+def constructor_concurrency(topology: ServiceTopology, buckets: list[int], ft: FaultToleranceConfig,
+                            images: bool) -> int:
+    """Threads a constructor actor needs so a consumer waiting for a slower one (backpressure)
+    never takes the slow one's thread: each fetcher's requests in flight (its step and
+    ``client_prefetch`` more), one encoder-image call per rank of the world, and slack."""
+    fetchers = sum(len(topology.fetchers(b)) for b in buckets)
+    world = topology.tree.world_size if images else 0
+    return max(ACTOR_CONCURRENCY, fetchers * (ft.client_prefetch + 1) + world + 4)
+
+
+@ray.remote(num_cpus=0, max_concurrency=ACTOR_CONCURRENCY)
+class DataConstructorActor:
+    """A Data Constructor with a background prefetch thread `prefetch` steps ahead.
+
+    A prefetch failure is logged and retried with backoff, never latched: a client's request
+    builds (or fails) its own step. A constructor Ray restarted starts prefetching at the first
+    step a client asks for and rebuilds steps from their plans (loaders re-read what the dead
+    instance had taken); a consumer counts for backpressure once it asks for something. Each
+    rise of the slowest consumer's step is told to the Planner (it keeps plans until then).
+    Threads: `constructor_concurrency` (set by the service through ``.options``). A request that
+    presents a ``job`` other than this service's (`ServiceTopology.job`) is refused by name.
+    """
+
+    def __init__(self, buckets: list[int], config: ServiceConfig, topology: ServiceTopology, planner: Any,
+                 loaders: list[Any], pad_id: int, image_token_id: int | None, start_step: int = 0,
+                 ft: FaultToleranceConfig | None = None, shadows: list[Any] | None = None):
+        self.ft = ft or NO_FAULT_TOLERANCE
+        self.calls = calls = CallCounter()
+
+        def ask(method: str, *args: Any) -> Any:  # a counted call to the Planner, waiting for its answer
+            calls.add(f"constructor>planner {method}")
+            return ray.get(getattr(planner, method).remote(*args))
+
+        if topology.autoscaled:  # the Planner says which shards hold a step of a source
+            self._loaders: Any = RoutedFetch(lambda step, ss: ask("routes", step, ss), self.ft, calls=calls)
+            fetch = self._loaders
+        else:
+            self._loaders = LoaderFailover(loaders, shadows, self.ft, calls=calls)
+            fetch = self._loaders.fetch_many
+        self.restarted = reconstructed()
+        self._planner = planner
+        self._index = topology.constructor_of_bucket(buckets[0])
+        self._job = topology.job
+        self._wake = threading.Event()
+        self.constructor = DataConstructor(
+            buckets,
+            config,
+            topology,
+            get_plan=lambda step, b: ask("constructor_plan", step, b),
+            fetch=fetch,
+            pad_id=pad_id,
+            image_token_id=image_token_id,
+            get_encoder_plan=lambda step, bs: ask("encoder_plan", step, bs),
+            start_step=None if self.restarted else start_step,
+            max_lead=self.ft.max_lead(config.prefetch),
+            wait_timeout_s=0.5 * self.ft.recovery_timeout_s,  # named here before the client's deadline
+            on_floor=self._on_floor,
+        )
+        self.constructor.skip_to(start_step)
+        self.prefetch_depth = config.prefetch
+        self._target: int | None = None if self.restarted else start_step + self.prefetch_depth - 1
+        self.prefetch_errors = 0
+        threading.Thread(target=self._prefetch_loop, daemon=True, name="prefetch").start()
+        self._wake.set()
+
+    def _on_floor(self, step: int) -> None:
+        self.calls.add("constructor>planner constructor_floor")
+        self._planner.constructor_floor.remote(self._index, step)  # no reply awaited
+        self._wake.set()  # the lead moved: prefetch may go on
+
+    def _prefetch_loop(self) -> None:
+        failures = 0
+        while True:
+            self._wake.wait(timeout=min(0.1 * 2 ** failures, 5.0) if failures else None)
+            self._wake.clear()
+            target = self._target
+            if target is None:  # restarted: wait for the first client request
+                continue
+            try:
+                self.constructor.prefetch(target)
+                failures = 0
+            except Exception as exc:  # retried; the client's own request reports a lasting failure
+                failures += 1
+                self.prefetch_errors += 1
+                log = _log.warning if failures > 1 else _log.debug  # one is routine in a recovery; two are news
+                log("constructor %s: prefetch up to step %d failed (attempt %d): %s",
+                                 self.constructor.buckets, target, failures, getattr(exc, "cause", None) or exc)
+
+    def _check_job(self, job: str | None) -> None:
+        """A string compare per request; None is a caller inside the service (no client)."""
+        if job is not None and job != self._job:
+            raise JobMismatchError(f"constructor/{self._index} of data service {self._job!r} refuses a request from a "
+                                   f"client of {job!r}: that client was given another job's topology or handles; "
+                                   "pass each trainer the ServiceHandles its own DataService.start() returned")
+
+    def get(self, step: int, microbatch: int, rank: int, position: int | None = None, *, job: str | None = None):
+        self._check_job(job)
+        return self._deliver(step, lambda: self.constructor.get(step, microbatch, rank, position))
+
+    def get_step(self, step: int, rank: int, position: int | None = None, *, job: str | None = None):
+        """Every microbatch of `step` for `rank` in one reply (the client's step prefetch); the
+        rank is on step `position` (default `step`); `job`: the client's `ServiceTopology.job`."""
+        self._check_job(job)
+        return self._deliver(step, lambda: self.constructor.get_step(step, rank, position))
+
+    def _deliver(self, step: int, take: Any) -> Any:
+        self.constructor.skip_to(step)
+        if self._target is None or step + self.prefetch_depth > self._target:
+            self._target = step + self.prefetch_depth
+            self._wake.set()
+        out = take()
+        buckets = "+".join(map(str, self.constructor.buckets))
+        service_metrics().buffered_steps(self.constructor.buffered_steps(), buckets)
+        service_metrics().constructor_lead(self.constructor.held.lead(), buckets)
+        return out
+
+    def get_encoder_images(self, step: int, rank: int, position: int | None = None, *, job: str | None = None):
+        """This constructor's images that global rank `rank` encodes at `step` (hybrid strategies)."""
+        self._check_job(job)
+        return self.constructor.get_encoder_images(step, rank, position)
+
+    def stats(self) -> dict:
+        return {**self.constructor.stats(), "restarted": self.restarted, "prefetch_errors": self.prefetch_errors,
+                "failovers": self._loaders.failovers, "ray_calls": self.calls.snapshot()}
+
+    @ray.method(max_task_retries=0)  # never re-run on the restarted actor
+    def crash(self) -> None:
+        crash_self()
