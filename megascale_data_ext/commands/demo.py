@@ -46,6 +46,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from megascale_data_ext.megatron.app import quiet_imports
+
+    quiet_imports()  # before anything imports megatron-core (the sample data's tokenizers do)
     from megascale_data_ext.dataplane.placetree import ClientPlaceTree
     from megascale_data_ext.runtime.config import AutoscaleConfig, RayConfig, ServiceConfig
     from megascale_data_ext.runtime.service import DataService
@@ -94,7 +97,8 @@ def run(args: argparse.Namespace) -> int:
         "--vocab-size", str(vocab), "--namespace", handles.namespace, "--address", handles.address,
         "--out", str(out),
     ]
-    env = dict(os.environ, OMP_NUM_THREADS="1", RAY_ADDRESS=handles.address)
+    # CUDA_DEVICE_MAX_CONNECTIONS=1: what Megatron-LM's launch scripts set (its TP layers warn otherwise)
+    env = dict(os.environ, OMP_NUM_THREADS="1", RAY_ADDRESS=handles.address, CUDA_DEVICE_MAX_CONNECTIONS="1")
     print(f"[demo] torchrun {world} ranks (TP{args.tp} PP{args.pp} CP{args.cp} DP{args.dp}) ...", flush=True)
     t1 = time.perf_counter()
     try:

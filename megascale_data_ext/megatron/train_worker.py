@@ -50,6 +50,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    from megascale_data_ext.megatron.app import quiet_imports
+
+    quiet_imports()  # megatron-core's TE/Apex fallback notices: the CPU run uses the fallbacks on purpose
     from omegaconf import OmegaConf
 
     from megascale_data_ext.dataplane.placetree import ClientPlaceTree
