@@ -16,6 +16,7 @@ request carries the topology's ``job``; a constructor of another service refuses
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any
 
@@ -35,6 +36,24 @@ def join_ray(address: str | None, namespace: str) -> None:
     if not ray.is_initialized():
         check_reachable(address)
         ray.init(address=address, namespace=namespace, log_to_driver=False, configure_logging=False)
+        _exit_quietly_on_sigterm()
+
+
+def _exit_quietly_on_sigterm() -> None:
+    """Exit at once on SIGTERM, as a process does without Ray. torchrun stops the other ranks with
+    SIGTERM when one fails; the handler ``ray.init`` installs then dumps the C++ stacks of Ray's
+    shutdown on the terminal, burying the failing rank's one error line."""
+    import signal
+    import sys
+    import threading
+
+    def handler(signum: int, frame: object) -> None:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(128 + signum)
+
+    if threading.current_thread() is threading.main_thread():  # signal handlers live in the main thread
+        signal.signal(signal.SIGTERM, handler)
 
 
 def fetch_topology(address: str | None, namespace: str) -> ServiceTopology:
