@@ -26,7 +26,7 @@ from megascale_data_ext.sources.demo_data import make_demo_data
 pytestmark = pytest.mark.slow
 
 TREE = dict(dp=3, pp=2)
-STEPS_PER_RUN = 6
+STEPS_PER_RUN = 5
 STRIDE = STEPS_PER_RUN + 17  # a run's client leaves up to 16 steps requested ahead: the next run starts past them
 VLM_ARGS = {"model": "gpt-tiny", "encoder_model": "vit-1b", "encoder_axis": "WORLD", "axis": "DP"}
 STRATEGIES = {"vlm_balance": VLM_ARGS, "llm_balance": {"model": "gpt-tiny"}}
@@ -58,7 +58,11 @@ def reference(cfg, tree, steps: list[int], *, hybrid: bool) -> dict[int, dict[in
     return lockstep(InProcessService(cfg, tree), steps, hybrid=hybrid, m=cfg.num_microbatches)
 
 
-RUNS = [(images_first, prefetch) for images_first in (True, False) for prefetch in (0, 4, 16)]
+RUNS = {  # (images first, client prefetch): every order and prefetch for the hybrid strategy, whose encoder
+    # shares failed; the text strategy (microbatches only) at the deepest prefetch
+    "vlm_balance": [(images_first, prefetch) for images_first in (True, False) for prefetch in (0, 4, 16)],
+    "llm_balance": [(True, 16), (False, 16)],
+}
 
 
 @pytest.mark.parametrize("strategy", ["vlm_balance", "llm_balance"])
@@ -67,7 +71,7 @@ def test_racing_ranks_on_ray_get_every_step_whole_with_any_client_prefetch(specs
     the VLM one last with a rank that stalls 30 s and then races."""
     tree = ClientPlaceTree.from_sizes(**TREE)
     cfg, hybrid = config(specs, strategy), strategy == "vlm_balance"
-    runs = RUNS + ([(True, 4, (len(RUNS) * STRIDE + 1, 30.0))] if hybrid else [])
+    runs = RUNS[strategy] + ([(True, 4, (len(RUNS[strategy]) * STRIDE + 1, 30.0))] if hybrid else [])
     ranges = [range(k * STRIDE, k * STRIDE + STEPS_PER_RUN) for k in range(len(runs))]
     want = reference(cfg, tree, [s for r in ranges for s in r], hybrid=hybrid)
     svc = DataService(cfg, tree, fault_tolerance=FT, progress=None)
