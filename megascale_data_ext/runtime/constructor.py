@@ -121,7 +121,8 @@ class DataConstructor:
     A step's data is built once and held (`runtime.held_steps`) until every consumer has taken
     its part or moved past the step, never dropped by a window; every request says which step
     its rank is on (`position`), so building stays within `max_lead` steps of the slowest
-    fetcher (a request further ahead waits, and after `wait_timeout_s` fails naming it).
+    fetcher (a request further ahead waits; if that fetcher makes no progress for
+    `wait_timeout_s`, the request fails naming it).
 
     Args:
         buckets: DP buckets this constructor serves.
@@ -137,7 +138,7 @@ class DataConstructor:
             running service (a consumer counts once it asks for something).
         max_lead: Most steps built ahead of the slowest consumer; None = unbounded (one process
             whose caller paces its consumers).
-        wait_timeout_s: Longest a request waits for the slowest consumer before failing.
+        wait_timeout_s: Longest a request waits while the slowest fetcher makes no progress.
         on_floor: Called with the slowest consumer's step whenever it moves forward (the Planner
             keeps plans until every constructor is past them); must not raise.
         history: Most build timings and skipped-sample records kept (older ones are counted only).

@@ -95,7 +95,7 @@ class HeldSteps(Generic[T]):
             whose caller paces its consumers).
         silent_after: Steps behind the slowest fetcher after which the encoder shares of ranks
             that never asked this constructor for anything are let go.
-        wait_timeout_s: Longest a request waits for the slowest fetcher before failing.
+        wait_timeout_s: Longest a request waits while the slowest fetcher makes no progress.
         on_floor: Called (outside the lock) with the slowest fetcher's step whenever it rises.
         history: How many released step numbers are remembered (to name a repeated request).
     """
@@ -135,10 +135,14 @@ class HeldSteps(Generic[T]):
         floor = self._floor()
         return self.max_lead is None or floor is None or step < floor + self.max_lead
 
-    def _wait_for_lead(self, step: int, deadline: float) -> None:
-        """Under the lock: wait until `step` is within `max_lead` of the slowest consumer."""
+    def _wait_for_lead(self, step: int) -> None:
+        """Under the lock: wait until `step` is within `max_lead` of the slowest fetcher. Fails only
+        when the slowest fetcher made no progress for `wait_timeout_s` (a slow step is no error)."""
         self.backpressure_waits += 1
+        floor, deadline = self._floor(), time.monotonic() + self.wait_timeout_s
         while not self._within_lead(step):
+            if self._floor() != floor:  # it moved: wait on
+                floor, deadline = self._floor(), time.monotonic() + self.wait_timeout_s
             left = deadline - time.monotonic()
             if left <= 0:
                 rank, at, idle = self.consumers.slowest(self.fetchers)
@@ -150,15 +154,13 @@ class HeldSteps(Generic[T]):
             self._cv.wait(timeout=min(left, 1.0))
 
     def get_or_build(self, step: int, build: Callable[[int], tuple[T, Takers]], *,
-                     prefetching: bool = False, gated: bool = True) -> T | None:
+                     prefetching: bool = False) -> T | None:
         """The held step, built once by `build` (``step -> (payload, takers)``).
 
         Prefetching returns None instead of waiting: for a step held, released, being built or
         beyond the lead. A request waits for the build in flight (and gets its error if it
-        fails) and, when `gated`, for the slowest fetcher; a step already released raises
-        `PlanError`.
+        fails) and for the slowest fetcher; a step already released raises `PlanError`.
         """
-        deadline = time.monotonic() + self.wait_timeout_s
         with self._cv:
             while True:
                 held = self._held.get(step)
@@ -176,12 +178,12 @@ class HeldSteps(Generic[T]):
                     if prefetching:
                         return None
                     break
-                if not gated or self._within_lead(step):
+                if self._within_lead(step):
                     future = self._building[step] = Future()
                     break
                 if prefetching:
                     return None
-                self._wait_for_lead(step, deadline)
+                self._wait_for_lead(step)
         if not owner:  # another request or the prefetch thread builds it: its result, or its own error
             return future.result()
         try:
