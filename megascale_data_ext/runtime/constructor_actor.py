@@ -115,7 +115,7 @@ class DataConstructorActor:
                 self.prefetch_errors += 1
                 log = _log.warning if failures > 1 else _log.debug  # one is routine in a recovery; two are news
                 log("constructor %s: prefetch up to step %d failed (attempt %d): %s",
-                                 self.constructor.buckets, target, failures, getattr(exc, "cause", None) or exc)
+                    self.constructor.buckets, target, failures, getattr(exc, "cause", None) or exc)
 
     def _check_job(self, job: str | None) -> None:
         """A string compare per request; None is a caller inside the service (no client)."""
