@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from megascale_data_ext.errors import ConfigError
 from megascale_data_ext.runtime.constructor import EncoderImages, merge_encoder_images
 from megascale_data_ext.runtime.faults import FaultInjector, FaultToleranceConfig, ServiceUnavailableError
 from megascale_data_ext.runtime.topology import PLANNER_NAME, ServiceTopology, shadow_loader_name
@@ -132,9 +133,17 @@ class RemoteConstructors:
 
     @property
     def prefetch_steps(self) -> int:
+        """Steps kept requested ahead: at most the service's ``client_prefetch``, which its
+        constructors' threads are sized for (more would let one rank's waiting requests take
+        every thread and starve the slow rank that they wait for)."""
+        self._join()
         if self._prefetch_steps is None:
-            self._join()
             self._prefetch_steps = self.ft.client_prefetch
+        elif self._prefetch_steps > self.ft.client_prefetch:
+            raise ConfigError(f"client prefetch {self._prefetch_steps} exceeds the service's "
+                              f"fault_tolerance.client_prefetch={self.ft.client_prefetch} (its constructors' threads "
+                              f"are sized for it): start the service with "
+                              f"data.fault_tolerance.client_prefetch={self._prefetch_steps}, or prefetch less")
         return self._prefetch_steps
 
     def _handle(self, index: int, *, fresh: bool = False) -> Any:
