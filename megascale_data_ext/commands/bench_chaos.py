@@ -29,6 +29,7 @@ loaders (shadows stand by for one actor per source), so the run has none and say
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -141,10 +142,8 @@ def _back(now: dict[str, Any] | None, victim: dict[str, Any], lost_node: str | N
 def kill(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """SIGKILL each actor's process by pid (all within a few microseconds); the victims' records."""
     for r in rows:
-        try:
+        with contextlib.suppress(ProcessLookupError):  # died since the snapshot: it is restarting already
             os.kill(r["pid"], signal.SIGKILL)
-        except ProcessLookupError:  # died since the snapshot: it is restarting already
-            pass
     return [{"role": r["role"], "pid": r["pid"], "node_id": r["node_id"], "actor_id": r["actor_id"]} for r in rows]
 
 

@@ -163,9 +163,9 @@ def actors_left(topology: Any) -> list[str]:
         for name in names:
             try:
                 ray.get_actor(name, namespace=topology.namespace)
-                left.append(name)
-            except ValueError:
-                pass
+            except ValueError:  # no actor of that name any more: gone, as it should be
+                continue
+            left.append(name)
         if not left or time.monotonic() > deadline:
             return left
         time.sleep(0.2)

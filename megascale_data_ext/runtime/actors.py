@@ -21,6 +21,7 @@ sends itself (fault injection).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import queue
@@ -155,10 +156,8 @@ class PlannerActor:
         # the planning lock: concurrent calls wait, and no other rewind moves the Planner before
         # `step` is planned (two concurrent rewinds used to clear each other's plan).
         with self.planner.planning():
-            try:
-                return self.planner.plan(step)  # another rewind may have re-planned it meanwhile
-            except ResumeError:
-                pass
+            with contextlib.suppress(ResumeError):  # another rewind may have re-planned it meanwhile
+                return self.planner.plan(step)
             state = self.checkpoints.at(step)
             if state is None:
                 raise ResumeError(f"plan for step {step} is neither kept nor checkpointed (planner at step "
