@@ -1,0 +1,83 @@
+"""Teardown order for the whole suite: the pytest process starts and stops Ray a dozen times.
+
+A thread still inside a Ray call when `ray.shutdown()` frees the core worker touches freed memory
+later, in the next session or at interpreter exit (ray-project/ray#31145): a segfault after every
+test passed. So each test must leave no thread of its own inside Ray once it shut Ray down (checked
+below, named with its stack), and the session drops its last Ray references and stops Ray before the
+interpreter tears C++ extensions down.
+"""
+
+from __future__ import annotations
+
+import gc
+import sys
+import threading
+import time
+import traceback
+
+import pytest
+
+_JOIN_S = 60.0  # how long a test's leftover Ray thread may take to notice the shutdown
+
+
+def _in_ray(frame) -> bool:
+    """Inside Ray, or inside this package's code (which calls Ray next)."""
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if "/site-packages/ray/" in name or "/megascale_data_ext/" in name:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _ray_threads(exclude: set[int]) -> list[threading.Thread]:
+    frames = sys._current_frames()
+    return [t for t in threading.enumerate()
+            if t.ident not in exclude and t is not threading.current_thread() and _in_ray(frames.get(t.ident))]
+
+
+_BASELINE: set[int] = set()
+
+
+def pytest_sessionstart(session):
+    _BASELINE.update(t.ident for t in threading.enumerate())
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    """After a test's teardown (its module's too, when it was the module's last): if Ray is down,
+    no thread may still be inside a Ray call; fail the test that left one, with its stack."""
+    yield
+    if "ray" not in sys.modules:
+        return
+    import ray
+
+    if ray.is_initialized():
+        return
+    end = time.monotonic() + _JOIN_S
+    left = _ray_threads(_BASELINE)
+    while left and time.monotonic() < end:
+        time.sleep(0.2)
+        left = _ray_threads(_BASELINE)
+    if left:
+        frames = sys._current_frames()
+        stacks = "\n".join(f"--- {t.name}\n" + "".join(traceback.format_stack(frames[t.ident])) for t in left
+                           if t.ident in frames)
+        pytest.fail(f"{len(left)} thread(s) still inside Ray after ray.shutdown(): {[t.name for t in left]}\n{stacks}")
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Free the last Ray references while a core worker can still take them, then stop Ray, before
+    the interpreter finalizes torch, pyarrow and Ray's C++ state in an order nobody chose."""
+    gc.collect()
+    if "ray" in sys.modules:
+        import ray
+
+        if ray.is_initialized():
+            ray.shutdown()
+    if "torch" in sys.modules:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+    gc.collect()
