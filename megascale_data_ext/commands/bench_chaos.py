@@ -22,8 +22,8 @@ median. Totals against a fault-free in-process run of the same config: ``lost`` 
 and a duplicated document cannot cancel), ``order_mismatches`` (steps of a rank whose bytes
 differ). The plot is each step's delivery time with the faults marked.
 
-Shadow loaders: ``runtime.config`` refuses ``fault_tolerance.shadow_loaders`` with autoscaled
-loaders (shadows stand by for one actor per source), so the run has none and says so.
+Shadow loaders (``--no-shadows`` turns them off): every loader actor has a warm shadow, spread
+by Ray away from it, which serves while the loader restarts (`runtime.shadows`).
 """
 
 from __future__ import annotations
@@ -172,7 +172,7 @@ def digest(microbatches: list) -> str:
 
 
 def chaos_config(root: Path, *, dp: int, pp: int, sources: int, seed: int, scaling: bool,
-                 client_prefetch: int) -> tuple[Any, Any, Any]:
+                 client_prefetch: int, shadows: bool = True) -> tuple[Any, Any, Any]:
     """``(ServiceConfig, tree, FaultToleranceConfig)``: distinct demo text sources, one per loader
     actor (a profile journal that makes each source fill an actor), spread over the trainer nodes."""
     from megascale_data_ext.dataplane.partitioner import MiB
@@ -190,7 +190,8 @@ def chaos_config(root: Path, *, dp: int, pp: int, sources: int, seed: int, scali
     ProfileJournal([SourceProfile(name=s.name, fingerprint=source_fingerprint(s), num_samples=400, samples_profiled=8,
                                   latency_s=1e-3, access_state_bytes=40 * MiB, bytes_per_sample=MiB, throughput=1e3)
                     for s in specs]).save(journal)
-    ft = FaultToleranceConfig(client_prefetch=client_prefetch, checkpoint_dir=str(root / "ckpt"))
+    ft = FaultToleranceConfig(client_prefetch=client_prefetch, checkpoint_dir=str(root / "ckpt"),
+                              shadow_loaders=shadows)
     tree = ClientPlaceTree.from_sizes(dp=dp, pp=pp)
     cfg = ServiceConfig(sources=specs, seed=seed, samples_per_step=4 * dp, num_microbatches=2, seq_length=1024,
                         strategy="llm_balance", strategy_args={"model": "gpt-tiny"}, buffer_size=64, prefetch=1,
@@ -200,17 +201,6 @@ def chaos_config(root: Path, *, dp: int, pp: int, sources: int, seed: int, scali
                         placement=PlacementConfig(trainer_nodes=["trainer-0", LOST_NODE],
                                                   ranks_per_node=max(1, dp // 2)))
     return cfg, tree, ft
-
-
-def shadows_refused(cfg: Any) -> str | None:
-    """The config error autoscale + shadows gives, or None if the combination is accepted."""
-    from megascale_data_ext.errors import ConfigError
-
-    try:
-        dataclasses.replace(cfg, fault_tolerance=dataclasses.replace(cfg.fault_tolerance, shadow_loaders=True))
-    except ConfigError as exc:
-        return " ".join(str(exc).split())
-    return None
 
 
 def reference(cfg: Any, tree: Any, steps: int, pad_id: int) -> tuple[dict, Counter]:
@@ -229,7 +219,7 @@ def reference(cfg: Any, tree: Any, steps: int, pad_id: int) -> tuple[dict, Count
 
 def run_chaos(root: Path, *, steps: int, seed: int = 3, schedule: list[tuple[int, str]] | None = None,
               dp: int = 4, pp: int = 2, sources: int = 8, scaling: bool = True, client_prefetch: int = 4,
-              step_seconds: float = 0.0, log: Any = print) -> dict[str, Any]:
+              step_seconds: float = 0.0, shadows: bool = True, log: Any = print) -> dict[str, Any]:
     """Run the chaos schedule (default `chaos_schedule(steps, seed, node_loss_at=2 * steps // 5)`)
     on a fresh three-node cluster; returns ``{"rows", "totals", "step_s", "shadows", ...}``."""
     import ray
@@ -240,9 +230,8 @@ def run_chaos(root: Path, *, steps: int, seed: int = 3, schedule: list[tuple[int
     from megascale_data_ext.sources.tokenizer import load_tokenizer
 
     cfg, tree, ft = chaos_config(root, dp=dp, pp=pp, sources=sources, seed=seed, scaling=scaling,
-                                 client_prefetch=client_prefetch)
-    refused = shadows_refused(cfg)
-    log(f"shadows: {'off, refused with autoscale: ' + refused if refused else 'accepted with autoscale (unused)'}")
+                                 client_prefetch=client_prefetch, shadows=shadows)
+    log(f"shadow loaders: {'on' if shadows else 'off'}")
     schedule = chaos_schedule(steps, seed, node_loss_at=2 * steps // 5) if schedule is None else schedule
     pad_id = load_tokenizer(cfg.sources[0]).pad_id
     t0 = time.perf_counter()
@@ -310,8 +299,8 @@ def run_chaos(root: Path, *, steps: int, seed: int = 3, schedule: list[tuple[int
     totals = {"lost": sum((want_docs - got_docs).values()), "duplicated": sum((got_docs - want_docs).values()),
               "order_mismatches": sum(got.get(k) != v for k, v in want.items()), "errors": len(errors)}
     return {"steps": steps, "seed": seed, "dp": dp, "pp": pp, "sources": sources, "scaling": scaling,
-            "client_prefetch": client_prefetch, "step_seconds": step_seconds, "shadows": refused is None,
-            "shadows_refused": refused, "schedule": schedule, "rows": [asdict(r) for r in rows], "totals": totals,
+            "client_prefetch": client_prefetch, "step_seconds": step_seconds, "shadows": shadows,
+            "schedule": schedule, "rows": [asdict(r) for r in rows], "totals": totals,
             "errors": errors[:20], "median_step_s": round(typical, 4), "step_s": [round(s, 4) for s in step_s],
             "client_recoveries": len(recoveries), "restarts": {r["role"]: r["restarts"] for r in final},
             "documents": sum(want_docs.values())}
@@ -360,6 +349,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sources", type=int, default=8, help="distinct demo text sources (default 8)")
     parser.add_argument("--no-scaling", action="store_true", help="keep the offline partition (no online scaling)")
     parser.add_argument("--client-prefetch", type=int, default=4)
+    parser.add_argument("--no-shadows", action="store_true", help="loaders recover by restart only (no shadows)")
     parser.add_argument("--step-seconds", type=float, default=0.0, help="simulated compute per step")
     parser.add_argument("--json", type=Path, help="write the result here")
     parser.add_argument("--plot", type=Path, help="write the per-step delivery time plot (PNG) here")
@@ -371,7 +361,8 @@ def run(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="bench-chaos-") as tmp:
         result = run_chaos(Path(tmp), steps=args.steps, seed=args.seed, dp=args.dp, pp=args.pp, sources=args.sources,
                            scaling=not args.no_scaling, client_prefetch=args.client_prefetch,
-                           step_seconds=args.step_seconds, log=lambda line: print(line, flush=True))
+                           step_seconds=args.step_seconds, shadows=not args.no_shadows,
+                           log=lambda line: print(line, flush=True))
     result["wall_s"] = round(time.perf_counter() - t0, 1)
     result["load_after"] = os.getloadavg()
     print("fault | at_step | victims | stall_s | recovered (s)")

@@ -162,7 +162,8 @@ def measure_service(specs: list[Any], *, ranks: int, seq_length: int, steps: int
     from megascale_data_ext.dataplane.placetree import ClientPlaceTree
     from megascale_data_ext.dataplane.scaling import ScalingConfig
     from megascale_data_ext.runtime.actors import PlannerActor
-    from megascale_data_ext.runtime.autoscaler import AutoscalePlan, LoaderActorSpec, RoutedFetch
+    from megascale_data_ext.runtime.autoscaler import AutoscalePlan, LoaderActorSpec
+    from megascale_data_ext.runtime.routing import RoutedFetch
     from megascale_data_ext.runtime.config import RayConfig, ServiceConfig
     from megascale_data_ext.runtime.constructor import DataConstructor
     from megascale_data_ext.runtime.loader_group import LoaderGroupActor
@@ -180,7 +181,7 @@ def measure_service(specs: list[Any], *, ranks: int, seq_length: int, steps: int
     groups = [a.sources for a in plan.assignments]
     fleet = AutoscalePlan(actors=[LoaderActorSpec(shards=list(a.shards), workers=a.workers) for a in plan.assignments],
                           scaling=ScalingConfig(capacity=(1.0,) * len(specs), max_shards=1), online=False)
-    planner = PlannerActor.remote(cfg, topo, [], None, None, None, fleet)
+    planner = PlannerActor.remote(cfg, topo, fleet)
     con = DataConstructor(list(range(ranks)), cfg, topo,
                           get_plan=lambda step, b: ray.get(planner.constructor_plan.remote(step, b)),
                           fetch=RoutedFetch(lambda step, ss: ray.get(planner.routes.remote(step, ss))),
@@ -193,7 +194,7 @@ def measure_service(specs: list[Any], *, ranks: int, seq_length: int, steps: int
         step += 1
         if step < steps:
             continue
-        loaders = [hs[0] for hs in ray.get(planner.routes.remote(step, [g[0] for g in groups]))]
+        loaders = [reps[0].primary for reps in ray.get(planner.routes.remote(step, [g[0] for g in groups]))]
         if fill_steps <= 0:
             break
         held, want, nbytes = cache_state(loaders)
@@ -201,8 +202,8 @@ def measure_service(specs: list[Any], *, ranks: int, seq_length: int, steps: int
             break
     loader_mem = _pid_memory(loaders)
     planner_mem = _pid_memory([planner])[0]
-    shadows = [LoaderGroupActor.remote([(sh, specs[sh.source]) for sh in a.shards], cfg.seed, cfg.shuffle, a.workers)
-               for a in plan.assignments]
+    shadows = [LoaderGroupActor.remote([(sh, specs[sh.source]) for sh in a.shards], cfg.seed, cfg.shuffle, 1, planner,
+                                       True) for a in plan.assignments]
     ray.get([s.ready.remote() for s in shadows])
     shadow_mem = _pid_memory(shadows)
     for h in [*shadows, *loaders, planner]:
@@ -220,7 +221,8 @@ def measure_constructor(spec: Any, *, seq_length: int, ranks_per_node: int, seed
     import ray
 
     from megascale_data_ext.dataplane.placetree import ClientPlaceTree
-    from megascale_data_ext.runtime.actors import PlannerActor, SourceLoaderActor
+    from megascale_data_ext.runtime.actors import PlannerActor
+    from megascale_data_ext.runtime.autoscaler import per_source_plan
     from megascale_data_ext.runtime.constructor_actor import DataConstructorActor
     from megascale_data_ext.runtime.config import RayConfig, ServiceConfig
     from megascale_data_ext.runtime.topology import ServiceTopology
@@ -229,14 +231,12 @@ def measure_constructor(spec: Any, *, seq_length: int, ranks_per_node: int, seed
                         seq_length=seq_length, strategy="vanilla", buffer_size=256, prefetch=2,
                         constructor_group=ranks_per_node, ray=RayConfig(namespace="bench-memory-constructor"))
     topo = ServiceTopology.of(cfg, ClientPlaceTree.from_sizes(dp=ranks_per_node))
-    loader = SourceLoaderActor.remote(0, spec, cfg.seed, cfg.shuffle)
-    planner = PlannerActor.remote(cfg, topo, [loader])
-    ray.get(loader.set_planner.remote(planner))
-    con = DataConstructorActor.remote(list(topo.constructor_groups[0]), cfg, topo, planner, [loader], 0, image_token_id)
+    planner = PlannerActor.remote(cfg, topo, per_source_plan(cfg))
+    con = DataConstructorActor.remote(list(topo.constructor_groups[0]), cfg, topo, planner, 0, image_token_id)
     for step in range(2):
         ray.get([con.get_step.remote(step, r) for r in range(ranks_per_node)])
     uss = _pid_memory([con])[0]["uss"] / MiB
-    for h in (con, planner, loader):
+    for h in (con, planner):  # the loader dies with the Planner that owns it
         ray.kill(h)
     return uss
 

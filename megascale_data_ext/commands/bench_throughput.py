@@ -311,11 +311,12 @@ def run_service(prefixes: list[str], *, strategy: str, seq_length: int, steps: i
         handles = service.start()
         startup["actors ready (s)"] = time.perf_counter() - t_init
         _progress(f"service {strategy}: actors ready after {startup['actors ready (s)']:.1f} s; first step ...")
-        actors = [*service.loaders, service.planner, *service.constructors]
+        loaders = service.loader_actors()
+        actors = [*loaders, service.planner, *service.constructors]
         actor_pids = ray.get([h.__ray_call__.remote(lambda _self: os.getpid()) for h in actors])
         heavy = sum(ray.get([h.__ray_call__.remote(lambda _self: "torch" in sys.modules or "megatron" in sys.modules)
                              for h in actors]))
-        nl = len(service.loaders)
+        nl = len(loaders)
         roles = {"loaders": actor_pids[:nl], "planner": actor_pids[nl:nl + 1], "constructors": actor_pids[nl + 1:]}
         clients = [Client.connect(handles, rank, num_microbatches=m, broadcast=False)
                    for rank in service.topology.fetch_ranks()]

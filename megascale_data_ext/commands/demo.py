@@ -133,8 +133,5 @@ def describe_loaders(service: Any) -> str:
 
 
 def samples_read(loader_stats: list[Any]) -> int:
-    """Samples read by every loader: per-source loaders, or loader groups (per member)."""
-    total = 0
-    for s in filter(None, loader_stats):
-        total += sum(m["samples_read"] for m in s["members"].values()) if "members" in s else s["samples_read"]
-    return total
+    """Samples read by every loader actor (summed over its members)."""
+    return sum(m["samples_read"] for s in filter(None, loader_stats) for m in s["members"].values())

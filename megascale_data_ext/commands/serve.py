@@ -128,8 +128,7 @@ def status_line(service: Any, t0: float) -> str:
     stats = service.stats()
     built = [c["built_steps"] for c in stats["constructors"] if c]
     loaders = [s for s in stats["loaders"] if s]
-    read = sum(sum(m["samples_read"] for m in s["members"].values()) if "members" in s else s["samples_read"]
-               for s in loaders)
+    read = sum(m["samples_read"] for s in loaders for m in s["members"].values())
     skipped = sum(c["skipped_total"] for c in stats["constructors"] if c)
     dead = len(stats["constructors"]) - len(built) + len(stats["loaders"]) - len(loaders)
     planner = stats["planner"] or {}
@@ -156,7 +155,7 @@ def actors_left(topology: Any) -> list[str]:
     """Names of this service's named actors Ray still finds (waits up to 10 s for kills to land)."""
     import ray
 
-    names = ["planner", *topology.constructor_names(), *([] if topology.autoscaled else topology.loader_names())]
+    names = ["planner", *topology.constructor_names()]  # the loaders are the Planner's: they die with it
     deadline = time.monotonic() + 10.0
     while True:
         left = []

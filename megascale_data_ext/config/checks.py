@@ -80,10 +80,6 @@ def check_scalars(cfg: MegascaleDataConfig, path: str, problems: Problems, cp: i
     problems.extend(f"{path}.ray", cfg.ray.problems())
     problems.extend(f"{path}.autoscale", cfg.autoscale.problems())
     problems.extend(f"{path}.placement", cfg.placement.problems())
-    if cfg.autoscale.enabled and cfg.fault_tolerance.shadow_loaders:
-        problems.add(f"{path}.fault_tolerance.shadow_loaders",
-                     "shadow loaders stand by for one actor per source; with autoscale.enabled=true set it to "
-                     "false (a killed loader group is restarted and re-reads from the plans)")
     problems.extend(f"{path}.mixing", choice_problems("mode", cfg.mixing.mode, MIX_MODES))
 
 

@@ -34,20 +34,18 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-import ray
-from ray.exceptions import GetTimeoutError
 
 from megascale_data_ext.dataplane.partitioner import ShardRef
 from megascale_data_ext.dataplane.scaling import ScalingConfig, ScalingDecision, ScalingPolicy
 from megascale_data_ext.errors import PlanError
 from megascale_data_ext.runtime.calls import CallCounter
-from megascale_data_ext.runtime.failover import ACTOR_FAILURES
 from megascale_data_ext.runtime.faults import FaultToleranceConfig, ServiceUnavailableError
-from megascale_data_ext.runtime.loader_group import LoaderGroupActor, merge_fetches
+from megascale_data_ext.runtime.loader_group import LoaderGroupActor
+from megascale_data_ext.runtime.shadows import Replica, Suspects, first_answers
 from megascale_data_ext.sources.base import SourceSpec
 from megascale_data_ext.state import StateSchema
 
-__all__ = ["AutoScaler", "AutoscalePlan", "LoaderActorSpec", "RoutedFetch", "spawn_loader_groups"]
+__all__ = ["AutoScaler", "AutoscalePlan", "LoaderActorSpec", "per_source_plan", "spawn_loader_groups", "spawn_shadows"]
 
 #: ``(members, workers, ray options) -> actor handle``: a ready loader (group) actor with its plans wired.
 Spawn = Callable[[list[tuple[ShardRef, SourceSpec]], int, dict], Any]
@@ -74,6 +72,7 @@ class AutoscalePlan:
         shard_workers: Workers of a shard the scaler creates.
         shard_options: Ray options of a shard the scaler creates, per source (its node).
         restart_options: Ray restart options of every loader actor (fault tolerance).
+        shadows: Start a warm shadow beside every loader actor (``fault_tolerance.shadow_loaders``).
     """
 
     actors: list[LoaderActorSpec]
@@ -84,6 +83,7 @@ class AutoscalePlan:
     shard_workers: int = 1
     shard_options: list[dict[str, Any]] = field(default_factory=list)
     restart_options: dict[str, Any] = field(default_factory=dict)
+    shadows: bool = False
 
     def initial_shards(self, num_sources: int) -> list[int]:
         """Shards per source in the partition (1 for a source no actor names, which then starts alone)."""
@@ -113,6 +113,8 @@ class AutoScaler:
         workers: Worker threads of each spawned shard actor.
         shard_options: Ray options of the shards spawned for each source (None: Ray's choice).
         online: Act on the policy; False counts but never rescales.
+        spawn_shadow: Creates the warm shadow of a loader actor's members (`runtime.shadows`);
+            None: no shadows.
     """
 
     STATE = StateSchema("autoscaler", 1, ("policy", "layouts", "counts", "steps"),
@@ -120,7 +122,8 @@ class AutoScaler:
 
     def __init__(self, specs: Sequence[SourceSpec], policy: ScalingPolicy, *, spawn: Spawn,
                  kill: Callable[[Any], None], interval_steps: int = 4, lead_steps: int = 2, workers: int = 1,
-                 shard_options: Sequence[dict] | None = None, online: bool = True) -> None:
+                 shard_options: Sequence[dict] | None = None, online: bool = True,
+                 spawn_shadow: Callable[[list[tuple[ShardRef, SourceSpec]]], Any] | None = None) -> None:
         if interval_steps < 1 or lead_steps < 1:
             raise ValueError(f"interval_steps and lead_steps must be >= 1, got {interval_steps}, {lead_steps}")
         self.specs = list(specs)
@@ -130,6 +133,8 @@ class AutoScaler:
         self.shard_options = list(shard_options) if shard_options else [{} for _ in self.specs]
         self.online = online
         self.actors: dict[int, Any] = {}
+        self.spawn_shadow = spawn_shadow
+        self.shadows: dict[int, Any] = {}  # actor id -> its shadow
         self.layouts: list[list[_Layout]] = [[] for _ in self.specs]
         self.counts = np.zeros(len(self.specs), dtype=np.int64)
         self.steps = 0
@@ -137,13 +142,19 @@ class AutoScaler:
         self.events: list[dict[str, Any]] = []  # created / reclaimed, for logs and tests
         self._next_id = 0
         self._lock = threading.RLock()
+        self.suspects = Suspects(5.0)  # primaries whose shadow answers the Planner's metadata calls first
 
     # -- actors --------------------------------------------------------------------
     def _new_actor(self, members: list[tuple[ShardRef, SourceSpec]], workers: int, options: dict) -> int:
         handle = self.spawn(members, workers, options)
         aid, self._next_id = self._next_id, self._next_id + 1
         self.actors[aid] = handle
+        if self.spawn_shadow is not None:
+            self.shadows[aid] = self.spawn_shadow(members)
         return aid
+
+    def _replica(self, aid: int) -> Replica:
+        return Replica(self.actors[aid], self.shadows.get(aid))
 
     def start(self, actors: Sequence[LoaderActorSpec] = ()) -> None:
         """Spawn `actors` (the offline partition: groups and shards), then the policy's shards of
@@ -177,20 +188,17 @@ class AutoScaler:
         raise PlanError(f"step {step} of source {self.specs[source].name!r} is before the oldest live loader layout "
                         f"(from step {live[0].from_step if live else '?'}): it was delivered and its loaders reclaimed")
 
-    def route(self, step: int, source: int) -> list[Any]:
-        """The loader actors holding `source`'s samples of `step`, shard k at index k."""
-        return self.routes(step, [source])[0]
-
-    def routes(self, step: int, sources: Sequence[int]) -> list[list[Any]]:
-        """`route` of each of `sources`, in order (a constructor's whole step in one call)."""
+    def routes(self, step: int, sources: Sequence[int]) -> list[list[Replica]]:
+        """Per source of `sources`, the loader actors (with their shadows) holding its samples of
+        `step`, shard k at index k: a constructor's whole step in one call."""
         with self._lock:
             self.max_routed = max(self.max_routed, step)
-            return [[self.actors[a] for a in self._layout_at(step, s).actors] for s in sources]
+            return [[self._replica(a) for a in self._layout_at(step, s).actors] for s in sources]
 
-    def metadata_actor(self, source: int) -> Any:
+    def metadata_replica(self, source: int) -> Replica:
         """An actor of `source`'s newest layout, for metadata (`summary_buffer`); every shard has it all."""
         with self._lock:
-            return self.actors[self.layouts[source][-1].actors[0]]
+            return self._replica(self.layouts[source][-1].actors[0])
 
     def newest(self, source: int) -> list[Any]:
         """The actors of `source`'s newest layout (fault injection, stats)."""
@@ -198,53 +206,41 @@ class AutoScaler:
             return [self.actors[a] for a in self.layouts[source][-1].actors]
 
     def live(self) -> list[Any]:
-        """Every live loader actor, once."""
+        """Every live loader actor, once (shadows apart: `live_shadows`)."""
         with self._lock:
             return list(self.actors.values())
 
-    def summary(self, source: int, start: int, count: int, ft: FaultToleranceConfig) -> Any:
-        """`source`'s metadata at positions [start, start + count), waiting out a restarting actor."""
-        deadline = time.monotonic() + ft.recovery_timeout_s
-        while True:
-            handle = self.metadata_actor(source)
-            try:
-                return ray.get(handle.summary_buffer.remote(source, start, count), timeout=ft.rpc_timeout_s)
-            except ACTOR_FAILURES as exc:
-                if time.monotonic() > deadline:
-                    raise ServiceUnavailableError(
-                        f"the loader of source {self.specs[source].name!r} did not answer `summary_buffer` within "
-                        f"{ft.recovery_timeout_s:g} s (fault_tolerance.recovery_timeout_s): {exc!r}") from exc
-                time.sleep(0.2)
+    def live_shadows(self) -> list[Any]:
+        """The shadow of every live loader actor, in `live` order (empty without shadows)."""
+        with self._lock:
+            return [self.shadows[a] for a in self.actors if a in self.shadows]
 
     def summaries(self, requests: Sequence[tuple[int, int, int]], ft: FaultToleranceConfig,
                   calls: CallCounter | None = None) -> list[Any]:
-        """`summary` of every ``(source, start, count)``, in request order: one call per loader actor
-        (each asked for all of its sources at once, the actors concurrently), waiting out restarts."""
+        """`summary_buffer` of every ``(source, start, count)``, in request order: one call per loader
+        actor (each asked for all of its sources at once, the actors concurrently; a shadow answers
+        for a primary that is down), waiting out restarts up to ``recovery_timeout_s``."""
         out: list[Any] = [None] * len(requests)
         todo = list(range(len(requests)))
         deadline = time.monotonic() + ft.recovery_timeout_s
         while True:
-            by_actor: dict[Any, list[int]] = {}
+            by_actor: dict[Replica, list[int]] = {}
             for i in todo:
-                by_actor.setdefault(self.metadata_actor(requests[i][0]), []).append(i)
-            refs = {h.summaries.remote([requests[i] for i in idx]): idx for h, idx in by_actor.items()}
-            if calls is not None:
-                calls.add("planner>loader summaries", len(refs))
-            ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=ft.rpc_timeout_s)
-            done, failed, last = set(ready), [], None
-            for ref, idx in refs.items():
-                try:
-                    if ref not in done:
-                        raise GetTimeoutError(f"no answer within {ft.rpc_timeout_s:g} s")
-                    for i, summ in zip(idx, ray.get(ref), strict=True):
-                        out[i] = summ
-                except ACTOR_FAILURES as exc:
-                    failed += idx
-                    last = exc
-            if not failed:
+                by_actor.setdefault(self.metadata_replica(requests[i][0]), []).append(i)
+            asks = {rep: (rep, lambda h, _idx=idx: h.summaries.remote([requests[i] for i in _idx]))
+                    for rep, idx in by_actor.items()}
+            answers, failures = first_answers(
+                asks, hedge_s=ft.hedge_s, timeout_s=ft.rpc_timeout_s, suspects=self.suspects,
+                on_call=None if calls is None else lambda: calls.add("planner>loader summaries"))
+            for rep, got in answers.items():
+                for i, summ in zip(by_actor[rep], got, strict=True):
+                    out[i] = summ
+            if not failures:
                 return out
+            failed = [i for rep in failures for i in by_actor[rep]]
             if time.monotonic() > deadline:
                 names = sorted({self.specs[requests[i][0]].name for i in failed})
+                last = next(iter(failures.values()))
                 raise ServiceUnavailableError(
                     f"the loaders of sources {names[:8]}{' ...' if len(names) > 8 else ''} did not answer "
                     f"`summaries` within {ft.recovery_timeout_s:g} s (fault_tolerance.recovery_timeout_s): "
@@ -290,6 +286,8 @@ class AutoScaler:
             dead = [a for a in self.actors if a not in used]
             for a in dead:
                 self.kill(self.actors.pop(a))
+                if a in self.shadows:
+                    self.kill(self.shadows.pop(a))
             if dead:
                 self.events.append({"event": "reclaimed", "after_step": done_step, "actors": len(dead)})
             return len(dead)
@@ -323,71 +321,6 @@ class AutoScaler:
             self.events.append({"event": "restored", "shards": [len(live[-1].actors) for live in self.layouts]})
 
 
-class RoutedFetch:
-    """A constructor's ``fetch(step, sources, buckets)`` over the shards a step routes to.
-
-    Asks the router once per step for every source not routed yet, then each loader actor once
-    for all the (shards of) sources it holds (`LoaderGroupActor.fetch_many`, the actors
-    concurrently), and merges each source's shards' disjoint results. A source one of whose
-    actors died (or is restarting) is asked again — the router is asked afresh, since a
-    restarted Planner starts a new fleet — until ``recovery_timeout_s``; a re-sent fetch is
-    exact because a loader reads buckets it handed out before again from the plan.
-    """
-
-    def __init__(self, route: Callable[[int, list[int]], list[list[Any]]], ft: FaultToleranceConfig | None = None,
-                 *, calls: CallCounter | None = None) -> None:
-        self.route = route
-        self.ft = ft or FaultToleranceConfig(restart=False)
-        self.calls = calls
-        self._cache: dict[tuple[int, int], list[Any]] = {}
-        self.failovers = 0
-
-    def _handles(self, step: int, sources: list[int], fresh: bool) -> dict[int, list[Any]]:
-        """Each source's shard actors at `step` (shard k at index k), from the cache unless `fresh`."""
-        need = sources if fresh else [s for s in sources if (step, s) not in self._cache]
-        if need:
-            if len(self._cache) > 65536:
-                self._cache.clear()
-            self._cache.update({(step, s): hs for s, hs in zip(need, self.route(step, need), strict=True)})
-        return {s: self._cache[(step, s)] for s in sources}
-
-    def __call__(self, step: int, sources: list[int], buckets: list[int]) -> dict[int, dict[str, list]]:
-        deadline = time.monotonic() + self.ft.recovery_timeout_s
-        out: dict[int, dict[str, list]] = {}
-        todo, fresh, attempt = list(sources), False, 0
-        while True:
-            by_actor: dict[Any, list[int]] = {}
-            for s, handles in self._handles(step, todo, fresh).items():
-                for h in handles:
-                    by_actor.setdefault(h, []).append(s)
-            refs = {h.fetch_many.remote(step, ss, buckets): ss for h, ss in by_actor.items()}
-            if self.calls is not None:
-                self.calls.add("constructor>loader fetch_many", len(refs))
-            ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=self.ft.rpc_timeout_s)
-            done, parts, failed, last = set(ready), {s: [] for s in todo}, set(), None
-            for ref, ss in refs.items():
-                try:
-                    if ref not in done:
-                        raise GetTimeoutError(f"no answer within {self.ft.rpc_timeout_s:g} s")
-                    got = ray.get(ref)
-                    for s in ss:
-                        parts[s].append(got[s])
-                except ACTOR_FAILURES as exc:
-                    failed.update(ss)
-                    last = exc
-            out.update({s: merge_fetches(parts[s]) for s in todo if s not in failed})
-            if not failed:
-                return out
-            self.failovers += 1
-            if time.monotonic() > deadline:
-                raise ServiceUnavailableError(
-                    f"the loaders of sources {sorted(failed)[:8]} did not deliver step {step} within "
-                    f"{self.ft.recovery_timeout_s:g} s (fault_tolerance.recovery_timeout_s): {last!r}. Check the "
-                    "actors' logs (`ray logs`), or raise the timeout") from last
-            time.sleep(min(0.05 * 2 ** attempt, 1.0))
-            todo, fresh, attempt = [s for s in todo if s in failed], True, attempt + 1
-
-
 def spawn_loader_groups(config: Any, planner: Any, restart_options: dict[str, Any]) -> Spawn:
     """The `Spawn` of a Planner actor: restartable `LoaderGroupActor`s with its plans.
 
@@ -398,9 +331,30 @@ def spawn_loader_groups(config: Any, planner: Any, restart_options: dict[str, An
 
     def spawn(members: list[tuple[ShardRef, SourceSpec]], workers: int, options: dict) -> Any:
         return LoaderGroupActor.options(**restart_options, **options).remote(
-            members, config.seed, config.shuffle, workers, config.ray.namespace, planner)
+            members, config.seed, config.shuffle, workers, planner)
 
     return spawn
+
+
+def spawn_shadows(config: Any, planner: Any, restart_options: dict[str, Any]) -> Callable[[list], Any]:
+    """The shadow spawner of a Planner actor (``fault_tolerance.shadow_loaders``): a direct-reading
+    `LoaderGroupActor` of the same members, spread by Ray away from its primary where it can."""
+
+    def spawn(members: list[tuple[ShardRef, SourceSpec]]) -> Any:
+        return LoaderGroupActor.options(**restart_options, scheduling_strategy="SPREAD").remote(
+            members, config.seed, config.shuffle, 1, planner, True)
+
+    return spawn
+
+
+def per_source_plan(config: Any, restart_options: dict | None = None) -> AutoscalePlan:
+    """``autoscale.enabled=false``: one loader actor per source, one shard each, never rescaled
+    (no profiling, no partition): the per-source layout of the paper's Fig. 3."""
+    n = len(config.sources)
+    return AutoscalePlan(actors=[LoaderActorSpec(shards=[ShardRef(source=s, shard=0, num_shards=1)])
+                                 for s in range(n)],
+                         scaling=ScalingConfig(capacity=tuple(float("inf") for _ in range(n))), online=False,
+                         restart_options=dict(restart_options or {}))
 
 
 def partition_for(config: Any, profiles: Sequence[Any], nodes: Sequence[Any]) -> Any:

@@ -1,4 +1,4 @@
-"""On-disk states a restarted actor recovers from: the Planner's per step, the loaders' now and then.
+"""On-disk states a restarted Planner recovers from, one per planned step.
 
 The Planner's state is small (cursors + mixer, `Planner.state_dict`), and the service is
 deterministic given (config, planner state before step s): a restarted Planner loads the
@@ -7,9 +7,8 @@ It is therefore written after *every* planned step, one JSON file per step
 (``planner-<step>.json``, written to a temporary name and renamed, so a kill mid-write
 leaves the previous files intact), keeping the newest ``keep``.
 
-Source Loaders write less often (`LoaderSnapshots`, every ``loader_snapshot_every`` steps:
-differential checkpointing): their stream is a pure function of the position, and any step
-between the snapshot and the failure is re-read from its plan (deterministic replay).
+Loaders need no state of their own: what they hand out is a pure function of the plan (seed,
+epoch, position), so a restarted loader reads any step again from its plan.
 Plain Python: no Ray or torch.
 """
 
@@ -24,7 +23,7 @@ from typing import Any
 
 from megascale_data_ext.errors import ResumeError
 
-__all__ = ["LoaderSnapshots", "PlannerCheckpoints", "write_atomic"]
+__all__ = ["PlannerCheckpoints", "write_atomic"]
 
 _PLANNER = re.compile(r"^planner-(\d{10})\.json$")
 
@@ -108,31 +107,3 @@ class PlannerCheckpoints:
             self.path(s).unlink(missing_ok=True)
         (self.directory / "reports.json").unlink(missing_ok=True)
         (self.directory / "autoscaler.json").unlink(missing_ok=True)
-
-
-class LoaderSnapshots:
-    """Each Source Loader's last snapshot (`SourceLoader.state_dict`), one file per source."""
-
-    def __init__(self, directory: str | os.PathLike, every: int) -> None:
-        self.directory = Path(directory)
-        self.directory.mkdir(parents=True, exist_ok=True)
-        self.every = every
-
-    def path(self, source: int) -> Path:
-        return self.directory / f"loader-{source}.json"
-
-    def due(self, step: int, last: int) -> bool:
-        """Whether a loader that last snapshotted at `last` should snapshot at `step`."""
-        return step >= last + self.every
-
-    def save(self, source: int, step: int, state: dict[str, Any]) -> None:
-        write_atomic(self.path(source), {"step": step, "state": state})
-
-    def load(self, source: int) -> tuple[int, dict[str, Any]] | None:
-        """``(step, state)`` of the source's snapshot, or None."""
-        got = _read(self.path(source))
-        return None if got is None else (int(got["step"]), got["state"])
-
-    def clear(self) -> None:
-        for p in self.directory.glob("loader-*.json"):
-            p.unlink(missing_ok=True)

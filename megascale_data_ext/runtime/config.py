@@ -301,10 +301,6 @@ class ServiceConfig(BatchConfig):
         if self.tokens_per_step is not None and self.strategy == "vanilla":
             out.append(("tokens_per_step", "needs a strategy with a token cap (llm_balance, vlm_balance); "
                                            "vanilla packs a fixed sample count without one"))
-        if self.autoscale.enabled and self.fault_tolerance.shadow_loaders:
-            out.append(("autoscale.enabled", "shadow loaders stand by for one actor per source; with autoscaled "
-                                             "loaders set fault_tolerance.shadow_loaders=false (a killed loader "
-                                             "group is restarted and re-reads from the plans)"))
         out += [(f"autoscale.{key}", msg) for key, msg in self.autoscale.problems()]
         out += [(f"placement.{key}", msg) for key, msg in self.placement.problems()]
         return out + [(f"ray.{key}", msg) for key, msg in self.ray.problems()]

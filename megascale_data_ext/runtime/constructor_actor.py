@@ -16,11 +16,10 @@ import ray
 
 from megascale_data_ext.errors import JobMismatchError
 from megascale_data_ext.runtime.actors import ACTOR_CONCURRENCY, NO_FAULT_TOLERANCE, reconstructed
-from megascale_data_ext.runtime.autoscaler import RoutedFetch
+from megascale_data_ext.runtime.routing import RoutedFetch
 from megascale_data_ext.runtime.calls import CallCounter
 from megascale_data_ext.runtime.config import ServiceConfig
 from megascale_data_ext.runtime.constructor import DataConstructor
-from megascale_data_ext.runtime.failover import LoaderFailover
 from megascale_data_ext.runtime.faults import FaultToleranceConfig, crash_self
 from megascale_data_ext.runtime.metrics import service_metrics
 from megascale_data_ext.runtime.topology import ServiceTopology
@@ -53,8 +52,7 @@ class DataConstructorActor:
     """
 
     def __init__(self, buckets: list[int], config: ServiceConfig, topology: ServiceTopology, planner: Any,
-                 loaders: list[Any], pad_id: int, image_token_id: int | None, start_step: int = 0,
-                 ft: FaultToleranceConfig | None = None, shadows: list[Any] | None = None):
+                 pad_id: int, image_token_id: int | None, start_step: int = 0, ft: FaultToleranceConfig | None = None):
         self.ft = ft or NO_FAULT_TOLERANCE
         self.calls = calls = CallCounter()
 
@@ -62,12 +60,8 @@ class DataConstructorActor:
             calls.add(f"constructor>planner {method}")
             return ray.get(getattr(planner, method).remote(*args))
 
-        if topology.autoscaled:  # the Planner says which shards hold a step of a source
-            self._loaders: Any = RoutedFetch(lambda step, ss: ask("routes", step, ss), self.ft, calls=calls)
-            fetch = self._loaders
-        else:
-            self._loaders = LoaderFailover(loaders, shadows, self.ft, calls=calls)
-            fetch = self._loaders.fetch_many
+        # the Planner says which loader actors (and shadows) hold a step of a source
+        self._loaders = fetch = RoutedFetch(lambda step, ss: ask("routes", step, ss), self.ft, calls=calls)
         self.restarted = reconstructed()
         self._planner = planner
         self._index = topology.constructor_of_bucket(buckets[0])

@@ -2,7 +2,7 @@
 
 `FaultToleranceConfig` decides how the service survives a killed actor (paper Sec. 6): the
 Planner checkpoints its state after every planned step and is restarted by Ray; Source
-Loaders have optional warm shadows and snapshot less often (differential checkpointing);
+Loaders re-read from the plans after a restart and have optional warm shadows;
 Data Constructors are restarted and rebuild in-flight steps from the plans; clients wait
 out a recovery within bounded retries and then raise `ServiceUnavailableError`.
 
@@ -52,9 +52,8 @@ class FaultToleranceConfig:
         checkpoint_dir: Where the Planner writes its state after every planned step; None = a
             fresh temporary directory per service (a multi-node cluster needs a shared path).
         checkpoint_keep: Planner states kept on disk (the oldest step a restarted Planner can re-plan).
-        shadow_loaders: Start a warm standby per Source Loader that serves while its primary is down.
-        loader_snapshot_every: Steps between a loader's snapshots (the planner's are every step;
-            the stream replays deterministically from the plans in between).
+        shadow_loaders: Start a warm shadow beside every loader actor that serves while it is down
+            (`runtime.shadows`).
         client_prefetch: Steps a client keeps requested ahead (rides out a recovery; paper: 4).
         max_lead_steps: Most steps a Data Constructor builds ahead of its slowest consumer; a
             consumer further ahead waits (backpressure bounds memory; nothing is dropped).
@@ -71,7 +70,6 @@ class FaultToleranceConfig:
     checkpoint_dir: str | None = None
     checkpoint_keep: int = 32
     shadow_loaders: bool = False
-    loader_snapshot_every: int = 16
     client_prefetch: int = 4
     max_lead_steps: int | None = None
     rpc_timeout_s: float = 30.0
@@ -92,7 +90,7 @@ class FaultToleranceConfig:
         """What is wrong with these field values, as ``(field, message)`` (the config names them)."""
         get = values.get
         problems = [(k, f"must be an integer >= 1, got {get(k)!r}")
-                    for k in ("checkpoint_keep", "loader_snapshot_every", "retries")
+                    for k in ("checkpoint_keep", "retries")
                     if k in values and (not isinstance(get(k), int) or get(k) < 1)]
         if "client_prefetch" in values and (not isinstance(get("client_prefetch"), int) or get("client_prefetch") < 0):
             problems.append(("client_prefetch", f"must be an integer >= 0, got {get('client_prefetch')!r}"))

@@ -46,7 +46,6 @@ from megascale_data_ext.runtime.failover import missing_buckets, read_buckets
 from megascale_data_ext.runtime.faults import crash_self
 from megascale_data_ext.runtime.loader import SourceLoader
 from megascale_data_ext.runtime.metrics import rss_bytes, samples_in, service_metrics
-from megascale_data_ext.runtime.topology import PLANNER_NAME
 from megascale_data_ext.sources.base import SourceSpec
 
 __all__ = ["GROUP_CONCURRENCY", "LoaderGroup", "LoaderGroupActor", "merge_fetches", "shard_of_plan"]
@@ -120,13 +119,15 @@ class LoaderGroup:
         get_plan: ``(step, source) -> LoaderPlan`` of the whole source (the Planner).
         get_plans: ``(step, sources) -> {source: LoaderPlan}`` (`GetPlans`): every member's plan of
             a step in one call, cached (`PlanCache`); replaces `get_plan`.
+        direct: A shadow (`runtime.shadows`): reads exactly the buckets asked for from the plan,
+            staging nothing and reading nothing ahead.
 
     Checkpoint: ``{"members": {source: SourceLoader state}}`` (each member's own schema).
     """
 
     def __init__(self, members: Sequence[tuple[ShardRef, SourceSpec]], *, seed: int, shuffle: bool = True,
                  workers: int = 1, read_ahead: int | None = None, get_plan: GetPlan | None = None,
-                 get_plans: GetPlans | None = None) -> None:
+                 get_plans: GetPlans | None = None, direct: bool = False) -> None:
         seen = [ref.source for ref, _ in members]
         if len(set(seen)) != len(seen):
             raise ValueError(f"a loader group hosts a source at most once, got sources {seen}")
@@ -135,7 +136,10 @@ class LoaderGroup:
             ref.source: SourceLoader(ref.source, spec, seed=seed, shuffle=shuffle) for ref, spec in members
         }
         self.workers = max(1, int(workers))
-        self.read_ahead = self.workers if read_ahead is None else read_ahead
+        self.direct = direct
+        self.read_ahead = 0 if direct else self.workers if read_ahead is None else read_ahead
+        self.rereads = 0  # buckets read again from the plan (popped before by a dead instance or constructor)
+        self.direct_fetches = 0  # a shadow's fetches, each read from the plan
         self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="loader-worker")
         self._ahead_until: dict[int, int] = {s: -1 for s in self.loaders}
         self.plans = PlanCache(get_plans, list(self.loaders)) if get_plans is not None else None
@@ -167,14 +171,32 @@ class LoaderGroup:
         return [self.summary_buffer(s, start, count) for s, start, count in requests]
 
     def fetch(self, source: int, step: int, buckets: list[int]) -> dict[str, list]:
-        """This member's samples of `step` for `buckets`; schedules read-ahead on the worker threads."""
+        """This member's samples of `step` for `buckets`, each bucket's exactly once per ask.
+
+        A primary pops what it staged and schedules read-ahead on the worker threads; buckets
+        popped before (by a dead instance of this actor, or for a constructor that died before
+        building) are read again from the plan. A shadow reads the buckets from the plan.
+        """
         loader = self._member(source)
+        if self.direct:
+            self.direct_fetches += 1
+            return read_buckets(loader, loader.get_plan(step, source), buckets)
         out = loader.fetch(step, buckets)
         first = max(step + 1, self._ahead_until[source] + 1)
         for ahead in range(first, step + 1 + self.read_ahead):
             self._pool.submit(self._read_ahead, loader, ahead)
             self._ahead_until[source] = ahead
+        plan = loader.get_plan(step, source)  # this member's shard of the plan (cached)
+        missing = missing_buckets(plan, buckets, out)
+        if missing:
+            extra = read_buckets(loader, plan, missing)
+            out = {k: out[k] + extra[k] for k in out}
+            self.rereads += len(missing)
         return out
+
+    def fetch_many(self, step: int, sources: Sequence[int], buckets: list[int]) -> dict[int, dict[str, list]]:
+        """`fetch` of every one of `sources` (members): a constructor's step from this actor."""
+        return {s: self.fetch(s, step, buckets) for s in sources}
 
     @staticmethod
     def _read_ahead(loader: SourceLoader, step: int) -> None:
@@ -202,27 +224,24 @@ class LoaderGroup:
 
 @ray.remote(num_cpus=0, max_concurrency=GROUP_CONCURRENCY)
 class LoaderGroupActor:
-    """A `LoaderGroup` in its own process; plans come from the Planner actor.
+    """A `LoaderGroup` in its own process (the service's one loader actor class); plans come from
+    the Planner actor whose handle it is given.
 
-    Restarts (fault tolerance): Ray re-runs ``__init__`` (members, seed, workers and the Planner's
-    handle are its arguments; a restarted Planner keeps its actor id), stages nothing
-    until asked, and a bucket of a step that was popped before (by the dead instance, or for
-    a constructor that died before building) is read again from the plan, as a Source Loader
-    does (`runtime.failover`).
+    A one-source, one-shard group is a per-source loader; ``direct`` makes it a shadow. Restarts
+    (fault tolerance): Ray re-runs ``__init__`` (members, seed, workers and the Planner's handle are
+    its arguments; a restarted Planner keeps its actor id) and the group stages nothing until asked
+    (`LoaderGroup.fetch` reads again what the dead instance had handed out).
     """
 
     def __init__(self, members: list[tuple[ShardRef, SourceSpec]], seed: int, shuffle: bool, workers: int = 1,
-                 namespace: str | None = None, planner: Any = None):
-        self._namespace = namespace
-        self._planner: Any = planner  # None: looked up by name in `namespace` on first use
-        self.rereads = 0
+                 planner: Any = None, direct: bool = False):
+        self._planner = planner
         self.calls = CallCounter()
-        self.group = LoaderGroup(members, seed=seed, shuffle=shuffle, workers=workers, get_plans=self._get_plans)
+        self.group = LoaderGroup(members, seed=seed, shuffle=shuffle, workers=workers, get_plans=self._get_plans,
+                                 direct=direct)
 
     def _get_plans(self, step: int, sources: list[int]) -> Mapping[int, LoaderPlan]:
         """Every member's plan of `step`: one call to the Planner (the group caches the answer)."""
-        if self._planner is None:  # no handle given: find the Planner by name
-            self._planner = ray.get_actor(PLANNER_NAME, namespace=self._namespace)
         self.calls.add("loader>planner loader_plans")
         return ray.get(self._planner.loader_plans.remote(step, sources))
 
@@ -230,10 +249,8 @@ class LoaderGroupActor:
         """Where the actor runs and what it serves (placement checks and readiness)."""
         ctx = ray.get_runtime_context()
         return {"node_id": ctx.get_node_id(), "sources": sorted(self.group.loaders), "pid": os.getpid(),
-                "shards": {s: [r.shard, r.num_shards] for s, r in self.group.refs.items()}}
-
-    def size(self, source: int) -> int:
-        return self.group.size(source)
+                "shards": {s: [r.shard, r.num_shards] for s, r in self.group.refs.items()},
+                "shadow": self.group.direct}
 
     def summary_buffer(self, source: int, start: int, count: int):
         return self.group.summary_buffer(source, start, count)
@@ -242,37 +259,23 @@ class LoaderGroupActor:
         """The Planner's metadata requests for any of this actor's sources, answered in one call."""
         return self.group.summaries(requests)
 
-    def fetch(self, source: int, step: int, buckets: list[int]):
-        """This member's samples of `step` for `buckets`; buckets popped before are read again."""
-        out = self.group.fetch(source, step, buckets)
-        loader = self.group.loaders[source]
-        plan = loader.get_plan(step, source)  # this member's shard of the plan (cached)
-        missing = missing_buckets(plan, buckets, out)
-        if missing:
-            extra = read_buckets(loader, plan, missing)
-            out = {k: out[k] + extra[k] for k in out}
-            self.rereads += len(missing)
-        samples, tokens, skipped = samples_in(out)
-        service_metrics().source_read(loader.spec.name, samples=samples, tokens=tokens, skipped=skipped)
+    def fetch_many(self, step: int, sources: list[int], buckets: list[int]) -> dict[int, dict[str, list]]:
+        """A constructor's step from this actor: every one of `sources` in one call."""
+        out = self.group.fetch_many(step, sources, buckets)
+        for s, got in out.items():
+            samples, tokens, skipped = samples_in(got)
+            service_metrics().source_read(self.group.loaders[s].spec.name, samples=samples, tokens=tokens,
+                                          skipped=skipped)
         return out
 
-    def fetch_many(self, step: int, sources: list[int], buckets: list[int]) -> dict[int, dict[str, list]]:
-        """`fetch` of every one of `sources` (members of this actor) in one call: a constructor's step."""
-        return {s: self.fetch(s, step, buckets) for s in sources}
-
     def stats(self) -> dict:
-        return {"members": self.group.stats(), "rereads": self.rereads, "workers": self.group.workers,
+        return {"members": self.group.stats(), "rereads": self.group.rereads, "workers": self.group.workers,
+                "shadow": self.group.direct, "direct_fetches": self.group.direct_fetches,
                 "ray_calls": self.calls.snapshot()}
 
     def rss_bytes(self) -> int:
         """This process's resident memory."""
         return rss_bytes()
-
-    def state_dict(self) -> dict:
-        return self.group.state_dict()
-
-    def load_state_dict(self, state: dict) -> None:
-        self.group.load_state_dict(state)
 
     @ray.method(max_task_retries=0)  # never re-run on the restarted actor
     def crash(self) -> None:

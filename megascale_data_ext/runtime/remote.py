@@ -25,7 +25,7 @@ import numpy as np
 from megascale_data_ext.errors import ConfigError
 from megascale_data_ext.runtime.constructor import EncoderImages, merge_encoder_images
 from megascale_data_ext.runtime.faults import FaultInjector, FaultToleranceConfig, ServiceUnavailableError
-from megascale_data_ext.runtime.topology import PLANNER_NAME, ServiceTopology, shadow_loader_name
+from megascale_data_ext.runtime.topology import PLANNER_NAME, ServiceTopology
 
 
 def join_ray(address: str | None, namespace: str) -> None:
@@ -65,23 +65,20 @@ def fetch_topology(address: str | None, namespace: str) -> ServiceTopology:
     return ray.get(ray.get_actor(PLANNER_NAME, namespace=namespace).topology.remote())
 
 
-def actor_crasher(topology: ServiceTopology, *, shadows: bool = False) -> Any:
-    """``(component, index) -> None`` that makes the named actor SIGKILL itself (fault injection)."""
+def actor_crasher(topology: ServiceTopology) -> Any:
+    """``(component, index) -> None`` that makes an actor SIGKILL itself (fault injection): the
+    Planner, constructor `index`, or the loader actors serving source `index` now."""
     import ray
 
     def crash(component: str, index: int) -> None:
+        planner = ray.get_actor(PLANNER_NAME, namespace=topology.namespace)
         if component == "planner":
-            name = PLANNER_NAME
-        elif component == "loader" and topology.autoscaled:  # the actors serving the source now
-            planner = ray.get_actor(PLANNER_NAME, namespace=topology.namespace)
+            planner.crash.remote()
+        elif component == "loader":
             for handle in ray.get(planner.loaders_of.remote(index)):
                 handle.crash.remote()
-            return
-        elif component == "loader":
-            name = shadow_loader_name(index) if shadows else topology.loader_names()[index]
         else:
-            name = topology.constructor_names()[index]
-        ray.get_actor(name, namespace=topology.namespace).crash.remote()
+            ray.get_actor(topology.constructor_names()[index], namespace=topology.namespace).crash.remote()
 
     return crash
 

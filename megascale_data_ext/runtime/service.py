@@ -1,19 +1,19 @@
-"""DataService: starts (or joins) Ray and launches Planner, Source Loaders and Data Constructors.
+"""DataService: starts (or joins) Ray and launches the Planner (which starts the loaders) and
+the Data Constructors.
 
-Actors are named (``loader/<i>``, ``planner``, ``constructor/<j>``, see `runtime.topology`)
-in the Ray namespace of the config, so trainer processes find them by name after
+The Planner and the constructors are named (``planner``, ``constructor/<j>``, see
+`runtime.topology`) in the Ray namespace of the config, so trainer processes find them after
 ``ray.init(address=...)``: the `ServiceHandles` that travel to torchrun ranks carry the address
-and the `ServiceTopology`; a process given only the namespace asks the Planner for it.
+and the `ServiceTopology`; a process given only the namespace asks the Planner for it. The
+loader actors are the Planner's (`runtime.autoscaler`): the offline partition's groups and
+shards with ``autoscale.enabled``, else one actor per source; found through it.
 
 Fault tolerance (`FaultToleranceConfig`, on by default): actors are restartable, the Planner
-checkpoints every planned step into the checkpoint directory, loaders snapshot there too, and
-with ``shadow_loaders`` a warm standby (``loader/<i>/shadow``) per source serves while its
-primary is down. `start` reports its phases with timings (`progress`), and an elastic resume
-(``reshard=True``) continues a state saved under another parallel layout.
-
-With ``autoscale.enabled`` the loaders are the offline partition's groups and shards
-(`runtime.autoscaler`): started and scaled by the Planner, found through it; with
-``placement.trainer_nodes`` each Data Constructor runs on the node of the ranks it serves.
+checkpoints every planned step into the checkpoint directory, and with ``shadow_loaders`` a warm
+shadow beside every loader actor serves while it is down (`runtime.shadows`). `start` reports
+its phases with timings (`progress`), and an elastic resume (``reshard=True``) continues a state
+saved under another parallel layout. With ``placement.trainer_nodes`` each Data Constructor runs
+on the node of the ranks it serves.
 """
 
 from __future__ import annotations
@@ -32,9 +32,9 @@ from typing import Any
 import ray
 
 from megascale_data_ext.dataplane.placetree import ClientPlaceTree
-from megascale_data_ext.runtime.actors import PlannerActor, SourceLoaderActor
+from megascale_data_ext.runtime.actors import PlannerActor
 from megascale_data_ext.runtime.constructor_actor import DataConstructorActor, constructor_concurrency
-from megascale_data_ext.runtime.checkpoints import LoaderSnapshots, PlannerCheckpoints
+from megascale_data_ext.runtime.checkpoints import PlannerCheckpoints
 from megascale_data_ext.runtime.config import ServiceConfig
 from megascale_data_ext.runtime.faults import FaultToleranceConfig
 from megascale_data_ext.runtime.handles import ServiceHandles
@@ -113,9 +113,7 @@ class DataService:
         self.tree = self.topology.tree
         self.ft = fault_tolerance or config.fault_tolerance
         self.progress = progress
-        self.loaders: list[Any] = []  # one per source; autoscaled: the Planner's, see `loader_actors`
-        self.partition: Any = None
-        self.shadows: list[Any] = []
+        self.partition: Any = None  # the offline partition (``autoscale.enabled``)
         self.planner: Any = None
         self.constructors: list[Any] = []
         self.startup_seconds = 0.0
@@ -137,16 +135,7 @@ class DataService:
         else:
             self.checkpoint_dir = self.ft.checkpoint_dir
         PlannerCheckpoints(self.checkpoint_dir).clear()  # a fresh service never restores another run's states
-        LoaderSnapshots(self.checkpoint_dir, self.ft.loader_snapshot_every).clear()
         return self.checkpoint_dir
-
-    def _loader_actors(self, names: list[str], *, shadow: bool, ckpt: str | None) -> list[Any]:
-        cfg, ns = self.config, self.topology.namespace
-        opts = self.ft.actor_options(retry_tasks=False)
-        return [SourceLoaderActor.options(name=name, namespace=ns, **opts).remote(
-                    i, spec, cfg.seed, cfg.shuffle, namespace=ns, snapshot_dir=ckpt,
-                    snapshot_every=self.ft.loader_snapshot_every, shadow=shadow)
-                for i, (name, spec) in enumerate(zip(names, cfg.sources, strict=True))]
 
     def start(self, *, state: dict | None = None, reshard: bool = False) -> ServiceHandles:
         """Start every actor; `state` (a saved `state_dict`) resumes the planner before prefetch starts.
@@ -171,27 +160,25 @@ class DataService:
         try:
             placement = self._placement()
             planner_opts = ft.actor_options(retry_tasks=True)
-            if topo.autoscaled:
+            loader_opts = ft.actor_options(retry_tasks=False)
+            if cfg.autoscale.enabled:
                 from megascale_data_ext.runtime.autoscaler import build_autoscale_plan
 
-                plan, self.partition = build_autoscale_plan(
-                    cfg, nodes=self._nodes(), placement=placement, progress=self.progress,
-                    restart_options=ft.actor_options(retry_tasks=False))
+                plan, self.partition = build_autoscale_plan(cfg, nodes=self._nodes(), placement=placement,
+                                                            progress=self.progress, restart_options=loader_opts)
                 self._phase("loaders partitioned", t0, f" ({len(self.config.sources)} sources -> "
                                                        f"{len(plan.actors)} loader actors)")
-                self.planner = PlannerActor.options(name=PLANNER_NAME, namespace=ns, **planner_opts).remote(
-                    cfg, topo, [], ft, ckpt, None, plan)
-                self.loaders = ray.get(self.planner.loader_actors.remote())  # surfaces source errors now
-                self._phase("loaders up", t0, f" ({len(self.loaders)} loader actors, started by the planner)")
             else:
-                self.loaders = self._loader_actors(topo.loader_names(), shadow=False, ckpt=ckpt)
-                if ft.shadow_loaders:
-                    self.shadows = self._loader_actors(topo.shadow_loader_names(), shadow=True, ckpt=None)
-                ray.get([h.size.remote() for h in self.loaders + self.shadows])  # surfaces source errors now
-                self._phase("loaders up", t0, f" ({len(self.loaders)} + {len(self.shadows)} shadows)")
-                self.planner = PlannerActor.options(name=PLANNER_NAME, namespace=ns, **planner_opts).remote(
-                    cfg, topo, self.loaders, ft, ckpt, self.shadows or None)
-                ray.get([h.set_planner.remote(self.planner) for h in self.loaders + self.shadows])
+                from megascale_data_ext.runtime.autoscaler import per_source_plan
+
+                plan = per_source_plan(cfg, loader_opts)
+            plan.shadows = ft.shadow_loaders
+            self.planner = PlannerActor.options(name=PLANNER_NAME, namespace=ns, **planner_opts).remote(
+                cfg, topo, plan, ft, ckpt)
+            loaders, shadows = ray.get([self.planner.loader_actors.remote(),  # surfaces source errors now
+                                        self.planner.shadow_actors.remote()])
+            self._phase("loaders up", t0, f" ({len(loaders)} loader actors" +
+                        (f" + {len(shadows)} shadows" if shadows else "") + ", started by the planner)")
             start_step = 0
             if state is not None:
                 ray.get(self.planner.load_state_dict.remote(state, reshard))
@@ -207,8 +194,7 @@ class DataService:
                 DataConstructorActor.options(name=name, namespace=ns, **opts,
                                              max_concurrency=constructor_concurrency(topo, list(buckets), ft, images),
                                              **(placement.constructor(sidecar[j]) if sidecar else {})).remote(
-                    list(buckets), cfg, topo, self.planner, self.loaders, tok.pad_id, image_id, start_step, ft,
-                    self.shadows or None)
+                    list(buckets), cfg, topo, self.planner, tok.pad_id, image_id, start_step, ft)
                 for j, (name, buckets) in enumerate(zip(topo.constructor_names(), topo.constructor_groups,
                                                         strict=True))
             ]
@@ -241,10 +227,12 @@ class DataService:
         return Placement(self._nodes(), pc.trainer_nodes, pc.ranks_per_node, soft=pc.soft)
 
     def loader_actors(self) -> list[Any]:
-        """The live loader actors: one per source, or (autoscaled) the Planner's groups and shards now."""
-        if self.topology.autoscaled and self.planner is not None:
-            return ray.get(self.planner.loader_actors.remote())
-        return list(self.loaders)
+        """The live loader actors (the Planner's: one per source, or its groups and shards now)."""
+        return ray.get(self.planner.loader_actors.remote()) if self.planner is not None else []
+
+    def shadow_actors(self) -> list[Any]:
+        """The shadow of each live loader actor, in `loader_actors` order (``shadow_loaders``)."""
+        return ray.get(self.planner.shadow_actors.remote()) if self.planner is not None else []
 
     def plan_summary(self, step: int) -> dict:
         return ray.get(self.planner.plan_summary.remote(step))
@@ -278,18 +266,15 @@ class DataService:
         return out
 
     def actors(self) -> list[dict[str, Any]]:
-        """Every actor of the service: ``role`` (``planner``, ``loader/<i>``, ``shadow/<i>``,
-        ``constructor/<j>``), ``state``, ``pid``, ``node_id``, ``serves`` (source ids or buckets),
-        ``restarts`` and ``actor_id`` (stable across restarts), read from Ray's control store (it answers while an actor restarts)."""
+        """Every actor of the service: ``role`` (``planner``, ``loader/<k>``, ``shadow/<k>`` (loader
+        k's), ``constructor/<j>``), ``state``, ``pid``, ``node_id``, ``serves`` (source ids or
+        buckets), ``restarts`` and ``actor_id`` (stable across restarts), read from Ray's control
+        store (it answers while an actor restarts)."""
         rows: list[tuple[str, Any, list[int]]] = [("planner", self.planner, [])] if self.planner is not None else []
-        if self.topology.autoscaled and self.planner is not None:
-            groups = self.loader_actors()
-            served = self._ask(groups, "ready")
-            rows += [(f"loader/{k}", h, (info or {}).get("sources", [])) for k, (h, info)
-                     in enumerate(zip(groups, served, strict=True))]
-        else:
-            rows += [(f"loader/{i}", h, [i]) for i, h in enumerate(self.loaders)]
-            rows += [(f"shadow/{i}", h, [i]) for i, h in enumerate(self.shadows)]
+        groups, shadows = self.loader_actors(), self.shadow_actors()
+        served = [(info or {}).get("sources", []) for info in self._ask(groups, "ready")]
+        rows += [(f"loader/{k}", h, srcs) for k, (h, srcs) in enumerate(zip(groups, served, strict=True))]
+        rows += [(f"shadow/{k}", h, srcs) for k, (h, srcs) in enumerate(zip(shadows, served, strict=False))]
         rows += [(f"constructor/{j}", h, list(b)) for j, (h, b)
                  in enumerate(zip(self.constructors, self.topology.constructor_groups, strict=True))]
         return [{"role": role, "serves": serves, **_actor_record(h)} for role, h, serves in rows]
@@ -297,7 +282,7 @@ class DataService:
     def stats(self) -> dict:
         return {
             "loaders": self._ask(self.loader_actors(), "stats"),
-            "shadows": self._ask(self.shadows, "stats"),
+            "shadows": self._ask(self.shadow_actors(), "stats"),
             "planner": self._ask([self.planner], "stats")[0],
             "constructors": self._ask(self.constructors, "stats"),
             "startup_seconds": self.startup_seconds,
@@ -309,24 +294,26 @@ class DataService:
         the Planner, the live loaders (reclaimed ones' calls are gone with them) and the constructors."""
         from megascale_data_ext.runtime.calls import sum_calls
 
-        actors = self.loader_actors() + self.shadows + [self.planner] + self.constructors
+        actors = self.loader_actors() + self.shadow_actors() + [self.planner] + self.constructors
         return sum_calls(s.get("ray_calls") if s is not None else None for s in self._ask(actors, "stats"))
 
     def memory(self) -> dict[str, int]:
         """Resident bytes of the live primary loaders and of the shadows (the shadows' memory cost)."""
         return {"loaders_rss": sum(filter(None, self._ask(self.loader_actors(), "rss_bytes"))),
-                "shadows_rss": sum(filter(None, self._ask(self.shadows, "rss_bytes")))}
+                "shadows_rss": sum(filter(None, self._ask(self.shadow_actors(), "rss_bytes")))}
 
     def _kill_actors(self) -> None:
-        loaders = self.loaders
-        if self.topology.autoscaled and self.planner is not None:
+        loaders: list[Any] = []
+        if self.planner is not None:
             try:
-                loaders = ray.get(self.planner.loader_actors.remote(), timeout=10)
+                loaders = ray.get([self.planner.loader_actors.remote(), self.planner.shadow_actors.remote()],
+                                  timeout=10)
+                loaders = loaders[0] + loaders[1]
             except Exception:  # a planner that failed to start: its loaders died with it
                 loaders = []
-        for h in self.constructors + loaders + self.shadows + ([self.planner] if self.planner is not None else []):
+        for h in self.constructors + loaders + ([self.planner] if self.planner is not None else []):
             ray.kill(h, no_restart=True)
-        self.constructors, self.loaders, self.shadows, self.planner = [], [], [], None
+        self.constructors, self.planner = [], None
 
     def stop(self) -> None:
         self._kill_actors()

@@ -52,15 +52,6 @@ def strategy_broadcast(strategy: Any) -> tuple[str, ...]:
     return DEFAULT_BROADCAST_DIMS if dims is None else tuple(dims)
 
 
-def loader_name(source: int) -> str:
-    return f"loader/{source}"
-
-
-def shadow_loader_name(source: int) -> str:
-    """The warm standby of ``loader/<source>`` (fault tolerance with shadow loaders)."""
-    return f"loader/{source}/shadow"
-
-
 def constructor_name(index: int) -> str:
     return f"constructor/{index}"
 
@@ -73,10 +64,8 @@ class ServiceTopology:
         tree: The service tree (consumer axis = the strategy's axis, runtime broadcast dims,
             reading stages).
         constructor_groups: Buckets served by each Data Constructor, in constructor order.
-        num_sources: Sources (one Source Loader each unless `autoscaled`).
-        namespace: Ray namespace of the named actors.
-        autoscaled: Loaders are the partition's groups and shards, owned by the Planner and
-            found through it (``route``, ``loaders_of``), not by name.
+        num_sources: Sources (their loader actors are the Planner's, found through it).
+        namespace: Ray namespace of the named actors (the Planner and the constructors).
         job: Which running service this is (``<namespace>#<random id>``, stamped by
             `DataService`; empty for in-process wiring): clients present it on every request
             and a constructor of another job refuses them (`JobMismatchError`).
@@ -86,7 +75,6 @@ class ServiceTopology:
     constructor_groups: tuple[tuple[int, ...], ...]
     num_sources: int
     namespace: str
-    autoscaled: bool = False
     job: str = ""
 
     @classmethod
@@ -100,9 +88,8 @@ class ServiceTopology:
                                fetch_stages=stages)
         n, g = service_tree.buckets().num_buckets, config.constructor_group
         groups = tuple(tuple(range(i, min(i + g, n))) for i in range(0, n, g))
-        autoscale = getattr(config, "autoscale", None)
         return cls(tree=service_tree, constructor_groups=groups, num_sources=len(config.sources),
-                   namespace=config.ray.namespace, autoscaled=bool(autoscale is not None and autoscale.enabled))
+                   namespace=config.ray.namespace)
 
     # -- distribution ----------------------------------------------------------------
     @property
@@ -168,8 +155,3 @@ class ServiceTopology:
     def constructor_names(self) -> list[str]:
         return [constructor_name(j) for j in range(self.num_constructors)]
 
-    def loader_names(self) -> list[str]:
-        return [loader_name(i) for i in range(self.num_sources)]
-
-    def shadow_loader_names(self) -> list[str]:
-        return [shadow_loader_name(i) for i in range(self.num_sources)]

@@ -77,7 +77,6 @@ def test_loaders_planner_and_constructors_killed_the_trainer_gets_every_sample_o
     stats = got.stats
     assert stats["planner"]["restored_from"] is not None  # the last restart restored a checkpoint
     assert [c["restarted"] for c in stats["constructors"]] == [True, True]
-    assert all(ld["restored_step"] is not None for ld in stats["loaders"][:5])  # from their snapshots
     print(f"step waits: {[round(w, 2) for w in got.step_wait_s]}; recoveries {got.recoveries}")
 
 

@@ -104,7 +104,7 @@ def test_autoscaler_reshards_in_process_with_exact_accounting(tmp_path) -> None:
         plan = svc.planner.plan(step)
         scaler.observe(step, np.bincount(plan.source, minlength=2))
         for s in range(2):
-            got = merge_fetches([g.fetch(s, step, [0, 1]) for g in scaler.route(step, s)])
+            got = merge_fetches([r.primary.fetch(s, step, [0, 1]) for r in scaler.routes(step, [s])[0]])
             want = svc.loaders[s].fetch(step, [0, 1])
             assert [(b, p) for b, p, _ in got["samples"]] == sorted((b, p) for b, p, _ in want["samples"])
             ref = {p: x.tokens.tolist() for _, p, x in want["samples"]}

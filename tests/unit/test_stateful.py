@@ -187,18 +187,30 @@ def test_planner_checkpoints_per_step_replay_identical_plans_after_a_restart(spe
             np.testing.assert_array_equal(a, b)
 
 
-def test_loader_snapshots_are_sparse_and_restore_the_stream_position(specs, tmp_path):
-    from megascale_data_ext.runtime.checkpoints import LoaderSnapshots
+def test_a_shadow_group_reads_what_its_primary_hands_out_and_stages_nothing(specs):
+    """A shadow (``direct``) answers any ask with the primary's samples, from the plan alone; a
+    primary asked again for buckets it popped (a constructor rebuilding) reads them again."""
+    from megascale_data_ext.dataplane.partitioner import ShardRef
+    from megascale_data_ext.runtime.loader_group import LoaderGroup
 
-    snaps = LoaderSnapshots(tmp_path, every=4)
-    assert [s for s in range(12) if snaps.due(s, last=0)] == list(range(4, 12))
-    ld = SourceLoader(0, specs[0], seed=1)
-    ld.next_position = 17
-    snaps.save(0, 8, ld.state_dict())
-    step, state = snaps.load(0)
-    fresh = SourceLoader(0, specs[0], seed=1)
-    fresh.load_state_dict(state)
-    assert (step, fresh.next_position) == (8, 17) and snaps.load(1) is None
+    def plan_of(step, source):
+        pos = np.arange(step * 6, step * 6 + 6)
+        return LoaderPlan(step=step, source=source, positions=pos,
+                          indices=SourceLoader(source, specs[source], seed=3).indices_at(pos),
+                          bucket=np.array([0, 1, 0, 1, 1, 0]))
+
+    members = [(ShardRef(source=0, shard=0, num_shards=1), specs[0]), (ShardRef(source=1, shard=0, num_shards=1),
+                                                                        specs[1])]
+    primary = LoaderGroup(members, seed=3, get_plan=plan_of, read_ahead=0)
+    shadow = LoaderGroup(members, seed=3, get_plan=plan_of, direct=True)
+    key = lambda out: [(b, p, s.index, s.tokens.tolist()) for b, p, s in out["samples"]]  # noqa: E731
+    for step in range(3):
+        got, twin = primary.fetch_many(step, [0, 1], [1]), shadow.fetch_many(step, [0, 1], [1])
+        assert {s: key(v) for s, v in got.items()} == {s: key(v) for s, v in twin.items()}
+        assert all(len(v["samples"]) == 3 for v in got.values())
+        assert key(primary.fetch(1, step, [1])) == key(got[1])  # popped before: read again, the same
+    assert primary.rereads == 3 and all(st["staged_steps"] == 3 for st in primary.stats().values())
+    assert all(st["staged_steps"] == 0 and st["samples_read"] == 0 for st in shadow.stats().values())
 
 
 def test_reading_buckets_from_the_plan_equals_popping_them(specs):

@@ -1,0 +1,88 @@
+"""Routing: a constructor's fetch of a step from the loader actors that hold it.
+
+The Planner's `AutoScaler` knows which actors hold each source's shards at each step (its
+layouts); a constructor asks it once per step for every source it needs (`PlannerActor.routes`),
+then each loader actor once for all the (shards of) sources it holds (`fetch_many`, the actors
+concurrently), and merges each source's shards' disjoint results. Each shard is a `Replica`:
+with shadow loaders its shadow answers when the primary is down or slow (`runtime.shadows`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from megascale_data_ext.runtime.calls import CallCounter
+from megascale_data_ext.runtime.faults import FaultToleranceConfig, ServiceUnavailableError
+from megascale_data_ext.runtime.loader_group import merge_fetches
+from megascale_data_ext.runtime.shadows import Replica, Suspects, first_answers
+
+__all__ = ["RoutedFetch"]
+
+Route = Callable[[int, list[int]], list[list[Replica]]]
+"""``(step, sources) -> per source, its shards' replicas (shard k at index k)``."""
+
+
+class RoutedFetch:
+    """A constructor's ``fetch(step, sources, buckets)`` over the shards a step routes to.
+
+    A source whose actor (and shadow) failed is asked again — the router afresh, since a
+    restarted Planner starts a new fleet — until ``recovery_timeout_s``; a re-sent fetch is
+    exact because a loader reads buckets it handed out before again from the plan.
+    """
+
+    def __init__(self, route: Route, ft: FaultToleranceConfig | None = None, *,
+                 calls: CallCounter | None = None) -> None:
+        self.route = route
+        self.ft = ft or FaultToleranceConfig(restart=False)
+        self.calls = calls
+        self.suspects = Suspects(self.ft.suspect_s)
+        self._cache: dict[tuple[int, int], list[Replica]] = {}
+
+    @property
+    def failovers(self) -> int:
+        """Calls a primary failed or was out-run by its shadow."""
+        return self.suspects.failovers
+
+    def _replicas(self, step: int, sources: list[int], fresh: bool) -> dict[int, list[Replica]]:
+        """Each source's shard replicas at `step`, from the cache unless `fresh`."""
+        need = sources if fresh else [s for s in sources if (step, s) not in self._cache]
+        if need:
+            if len(self._cache) > 65536:
+                self._cache.clear()
+            self._cache.update({(step, s): reps for s, reps in zip(need, self.route(step, need), strict=True)})
+        return {s: self._cache[(step, s)] for s in sources}
+
+    def _counted(self) -> None:
+        if self.calls is not None:
+            self.calls.add("constructor>loader fetch_many")
+
+    def __call__(self, step: int, sources: list[int], buckets: list[int]) -> dict[int, dict[str, list]]:
+        deadline = time.monotonic() + self.ft.recovery_timeout_s
+        out: dict[int, dict[str, list]] = {}
+        todo, fresh, attempt = list(sources), False, 0
+        while True:
+            by_actor: dict[Replica, list[int]] = {}
+            for s, reps in self._replicas(step, todo, fresh).items():
+                for rep in reps:
+                    by_actor.setdefault(rep, []).append(s)
+            requests = {rep: (rep, lambda h, _ss=ss: h.fetch_many.remote(step, _ss, buckets))
+                        for rep, ss in by_actor.items()}
+            answers, failures = first_answers(requests, hedge_s=self.ft.hedge_s, timeout_s=self.ft.rpc_timeout_s,
+                                              suspects=self.suspects, on_call=self._counted)
+            parts: dict[int, list] = {s: [] for s in todo}
+            for rep, got in answers.items():
+                for s in by_actor[rep]:
+                    parts[s].append(got[s])
+            failed = {s for rep in failures for s in by_actor[rep]}
+            out.update({s: merge_fetches(parts[s]) for s in todo if s not in failed})
+            if not failed:
+                return out
+            if time.monotonic() > deadline:
+                last = next(iter(failures.values()))
+                raise ServiceUnavailableError(
+                    f"the loaders of sources {sorted(failed)[:8]} did not deliver step {step} within "
+                    f"{self.ft.recovery_timeout_s:g} s (fault_tolerance.recovery_timeout_s): {last!r}. Check the "
+                    "actors' logs (`ray logs`), raise the timeout, or enable fault_tolerance.shadow_loaders") from last
+            time.sleep(min(0.05 * 2 ** attempt, 1.0))
+            todo, fresh, attempt = [s for s in todo if s in failed], True, attempt + 1
