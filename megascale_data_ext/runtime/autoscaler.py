@@ -39,6 +39,7 @@ from megascale_data_ext.dataplane.partitioner import ShardRef
 from megascale_data_ext.dataplane.scaling import ScalingConfig, ScalingDecision, ScalingPolicy
 from megascale_data_ext.errors import PlanError
 from megascale_data_ext.runtime.calls import CallCounter
+from megascale_data_ext.runtime.failover import cannot_restart
 from megascale_data_ext.runtime.faults import FaultToleranceConfig, ServiceUnavailableError
 from megascale_data_ext.runtime.loader_group import LoaderGroupActor
 from megascale_data_ext.runtime.shadows import Replica, Suspects, first_answers
@@ -238,9 +239,13 @@ class AutoScaler:
             if not failures:
                 return out
             failed = [i for rep in failures for i in by_actor[rep]]
+            names = sorted({self.specs[requests[i][0]].name for i in failed})
+            last = next(iter(failures.values()))
+            dead = next(filter(None, map(cannot_restart, failures.values())), None)
+            if dead is not None:
+                raise ServiceUnavailableError(f"the loader of sources {names[:8]} cannot start again after a "
+                                              f"restart: {dead}") from last
             if time.monotonic() > deadline:
-                names = sorted({self.specs[requests[i][0]].name for i in failed})
-                last = next(iter(failures.values()))
                 raise ServiceUnavailableError(
                     f"the loaders of sources {names[:8]}{' ...' if len(names) > 8 else ''} did not answer "
                     f"`summaries` within {ft.recovery_timeout_s:g} s (fault_tolerance.recovery_timeout_s): "

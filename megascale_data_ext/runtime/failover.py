@@ -23,12 +23,25 @@ from megascale_data_ext.dataplane.plan import LoaderPlan
 from megascale_data_ext.errors import SourceError
 from megascale_data_ext.runtime.loader import SourceLoader
 
-__all__ = ["ACTOR_FAILURES", "missing_buckets", "read_buckets"]
+__all__ = ["ACTOR_FAILURES", "cannot_restart", "missing_buckets", "read_buckets"]
 
 ACTOR_FAILURES = (RayActorError, ActorUnavailableError, GetTimeoutError, ObjectLostError)
 """What counts as a failed call: the actor died, is restarting or unreachable, or timed out, or
 its reply was lost with the node holding it (ObjectLostError and its kinds: reconstruction
 failed, owner died); each is answered by asking again."""
+
+
+def cannot_restart(exc: BaseException) -> str | None:
+    """Why an actor Ray restarted died in its ``__init__`` (e.g. a source file removed mid-run
+    cannot be opened again), as its error's last line; None for a failure that asking again answers.
+
+    No retry helps such an actor, so a caller raises at once instead of waiting out
+    ``recovery_timeout_s``.
+    """
+    if not (isinstance(exc, RayActorError) and exc.actor_init_failed):
+        return None
+    lines = [ln.strip() for ln in str(exc).splitlines() if "Error:" in ln]
+    return lines[-1] if lines else str(exc).splitlines()[0]
 
 
 def read_buckets(loader: SourceLoader, plan: LoaderPlan, buckets: Sequence[int]) -> dict[str, list]:

@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable
 
 from megascale_data_ext.runtime.calls import CallCounter
+from megascale_data_ext.runtime.failover import cannot_restart
 from megascale_data_ext.runtime.faults import FaultToleranceConfig, ServiceUnavailableError
 from megascale_data_ext.runtime.loader_group import merge_fetches
 from megascale_data_ext.runtime.shadows import Replica, Suspects, first_answers
@@ -78,8 +79,12 @@ class RoutedFetch:
             out.update({s: merge_fetches(parts[s]) for s in todo if s not in failed})
             if not failed:
                 return out
+            last = next(iter(failures.values()))
+            dead = next(filter(None, map(cannot_restart, failures.values())), None)
+            if dead is not None:
+                raise ServiceUnavailableError(
+                    f"the loader of sources {sorted(failed)[:8]} cannot start again after a restart: {dead}") from last
             if time.monotonic() > deadline:
-                last = next(iter(failures.values()))
                 raise ServiceUnavailableError(
                     f"the loaders of sources {sorted(failed)[:8]} did not deliver step {step} within "
                     f"{self.ft.recovery_timeout_s:g} s (fault_tolerance.recovery_timeout_s): {last!r}. Check the "

@@ -63,6 +63,9 @@ class SkippedSample:
     reason: str
     path: str | None = None
     row: int | None = None
+    file_fault: bool = False
+    """Skipped because its file was removed, truncated or corrupted while the run read it
+    (``on_bad_rows: skip``; not counted against ``max_bad_fraction``)."""
 
 
 @dataclass(slots=True, kw_only=True)

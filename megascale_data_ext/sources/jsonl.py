@@ -109,6 +109,10 @@ def describe_bad_rows(bad: list[BadRow]) -> str:
     return text + (f"; ... and {len(bad) - _SHOWN} more" if len(bad) > _SHOWN else "")
 
 
+class _FileFault(SampleError):
+    """A line the file lost since the source opened it (removed, truncated): the file's fault."""
+
+
 class JsonlSource(RowSource):
     """The usable lines of one or more ``.jsonl`` files as samples, in file then line order.
 
@@ -138,6 +142,7 @@ class JsonlSource(RowSource):
         self._offsets = [s.offsets[r] for s, r in zip(scans, self._rows, strict=True)]
         self._lines = [s.lines[r] for s, r in zip(scans, self._rows, strict=True)]
         self._start = np.concatenate([[0], np.cumsum([len(o) for o in self._offsets], dtype=np.int64)])
+        self._sizes = [os.path.getsize(p) for p in self.paths]  # a line cut short later is the file's fault
         if len(self) == 0:
             why = f" (all {len(self.bad_rows)} rows are bad: {describe_bad_rows(self.bad_rows)})" * bool(self.bad_rows)
             raise empty_source_error(self.name, f"no usable lines in {self.paths[:3]}{why}")
@@ -151,8 +156,11 @@ class JsonlSource(RowSource):
 
     def _record(self, fh: BinaryIO, f_i: int, line: int) -> dict:
         fh.seek(int(self._offsets[f_i][line]))
+        text = fh.readline()
+        if not text.endswith(b"\n") and fh.tell() < self._sizes[f_i]:
+            raise _FileFault(f"was truncated to {fh.tell()} bytes")  # the line ran into the file's new end
         try:
-            record = json.loads(fh.readline())
+            record = json.loads(text)
         except json.JSONDecodeError as exc:  # the file changed since it was opened
             raise SampleError(f"invalid JSON: {exc}") from exc
         if not isinstance(record, dict):
@@ -195,13 +203,23 @@ class JsonlSource(RowSource):
         files = np.searchsorted(self._start, indices, side="right") - 1
         handles: dict[int, BinaryIO] = {}
         out = []
+        gone: dict[int, str] = {}  # file -> why it cannot be read now (removed)
+        sizes: dict[int, int] = {}
         with ExitStack() as stack:
             for index, f_i in zip(indices.tolist(), files.tolist(), strict=True):
                 path, line = self.paths[f_i], index - int(self._start[f_i])
-                if f_i not in handles:
-                    handles[f_i] = stack.enter_context(open(path, "rb"))
+                if f_i not in handles and f_i not in gone:
+                    try:
+                        handles[f_i] = stack.enter_context(open(path, "rb"))
+                        sizes[f_i] = os.fstat(handles[f_i].fileno()).st_size
+                    except OSError as exc:  # opened fine at start: removed (or unreadable) since
+                        gone[f_i] = f"cannot be opened any more ({exc.strerror or exc})"
                 raw = RawSample(index=index, path=path, row=int(self._rows[f_i][line]))
                 try:
+                    if f_i in gone:
+                        raise _FileFault(gone[f_i])
+                    if int(self._offsets[f_i][line]) >= sizes[f_i]:
+                        raise _FileFault(f"was truncated to {sizes[f_i]} bytes")
                     record = self._record(handles[f_i], f_i, line)
                     problem = row_problem(record, spec, os.path.dirname(path))
                     if problem is not None:
@@ -210,6 +228,8 @@ class JsonlSource(RowSource):
                     for p in image_paths(record, spec.image_column, os.path.dirname(path)):
                         with open(p, "rb") as img:
                             raw.images.append(img.read())
+                except _FileFault as exc:
+                    raw.error, raw.file_fault = str(exc), True
                 except (SampleError, OSError) as exc:
                     raw.error = f"cannot load line: {exc}"
                 out.append(raw)

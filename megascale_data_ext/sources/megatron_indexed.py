@@ -188,6 +188,7 @@ class _MMapIndexedData:
         self._bin = map_file(self.bin_path)
         self._bin_buffer = memoryview(self._bin)
         self.bin_size = int(self._bin.size)
+        self.readable = self.bin_size  # bytes a read may touch: less once the .bin was truncated (`refresh`)
 
     def __len__(self) -> int:
         return len(self.index)
@@ -203,11 +204,20 @@ class _MMapIndexedData:
     def document_indices(self) -> np.ndarray:
         return self.index.document_indices
 
+    def refresh(self) -> bool:
+        """Re-read the ``.bin``'s size before reading (a map past a truncated file's end would SIGBUS the
+        process); returns False when the file is gone (its map stays readable)."""
+        try:
+            self.readable = min(self.bin_size, os.stat(self.bin_path).st_size)
+        except FileNotFoundError:
+            return False
+        return True
+
     def _read(self, count: int, offset: int) -> np.ndarray:
         end = offset + count * self.index.dtype_size
-        if offset < 0 or end > self.bin_size:
+        if offset < 0 or end > self.readable:
             raise _OutOfRange(
-                f"{self.bin_path!r} has {self.bin_size} bytes but its index points at bytes {offset}:{end}; "
+                f"{self.bin_path!r} has {self.readable} bytes but its index points at bytes {offset}:{end}; "
                 "the .bin is truncated or belongs to another .idx: re-run preprocessing"
             )
         return np.frombuffer(self._bin_buffer, dtype=self.index.dtype, count=count, offset=offset)
@@ -322,14 +332,21 @@ class MegatronIndexedSource(RowSource):
 
     def _raw_rows(self, indices: np.ndarray) -> list[RawSample]:
         which = np.searchsorted(self._ds_start, indices, side="right") - 1
+        for d_i in np.unique(which).tolist():
+            if not self._datasets[d_i].refresh():
+                self.file_faults.removed_but_open(self._datasets[d_i].bin_path)
         out = []
         for index, d_i in zip(indices.tolist(), which.tolist(), strict=True):
             doc = index - int(self._ds_start[d_i])
+            ds = self._datasets[d_i]
+            raw = RawSample(index=index, path=ds.bin_path, row=doc)
             try:
-                tokens = self._datasets[d_i].document_tokens(doc)
+                raw.tokens = ds.document_tokens(doc)
             except _OutOfRange as exc:
-                raise SourceError(f"source {self.name!r}: document {doc}: {exc}") from exc
-            out.append(RawSample(index=index, tokens=tokens, path=self.prefixes[d_i] + ".bin", row=doc))
+                if ds.readable == ds.bin_size:  # the index itself points past the .bin
+                    raise SourceError(f"source {self.name!r}: document {doc}: {exc}") from exc
+                raw.error, raw.file_fault = f"was truncated to {ds.readable} bytes (document {doc} lies past it)", True
+            out.append(raw)
         return out
 
     def close(self) -> None:

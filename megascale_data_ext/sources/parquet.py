@@ -23,6 +23,7 @@ import pyarrow.parquet as pq
 
 from megascale_data_ext.errors import SourceError
 from megascale_data_ext.sources.base import SourceSpec, metadata_from_counts, text_only_metadata
+from megascale_data_ext.sources.file_faults import file_gone
 from megascale_data_ext.sources.rowsource import RowSource, empty_source_error, resolve_files
 from megascale_data_ext.sources.tokenizer import Tokenizer
 from megascale_data_ext.sources.transforms import RawSample
@@ -223,8 +224,19 @@ class ParquetSource(RowSource):
         bounds = np.flatnonzero(np.diff(groups[order])) + 1
         for chunk in np.split(order, bounds):
             g = int(groups[chunk[0]])
-            table = self._row_group(g).take(pa.array(indices[chunk] - self._rg_start[g]))
             f_i = int(self._rg_file[g])
+            if file_gone(self.paths[f_i]):
+                self.file_faults.removed_but_open(self.paths[f_i])
+            try:
+                table = self._row_group(g).take(pa.array(indices[chunk] - self._rg_start[g]))
+            except SourceError as exc:  # the file changed under the open handle: truncated or corrupt
+                cause = " ".join(str(exc.__cause__ or exc).split())  # Arrow's messages span lines
+                why = f"cannot be read at row group {int(self._rg_index[g])} ({cause})"
+                for pos in chunk:
+                    index = int(indices[pos])
+                    out[pos] = RawSample(index=index, path=self.paths[f_i], row=index - int(self._file_start[f_i]),
+                                         error=why, file_fault=True)
+                continue
             first = table.column(0).to_pylist()
             images = table.column(spec.image_column).to_pylist() if spec.image_column else [None] * len(chunk)
             for j, pos in enumerate(chunk):

@@ -26,6 +26,7 @@ from megascale_data_ext.sources.base import (
     check_indices,
     take_metadata,
 )
+from megascale_data_ext.sources.file_faults import FileFaults
 from megascale_data_ext.sources.tokenizer import Tokenizer, load_tokenizer
 from megascale_data_ext.sources.transforms import RawSample, SampleTransform
 
@@ -76,6 +77,7 @@ class RowSource(ABC):
         # The spec's whole tokenizer setting (type, merges), named by its config key on error.
         self._transform = SampleTransform(spec, tokenizer if tokenizer is not None else load_tokenizer(spec))
         self._meta: dict[str, np.ndarray] | None = None
+        self.file_faults = FileFaults(spec.name, spec.on_bad_rows)  # files gone bad mid-run
 
     @property
     def tokenizer(self) -> Tokenizer:
@@ -94,7 +96,8 @@ class RowSource(ABC):
 
     @abstractmethod
     def _raw_rows(self, indices: np.ndarray) -> list[RawSample]:
-        """Untransformed rows for valid ``indices``, in the same order."""
+        """Untransformed rows for valid ``indices``, in the same order; a row whose file went bad
+        since opening is marked ``file_fault`` (`sources.file_faults`), never raised."""
 
     def where(self, index: int) -> str | None:
         """Where sample ``index`` lives (file and row) for messages; ``None`` when the format cannot say."""
@@ -146,12 +149,15 @@ class RowSource(ABC):
         """Transformed samples for ``indices`` plus the ones skipped as bad (exact accounting).
 
         Raises:
-            SourceError: The file cannot be read, or bad samples exceed ``max_bad_fraction``.
+            SourceError: A file went bad mid-run under ``on_bad_rows: error``, or bad samples
+                exceed ``max_bad_fraction``.
         """
         idx = check_indices(self.name, indices, len(self))
         if idx.size == 0:
             return ReadResult(samples=[], skipped=[])
-        return self._transform.run(self._raw_rows(idx))
+        raws = self._raw_rows(idx)
+        self.file_faults.apply(raws)
+        return self._transform.run(raws)
 
     def read(self, indices: Sequence[int] | np.ndarray) -> list[Sample]:
         """Transformed samples for ``indices`` in request order, bad ones skipped (see ``read_report``)."""

@@ -39,17 +39,19 @@ class BadSampleTracker:
         """
         self.samples_read += num_read
         self.skipped.extend(skipped)
-        if not skipped:
+        bad = [s for s in skipped if not s.file_fault]  # a file gone bad is skipped by policy, not budget
+        if not bad:
             return
         allowed = self.max_bad_fraction * self.samples_read
-        if len(self.skipped) > allowed:
-            first = skipped[0]
+        total_bad = sum(not s.file_fault for s in self.skipped)
+        if total_bad > allowed:
+            first = bad[0]
             raise SourceError(
-                f"source {self.source!r}: {len(self.skipped)} bad samples out of {self.samples_read} read "
+                f"source {self.source!r}: {total_bad} bad samples out of {self.samples_read} read "
                 f"exceeds max_bad_fraction={self.max_bad_fraction} (allowed {allowed:.1f}); "
                 f"first in this read: {first.reason}. Fix the data (`megascale-data lint` lists the bad rows) "
                 f"or allow more with `data.sources.{self.source}.max_bad_fraction="
-                f"{min(1.0, math.ceil(len(self.skipped) / self.samples_read * 100) / 100):g}`"
+                f"{min(1.0, math.ceil(total_bad / self.samples_read * 100) / 100):g}`"
             )
 
     def reasons(self) -> dict[str, int]:

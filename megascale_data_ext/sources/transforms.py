@@ -36,6 +36,8 @@ class RawSample:
         row: Row inside that file.
         error: Why the reader could not extract the row (e.g. invalid JSON); the transform
             turns it into a skipped sample.
+        file_fault: ``error`` is the file's, not the row's: it was removed, truncated or
+            corrupted since the source opened it (`sources.file_faults`).
     """
 
     index: int
@@ -45,6 +47,7 @@ class RawSample:
     path: str | None = None
     row: int | None = None
     error: str | None = None
+    file_fault: bool = False
 
 
 class SampleTransform:
@@ -129,7 +132,8 @@ class SampleTransform:
         try:
             return self.transform(raw)
         except SampleError as exc:
-            return SkippedSample(index=raw.index, reason=str(exc), path=raw.path, row=raw.row)
+            return SkippedSample(index=raw.index, reason=str(exc), path=raw.path, row=raw.row,
+                                 file_fault=raw.file_fault)
 
     def map(self, fn: Callable[[RawSample], Sample | SkippedSample], raws: Sequence[RawSample]) -> list:
         """``fn`` over ``raws`` in order, on the worker pool when ``num_workers > 0``."""

@@ -161,7 +161,7 @@ def test_corrupt_row_group_data_is_source_error(tmp_path):
     data[start + 8 : start + 40] = b"\xff" * 32  # smash a data page, keep the footer intact
     path.write_bytes(bytes(data))
     src = open_source(_spec(path))
-    with pytest.raises(SourceError, match=r"source 'src': cannot read row group \d+ of '.*good.parquet'"):
+    with pytest.raises(SourceError, match=r"source .src.: .*good.parquet. cannot be read at row group \d+"):
         src.read(np.arange(len(src)))
 
 
