@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -47,6 +48,8 @@ from megascale_data_ext.sources.base import SourceSpec
 from megascale_data_ext.state import StateSchema
 
 __all__ = ["AutoScaler", "AutoscalePlan", "LoaderActorSpec", "per_source_plan", "spawn_loader_groups", "spawn_shadows"]
+
+EVENTS_KEPT = 1024  # scaling events kept for `stats` (a long run scales thousands of times)
 
 #: ``(members, workers, ray options) -> actor handle``: a ready loader (group) actor with its plans wired.
 Spawn = Callable[[list[tuple[ShardRef, SourceSpec]], int, dict], Any]
@@ -140,7 +143,7 @@ class AutoScaler:
         self.counts = np.zeros(len(self.specs), dtype=np.int64)
         self.steps = 0
         self.max_routed = -1
-        self.events: list[dict[str, Any]] = []  # created / reclaimed, for logs and tests
+        self.events: deque[dict[str, Any]] = deque(maxlen=EVENTS_KEPT)  # created / reclaimed: logs, tests
         self._next_id = 0
         self._lock = threading.RLock()
         self.suspects = Suspects(5.0)  # primaries whose shadow answers the Planner's metadata calls first

@@ -10,6 +10,7 @@ with shadow loaders its shadow answers when the primary is down or slow (`runtim
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 
 from megascale_data_ext.runtime.calls import CallCounter
@@ -18,7 +19,10 @@ from megascale_data_ext.runtime.faults import FaultToleranceConfig, ServiceUnava
 from megascale_data_ext.runtime.loader_group import merge_fetches
 from megascale_data_ext.runtime.shadows import Replica, Suspects, first_answers
 
-__all__ = ["RoutedFetch"]
+__all__ = ["CACHED_STEPS", "RoutedFetch"]
+
+CACHED_STEPS = 16
+"""Steps whose routes a constructor keeps (it builds a few steps ahead; an older one is asked again)."""
 
 Route = Callable[[int, list[int]], list[list[Replica]]]
 """``(step, sources) -> per source, its shards' replicas (shard k at index k)``."""
@@ -38,7 +42,9 @@ class RoutedFetch:
         self.ft = ft or FaultToleranceConfig(restart=False)
         self.calls = calls
         self.suspects = Suspects(self.ft.suspect_s)
-        self._cache: dict[tuple[int, int], list[Replica]] = {}
+        # step -> source -> replicas, for the newest CACHED_STEPS steps asked (each route holds
+        # fresh actor handles, a few KiB each: kept for every step they grew a constructor steadily)
+        self._cache: OrderedDict[int, dict[int, list[Replica]]] = OrderedDict()
 
     @property
     def failovers(self) -> int:
@@ -47,12 +53,13 @@ class RoutedFetch:
 
     def _replicas(self, step: int, sources: list[int], fresh: bool) -> dict[int, list[Replica]]:
         """Each source's shard replicas at `step`, from the cache unless `fresh`."""
-        need = sources if fresh else [s for s in sources if (step, s) not in self._cache]
+        known = self._cache.setdefault(step, {})
+        need = sources if fresh else [s for s in sources if s not in known]
         if need:
-            if len(self._cache) > 65536:
-                self._cache.clear()
-            self._cache.update({(step, s): reps for s, reps in zip(need, self.route(step, need), strict=True)})
-        return {s: self._cache[(step, s)] for s in sources}
+            known.update(zip(need, self.route(step, need), strict=True))
+        while len(self._cache) > CACHED_STEPS:
+            self._cache.popitem(last=False)
+        return {s: known[s] for s in sources}
 
     def _counted(self) -> None:
         if self.calls is not None:

@@ -6,8 +6,9 @@ sources open, metadata loaded, reading straight from the plan and staging nothin
 same samples. When a primary dies, Ray restarts it (seconds: its sources reopen) and queues the
 calls sent meanwhile without an error; the shadow serves in between:
 
-* a call unanswered after ``hedge_s``, or whose primary failed, is also sent to the shadow; the
-  first answer wins (both are the same samples, so exactly-once holds whichever it is);
+* a call unanswered after a few typical answer times (at most ``hedge_s``), or whose primary
+  failed, is also sent to the shadow; the first answer wins (both are the same samples, so
+  exactly-once holds whichever it is);
 * a primary that failed is *suspect* for ``suspect_s``: its shadow is asked first meanwhile.
 
 Without shadows the same calls wait out the restart (up to ``recovery_timeout_s``, by the caller).
@@ -38,13 +39,34 @@ class Replica:
 
 
 class Suspects:
-    """Primaries that failed within the last ``suspect_s`` seconds; thread-safe."""
+    """What one caller knows of its loaders: primaries that failed within the last ``suspect_s``
+    seconds, and how long a healthy answer takes (for the hedge); thread-safe."""
+
+    HEDGE_FACTOR = 4.0  # hedge a call this many typical answers late (Dean & Barroso's "tail at scale")
+    HEDGE_FLOOR_S = 0.1
+    WARM_ANSWERS = 8  # answers seen before the typical latency is trusted
 
     def __init__(self, suspect_s: float) -> None:
         self.suspect_s = suspect_s
         self._until: dict[Any, float] = {}
         self._lock = threading.Lock()
         self.failovers = 0  # primary calls that failed or were hedged (each served elsewhere or retried)
+        self._typical_s = 0.0  # moving average of answer latency
+        self._answers = 0
+
+    def answered(self, seconds: float) -> None:
+        """Record a healthy answer's latency."""
+        with self._lock:
+            self._answers += 1
+            self._typical_s += (seconds - self._typical_s) / min(self._answers, 32)
+
+    def hedge_after(self, hedge_s: float) -> float:
+        """When to ask the shadow too: a few typical answers late, at most ``hedge_s`` (a primary Ray
+        is restarting answers nothing and raises nothing: waiting out a fixed second stalled the step)."""
+        with self._lock:
+            if self._answers < self.WARM_ANSWERS:
+                return hedge_s
+            return min(hedge_s, max(self.HEDGE_FLOOR_S, self.HEDGE_FACTOR * self._typical_s))
 
     def mark(self, handle: Any) -> None:
         with self._lock:
@@ -68,7 +90,8 @@ def first_answers(requests: Mapping[Hashable, tuple[Replica, Callable[[Any], Any
     Args:
         requests: ``key -> (replica, call)``; ``call(handle)`` submits the request to a handle
             and returns its ObjectRef.
-        hedge_s: After this long without an answer the shadow is asked too.
+        hedge_s: Longest wait without an answer before the shadow is asked too (sooner once
+            `suspects` knows the typical answer time: `Suspects.hedge_after`).
         timeout_s: Longest wait for the round; a request still unanswered fails with GetTimeoutError.
         suspects: Primaries asked after their shadow (and marked when they fail or are hedged).
         on_call: Called once per call submitted (call counting).
@@ -86,6 +109,7 @@ def first_answers(requests: Mapping[Hashable, tuple[Replica, Callable[[Any], Any
         pending[requests[key][1](handle)] = (key, handle)
         sent_at[key] = time.monotonic()
 
+    hedge_s = suspects.hedge_after(hedge_s)
     for key, (rep, _call) in requests.items():
         order = [rep.primary] if rep.shadow is None else (
             [rep.shadow, rep.primary] if rep.primary in suspects else [rep.primary, rep.shadow])
@@ -107,6 +131,7 @@ def first_answers(requests: Mapping[Hashable, tuple[Replica, Callable[[Any], Any
             try:
                 answers[key] = ray.get(ref)
                 failures.pop(key, None)
+                suspects.answered(time.monotonic() - sent_at[key])
                 if handle != primary and any(k == key and h == primary for k, h in pending.values()):
                     suspects.mark(primary)  # the shadow beat a primary asked first: Ray may be restarting it
             except ACTOR_FAILURES as exc:

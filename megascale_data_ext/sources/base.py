@@ -104,7 +104,9 @@ class SourceSpec:
         on_bad_rows: JSONL rows that cannot be used (invalid JSON, text not a string, missing image
             file) are found when the source opens: ``"error"`` refuses to start and names them
             (unless ``max_bad_fraction`` allows that many: then ``read()`` skips and counts them),
-            ``"skip"`` leaves them out of the source and reports them once.
+            ``"skip"`` leaves them out of the source and reports them once. The same policy
+            applies, in every format, to rows whose file is truncated, corrupted or removed
+            while the run reads it (`sources.file_faults`).
         patch_size: ViT patch edge in pixels.
         max_image_patches: Cap on patches per image; larger images are downscaled.
         decode_images: ``"loader"`` decodes/patchifies in ``read()``; ``"constructor"`` returns

@@ -1,0 +1,211 @@
+"""`megascale-data bench soak`: hundreds of trainer-side clients for minutes; errors, memory, p99.
+
+One service on embedded Ray (distinct demo text sources, autoscaled loaders, ``llm_balance``)
+laid out for ``--clients`` fetching ranks (DP = clients, ``--constructors`` Data Constructors,
+each serving a contiguous group of ranks) is consumed for ``--seconds`` by one thread per rank,
+each with its own `RemoteConstructors` client pulling whole steps as fast as they arrive (the
+service's backpressure makes the fastest wait for the slowest of its constructor).
+
+Every ``--sample-seconds`` the resident memory of every service actor (Planner, loaders,
+constructors; read from ``/proc`` by the pid Ray reports) and of this process is recorded.
+Memory is *flat* when each actor's RSS at the end is within ``--flat`` (5 %) of its RSS once
+warm (the first sample after ``--warmup`` of the run): allocator warm-up is not a leak, steady
+growth is. Fetch latency is each ``get`` of a step (waits on backpressure included): p50, p99,
+max. Errors: every exception a client thread raised, with its rank and step.
+
+JSON: ``clients``, ``constructors``, ``seconds``, ``steps`` (min/median/max over ranks),
+``fetches``, ``errors``, ``fetch_ms`` (p50/p99/max), ``memory`` (per actor: ``warm_mib``,
+``end_mib``, ``max_mib``, ``growth``), ``flat``, ``samples`` (the time series), ``load``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+NAME = "bench soak"
+HELP = "Hundreds of concurrent clients for minutes: errors, every actor's memory over time, fetch p99."
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--clients", type=int, default=256, help="fetching ranks, one client thread each (DP size)")
+    p.add_argument("--constructors", type=int, default=4, help="Data Constructors (clients divide among them)")
+    p.add_argument("--seconds", type=float, default=300.0, help="how long the clients pull")
+    p.add_argument("--sources", type=int, default=8, help="distinct demo text sources")
+    p.add_argument("--client-prefetch", type=int, default=2, help="steps each client keeps requested ahead")
+    p.add_argument("--sample-seconds", type=float, default=5.0, help="seconds between memory samples")
+    p.add_argument("--warmup", type=float, default=0.25, help="fraction of the run before memory counts as warm")
+    p.add_argument("--flat", type=float, default=0.05, help="largest growth after warm-up that counts as flat")
+    p.add_argument("--json", type=Path, default=None, help="write the summary and the samples here")
+    p.add_argument("--plot", type=Path, default=None, help="write the memory-over-time plot (PNG) here")
+
+
+def soak_config(root: Path, *, clients: int, constructors: int, sources: int, client_prefetch: int) -> tuple:
+    """``(ServiceConfig, ClientPlaceTree)`` for `clients` DP ranks served by `constructors` actors."""
+    from megascale_data_ext.dataplane.placetree import ClientPlaceTree
+    from megascale_data_ext.runtime.config import RayConfig, ServiceConfig
+    from megascale_data_ext.runtime.faults import FaultToleranceConfig
+    from megascale_data_ext.sources.demo_data import make_demo_data
+
+    if clients % constructors:
+        raise SystemExit(f"error: --clients {clients} must divide by --constructors {constructors}")
+    specs = [dataclasses.replace(s, truncate=True, max_tokens=512)
+             for s in make_demo_data(root / "data", seed=21, rows=2000, text_sources=sources, image_sources=0,
+                                     megatron_source=False)]
+    cfg = ServiceConfig(sources=specs, seed=21, samples_per_step=clients, num_microbatches=1, seq_length=512,
+                        strategy="llm_balance", strategy_args={"model": "gpt-tiny"}, buffer_size=4 * clients,
+                        constructor_group=clients // constructors,
+                        ray=RayConfig(namespace="bench-soak", num_cpus=2),
+                        fault_tolerance=FaultToleranceConfig(client_prefetch=client_prefetch))
+    return cfg, ClientPlaceTree.from_sizes(dp=clients)
+
+
+def memory_summary(samples: list[dict[str, Any]], *, warm_from: float, flat: float) -> dict[str, dict[str, Any]]:
+    """Per process (role): RSS once warm, at the end, the most seen, and the growth since warm."""
+    out: dict[str, dict[str, Any]] = {}
+    roles = sorted({role for s in samples for role in s["rss_mib"]})
+    for role in roles:
+        series = [(s["t"], s["rss_mib"][role]) for s in samples if role in s["rss_mib"]]
+        warm = [v for t, v in series if t >= warm_from]
+        if not warm:
+            continue
+        growth = (warm[-1] - warm[0]) / warm[0] if warm[0] else 0.0
+        out[role] = {"warm_mib": round(warm[0], 1), "end_mib": round(warm[-1], 1),
+                     "max_mib": round(max(v for _, v in series), 1), "growth": round(growth, 4),
+                     "flat": growth <= flat}
+    return out
+
+
+def plot(result: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    samples = result["samples"]
+    for role in sorted(result["memory"]):
+        ax.plot([s["t"] for s in samples if role in s["rss_mib"]],
+                [s["rss_mib"][role] for s in samples if role in s["rss_mib"]], label=role, lw=1)
+    ax.axvline(result["warm_from_s"], color="grey", ls="--", lw=0.8)
+    ax.set_xlabel("seconds")
+    ax.set_ylabel("RSS (MiB)")
+    ax.set_title(f"bench soak: {result['clients']} clients, {result['seconds']:.0f} s, "
+                 f"{result['fetches']} fetches, {len(result['errors'])} errors")
+    ax.legend(fontsize=6, ncol=3)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+
+
+def run(args: argparse.Namespace) -> int:
+    import ray
+
+    from megascale_data_ext.commands._proc_stats import rss_mib
+    from megascale_data_ext.runtime.remote import RemoteConstructors
+    from megascale_data_ext.runtime.service import DataService
+
+    load_before = os.getloadavg()
+    with tempfile.TemporaryDirectory(prefix="bench-soak-") as tmp:
+        cfg, tree = soak_config(Path(tmp), clients=args.clients, constructors=args.constructors,
+                                sources=args.sources, client_prefetch=args.client_prefetch)
+        svc = DataService(cfg, tree, progress=print)
+        handles = svc.start()
+        topo = handles.topology
+        ranks = topo.fetch_ranks()
+        stop = threading.Event()
+        latencies: list[list[float]] = [[] for _ in ranks]
+        steps = [0] * len(ranks)
+        errors: list[dict[str, Any]] = []
+        samples: list[dict[str, Any]] = []
+        t0 = time.perf_counter()
+
+        def consume(i: int, rank: int) -> None:
+            client = RemoteConstructors(topo, fault_tolerance=svc.ft)
+            step = 0
+            while not stop.is_set():
+                t = time.perf_counter()
+                try:
+                    batch, _ = client.get(step, 0, rank)
+                    if batch["tokens"].size == 0:
+                        raise AssertionError(f"empty microbatch at step {step}")
+                except Exception as exc:  # counted and shown, never hidden
+                    errors.append({"rank": rank, "step": step, "error": f"{type(exc).__name__}: {exc}"[:500]})
+                    return
+                latencies[i].append(time.perf_counter() - t)
+                step += 1
+                steps[i] = step
+
+        def key(actor: dict[str, Any]) -> str:
+            """A name that stays with the actor: loaders' positions shift when the autoscaler reclaims one."""
+            role = actor["role"]
+            if role.startswith(("loader/", "shadow/")):
+                return f"{role.split('/')[0]} {actor['actor_id'][-6:]}"
+            return role
+
+        def sample() -> None:
+            while True:
+                actors = svc.actors()
+                pids = {key(a): a["pid"] for a in actors if a.get("pid")}
+                pids["bench (clients)"] = os.getpid()
+                rss = dict(zip(pids, rss_mib(list(pids.values())), strict=False))
+                now = time.perf_counter() - t0
+                samples.append({"t": round(now, 1), "rss_mib": {k: round(v, 1) for k, v in rss.items()},
+                                "steps_min": min(steps), "steps_max": max(steps)})
+                print(f"[soak] {now:6.0f}/{args.seconds:.0f} s | steps {min(steps)}..{max(steps)} | "
+                      f"fetches {sum(map(len, latencies))} | errors {len(errors)} | "
+                      f"RSS planner {rss.get('planner', 0):.0f} MiB, constructors "
+                      f"{[round(v) for k, v in rss.items() if k.startswith('constructor/')]} MiB", flush=True)
+                if stop.wait(args.sample_seconds):
+                    return
+
+        threads = [threading.Thread(target=consume, args=(i, r), daemon=True, name=f"client-{r}")
+                   for i, r in enumerate(ranks)]
+        sampler = threading.Thread(target=sample, daemon=True, name="sampler")
+        sampler.start()
+        for t in threads:
+            t.start()
+        stop.wait(args.seconds)
+        stop.set()
+        for t in threads:
+            t.join(timeout=max(60.0, svc.ft.recovery_timeout_s))
+        sampler.join(timeout=60)
+        stuck = [t.name for t in threads if t.is_alive()]
+        wall = time.perf_counter() - t0
+        svc.stop()
+    ray.shutdown()
+    ms = np.asarray([x for lat in latencies for x in lat]) * 1e3
+    warm_from = args.warmup * args.seconds
+    memory = memory_summary(samples, warm_from=warm_from, flat=args.flat)
+    result = {
+        "clients": len(ranks), "constructors": args.constructors, "sources": args.sources,
+        "client_prefetch": args.client_prefetch, "seconds": round(wall, 1), "warm_from_s": warm_from,
+        "steps": {"min": min(steps), "median": int(np.median(steps)), "max": max(steps)},
+        "fetches": int(ms.size), "errors": errors + [{"rank": n, "error": "still fetching at the end"}
+                                                         for n in stuck],
+        "fetch_ms": {q: round(float(np.percentile(ms, p)), 2) for q, p in (("p50", 50), ("p99", 99))}
+        | {"max": round(float(ms.max()), 2)} if ms.size else {},
+        "memory": memory, "flat": all(m["flat"] for m in memory.values()),
+        "samples": samples, "load": {"before": load_before, "after": os.getloadavg()},
+    }
+    print(f"clients {result['clients']} | {result['seconds']} s | steps per client {result['steps']} | "
+          f"fetches {result['fetches']} | errors {len(result['errors'])} | fetch ms {result['fetch_ms']}")
+    print("process | warm MiB | end MiB | max MiB | growth")
+    for role, m in memory.items():
+        print(f"{role} | {m['warm_mib']} | {m['end_mib']} | {m['max_mib']} | {m['growth']:+.1%}"
+              f"{'' if m['flat'] else '  (not flat)'}")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=1))
+    if args.plot:
+        plot(result, args.plot)
+    return 0 if not result["errors"] else 1

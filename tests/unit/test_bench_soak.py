@@ -1,0 +1,27 @@
+"""`bench soak`'s memory verdict: growth measured from the first warm sample, per process."""
+
+from __future__ import annotations
+
+from megascale_data_ext.commands.bench_soak import memory_summary
+
+
+def samples(series: dict[str, list[float]]) -> list[dict]:
+    n = len(next(iter(series.values())))
+    return [{"t": 10.0 * i, "rss_mib": {k: v[i] for k, v in series.items()}} for i in range(n)]
+
+
+def test_warm_up_growth_is_not_counted_but_steady_growth_after_it_is():
+    got = memory_summary(samples({
+        "constructor/0": [100, 180, 200, 201, 202, 203],  # allocator warm-up, then flat
+        "loader/0": [100, 100, 100, 105, 110, 115],  # grows after warm-up: a leak
+    }), warm_from=20.0, flat=0.05)
+    assert got["constructor/0"]["warm_mib"] == 200 and got["constructor/0"]["flat"]
+    assert got["loader/0"]["growth"] == 0.15 and not got["loader/0"]["flat"]
+    assert got["constructor/0"]["max_mib"] == 203
+
+
+def test_a_process_that_appears_late_is_judged_from_its_own_first_warm_sample():
+    rows = samples({"planner": [150, 150, 150, 151]})
+    rows[3]["rss_mib"]["loader/9"] = 90.0  # spawned by the autoscaler at t=30
+    got = memory_summary(rows, warm_from=25.0, flat=0.05)
+    assert got["loader/9"] == {"warm_mib": 90.0, "end_mib": 90.0, "max_mib": 90.0, "growth": 0.0, "flat": True}
