@@ -149,7 +149,7 @@ def run(args: argparse.Namespace) -> int:
             """A name that stays with the actor: loaders' positions shift when the autoscaler reclaims one."""
             role = actor["role"]
             if role.startswith(("loader/", "shadow/")):
-                return f"{role.split('/')[0]} {actor['actor_id'][-6:]}"
+                return f"{role.split('/')[0]} {actor['actor_id'][:8]}"
             return role
 
         def sample() -> None:

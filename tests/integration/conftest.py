@@ -16,3 +16,13 @@ def data_root(tmp_path_factory):
     subprocess.run([sys.executable, "-m", "megascale_data_ext", "demo-data", "--out", str(root), "--rows", "200"],
                    check=True, capture_output=True)
     return root
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    """A local Ray of 2 CPUs for one module (started and stopped with it)."""
+    import ray
+
+    ray.init(address="local", num_cpus=2, include_dashboard=False, configure_logging=False, log_to_driver=False)
+    yield
+    ray.shutdown()

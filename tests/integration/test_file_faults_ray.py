@@ -18,7 +18,6 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-import ray
 
 from megascale_data_ext.commands.bench_faults import documents
 from megascale_data_ext.dataplane.placetree import ClientPlaceTree
@@ -33,13 +32,6 @@ from megascale_data_ext.sources.tokenizer import load_tokenizer
 
 pytestmark = pytest.mark.slow
 STEPS, CUT_AT = 12, 3
-
-
-@pytest.fixture(scope="module")
-def ray_local():
-    ray.init(address="local", num_cpus=2, include_dashboard=False, configure_logging=False, log_to_driver=False)
-    yield
-    ray.shutdown()
 
 
 def config(tmp_path, policy: str) -> ServiceConfig:

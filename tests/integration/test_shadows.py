@@ -13,7 +13,6 @@ import signal
 
 import numpy as np
 import pytest
-import ray
 
 from megascale_data_ext.dataplane.partitioner import MiB
 from megascale_data_ext.dataplane.placetree import ClientPlaceTree
@@ -28,13 +27,6 @@ from megascale_data_ext.sources.profiling import source_fingerprint
 
 pytestmark = pytest.mark.slow
 STEPS, KILL_AT = 14, 4
-
-
-@pytest.fixture(scope="module")
-def ray_local():
-    ray.init(address="local", num_cpus=2, include_dashboard=False, configure_logging=False, log_to_driver=False)
-    yield
-    ray.shutdown()
 
 
 def autoscaled_config(tmp_path, shadows: bool) -> ServiceConfig:
