@@ -16,12 +16,12 @@ import ray
 
 from megascale_data_ext.errors import JobMismatchError
 from megascale_data_ext.runtime.actors import ACTOR_CONCURRENCY, NO_FAULT_TOLERANCE, reconstructed
-from megascale_data_ext.runtime.routing import RoutedFetch
 from megascale_data_ext.runtime.calls import CallCounter
 from megascale_data_ext.runtime.config import ServiceConfig
 from megascale_data_ext.runtime.constructor import DataConstructor
 from megascale_data_ext.runtime.faults import FaultToleranceConfig, crash_self
 from megascale_data_ext.runtime.metrics import service_metrics
+from megascale_data_ext.runtime.routing import RoutedFetch
 from megascale_data_ext.runtime.topology import ServiceTopology
 
 __all__ = ["DataConstructorActor", "constructor_concurrency"]

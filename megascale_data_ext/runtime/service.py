@@ -38,6 +38,7 @@ from megascale_data_ext.runtime.checkpoints import PlannerCheckpoints
 from megascale_data_ext.runtime.config import ServiceConfig
 from megascale_data_ext.runtime.faults import FaultToleranceConfig
 from megascale_data_ext.runtime.handles import ServiceHandles
+from megascale_data_ext.runtime.malloc import actor_process_options
 from megascale_data_ext.runtime.ray_address import check_reachable
 from megascale_data_ext.runtime.topology import PLANNER_NAME, ServiceTopology
 from megascale_data_ext.sources.tokenizer import load_tokenizer
@@ -159,8 +160,9 @@ class DataService:
         self._phase("sources checked", t0, f" ({len(cfg.sources)} sources)")
         try:
             placement = self._placement()
-            planner_opts = ft.actor_options(retry_tasks=True)
-            loader_opts = ft.actor_options(retry_tasks=False)
+            process = actor_process_options()  # capped malloc arenas: memory flat over long runs
+            planner_opts = {**ft.actor_options(retry_tasks=True), **process}
+            loader_opts = {**ft.actor_options(retry_tasks=False), **process}
             if cfg.autoscale.enabled:
                 from megascale_data_ext.runtime.autoscaler import build_autoscale_plan
 
@@ -187,7 +189,7 @@ class DataService:
             first_plan = self.planner.plan_summary.remote(start_step)  # planned while the constructors start
             tok = load_tokenizer(cfg.sources[0])
             image_id = tok.image_id if any(s.image_column for s in cfg.sources) else None
-            opts = ft.actor_options(retry_tasks=False)
+            opts = {**ft.actor_options(retry_tasks=False), **process}
             sidecar = placement.constructor_ranks(topo) if placement is not None else None
             images = image_id is not None
             self.constructors = [
