@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 
-__all__ = ["CpuMeter", "cpu_seconds", "descendants", "rss_mib"]
+__all__ = ["CpuMeter", "cpu_seconds", "descendants", "private_mib", "rss_mib"]
 
 _TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
@@ -44,6 +44,17 @@ def rss_mib(pids: list[int]) -> list[float]:
         if kib is not None:
             out.append(kib / 1024)
     return out
+
+
+def private_mib(pid: int) -> float | None:
+    """Memory only this process holds (Private_Clean + Private_Dirty of ``/proc/<pid>/smaps_rollup``):
+    RSS without the shared pages it touched (Ray's object store, libraries); None when it is gone."""
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            kib = sum(int(line.split()[1]) for line in f if line.startswith(("Private_Clean:", "Private_Dirty:")))
+    except OSError:
+        return None
+    return kib / 1024
 
 
 def descendants() -> list[int]:

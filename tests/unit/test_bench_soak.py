@@ -7,7 +7,7 @@ from megascale_data_ext.commands.bench_soak import memory_summary
 
 def samples(series: dict[str, list[float]]) -> list[dict]:
     n = len(next(iter(series.values())))
-    return [{"t": 10.0 * i, "rss_mib": {k: v[i] for k, v in series.items()}} for i in range(n)]
+    return [{"t": 10.0 * i, "private_mib": {k: v[i] for k, v in series.items()}} for i in range(n)]
 
 
 def test_warm_up_growth_is_not_counted_but_steady_growth_after_it_is():
@@ -22,6 +22,6 @@ def test_warm_up_growth_is_not_counted_but_steady_growth_after_it_is():
 
 def test_a_process_that_appears_late_is_judged_from_its_own_first_warm_sample():
     rows = samples({"planner": [150, 150, 150, 151]})
-    rows[3]["rss_mib"]["loader/9"] = 90.0  # spawned by the autoscaler at t=30
+    rows[3]["private_mib"]["loader/9"] = 90.0  # spawned by the autoscaler at t=30
     got = memory_summary(rows, warm_from=25.0, flat=0.05)
     assert got["loader/9"] == {"warm_mib": 90.0, "end_mib": 90.0, "max_mib": 90.0, "growth": 0.0, "flat": True}
