@@ -38,7 +38,7 @@ from megascale_data_ext.runtime.checkpoints import PlannerCheckpoints
 from megascale_data_ext.runtime.config import ServiceConfig
 from megascale_data_ext.runtime.faults import FaultToleranceConfig
 from megascale_data_ext.runtime.handles import ServiceHandles
-from megascale_data_ext.runtime.malloc import actor_process_options
+from megascale_data_ext.runtime.malloc import cap_arenas_for_embedded_ray
 from megascale_data_ext.runtime.ray_address import check_reachable
 from megascale_data_ext.runtime.topology import PLANNER_NAME, ServiceTopology
 from megascale_data_ext.sources.tokenizer import load_tokenizer
@@ -151,6 +151,8 @@ class DataService:
         if not ray.is_initialized():
             check_reachable(cfg.ray.address)  # a named error in seconds, not ray.init retrying for minutes
             quiet_token_auth_notice()
+            if cfg.ray.address is None:  # the Ray we start inherits it: flat memory in every actor
+                cap_arenas_for_embedded_ray()
             ray.init(**cfg.ray.init_kwargs(), include_dashboard=False, log_to_driver=True, configure_logging=False)
             self._owns_ray = True
         ns = topo.namespace
@@ -160,9 +162,8 @@ class DataService:
         self._phase("sources checked", t0, f" ({len(cfg.sources)} sources)")
         try:
             placement = self._placement()
-            process = actor_process_options()  # capped malloc arenas: memory flat over long runs
-            planner_opts = {**ft.actor_options(retry_tasks=True), **process}
-            loader_opts = {**ft.actor_options(retry_tasks=False), **process}
+            planner_opts = ft.actor_options(retry_tasks=True)
+            loader_opts = ft.actor_options(retry_tasks=False)
             if cfg.autoscale.enabled:
                 from megascale_data_ext.runtime.autoscaler import build_autoscale_plan
 
@@ -189,7 +190,7 @@ class DataService:
             first_plan = self.planner.plan_summary.remote(start_step)  # planned while the constructors start
             tok = load_tokenizer(cfg.sources[0])
             image_id = tok.image_id if any(s.image_column for s in cfg.sources) else None
-            opts = {**ft.actor_options(retry_tasks=False), **process}
+            opts = ft.actor_options(retry_tasks=False)
             sidecar = placement.constructor_ranks(topo) if placement is not None else None
             images = image_id is not None
             self.constructors = [
