@@ -210,6 +210,8 @@ class ParquetSource(RowSource):
             self._cache.move_to_end(g)
             return table
         f_i, r_i = int(self._rg_file[g]), int(self._rg_index[g])
+        if file_gone(self.paths[f_i]):  # checked on a disk read only, not per cached lookup
+            self.file_faults.removed_but_open(self.paths[f_i])
         table = self._read(self._files[f_i], self.paths[f_i], "read", self._payload_columns, rg=r_i)
         self._cache[g] = table
         while len(self._cache) > self.spec.row_group_cache:
@@ -226,8 +228,6 @@ class ParquetSource(RowSource):
         for chunk in np.split(order, bounds):
             g = int(groups[chunk[0]])
             f_i = int(self._rg_file[g])
-            if file_gone(self.paths[f_i]):
-                self.file_faults.removed_but_open(self.paths[f_i])
             try:
                 table = self._row_group(g).take(pa.array(indices[chunk] - self._rg_start[g]))
             except SourceError as exc:  # the file changed under the open handle: truncated or corrupt
