@@ -220,16 +220,16 @@ def test_the_running_service_exports_its_metrics(specs, ray_metrics_port):
             for c in clients.values():
                 for j in range(2):
                     delivered += len(c.fetch(step, j)[1]["samples"])
-        p = "ray_megascale_"
+        p, names = "ray_megascale_", {s.name for s in specs}
+        # wait for each rank's own series: the test above left a rank-2 series in this Ray session
         parsed = _poll(ray_metrics_port, lambda d: (
-            sum(_values(d, f"{p}source_samples_total")) >= delivered
-            and sum(_values(d, f"{p}fetch_latency_seconds_count")) >= 2 * 2 * steps
+            sum(v for lab, v in d.get(f"{p}source_samples_total", []) if lab.get("source") in names) >= delivered
+            and all(sum(_values(d, f"{p}fetch_latency_seconds_count", rank=str(r))) >= 2 * steps for r in clients)
             and _values(d, f"{p}plan_max_over_mean_count", split="vanilla")
             and {"0", "1"} <= {lab.get("constructor") for lab, _ in d.get(f"{p}constructor_buffered_steps", [])}))
     finally:
         svc.stop()
     # (series of the test above, from the same Ray session, are still exported: filter by label)
-    names = {s.name for s in specs}
     samples = {lab["source"]: v for lab, v in parsed[f"{p}source_samples_total"] if lab["source"] in names}
     assert set(samples) == names and sum(samples.values()) >= delivered  # loaders may have read ahead
     for r in clients:  # the client side (this driver process): one observation per fetch
