@@ -1,6 +1,6 @@
 """`megascale-data bench chaos`: random kills from outside and a lost node during one long run.
 
-A three-node `ray.cluster_utils.Cluster` (a head and two trainer nodes, ``msd_node:trainer-0/1``)
+A three-node `ray.cluster_utils.Cluster` (a head and two trainer nodes, labelled ``msd-node=trainer-0/1``)
 runs one DP x PP service with autoscaled loaders (partitioned over the trainer nodes, one
 distinct demo source per actor) and the Data Constructors as sidecars beside their ranks. One
 `RemoteConstructors` per fetching rank, all in this process, consume ``--steps`` steps while a
@@ -12,8 +12,9 @@ seeded schedule (`chaos_schedule`) fires every 3-10 steps:
   confirmed when that actor (or, when it was respawned under a new id — a restarted Planner
   starts its loader groups anew — the actor in its role) reports a new pid, alive;
 * ``node-remove``: the trainer node holding constructors and loaders is removed, and
-  ``node-add`` adds a node of that name back; recovered when every actor it held is alive on
-  another node.
+  ``node-add`` adds a node of that label back; recovered when every actor it held is alive on
+  another node. The service then moves those actors home to the returned node (restarts,
+  `DataService.move_home`), inside the run like any other fault.
 
 Rows: ``fault, at_step, victims, stall_s, recovered`` (and ``recovery_s``): ``stall_s`` is the
 worst step delivery time in the ``client_prefetch + 2`` steps from the fault beyond the run's
@@ -239,7 +240,7 @@ def run_chaos(root: Path, *, steps: int, seed: int = 3, schedule: list[tuple[int
     log(f"fault-free in-process run: {steps} steps in {time.perf_counter() - t0:.1f} s, {sum(want_docs.values())} "
         f"documents; schedule: {schedule}")
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2})
-    nodes = {name: cluster.add_node(num_cpus=2, resources={f"msd_node:{name}": 1}) for name in ("trainer-0", LOST_NODE)}
+    nodes = {name: cluster.add_node(num_cpus=2, labels={"msd-node": name}) for name in ("trainer-0", LOST_NODE)}
     ray.init(address=cluster.address, include_dashboard=False, configure_logging=False, log_to_driver=False)
     rng = random.Random(seed + 1)
     rows: list[FaultRow] = []
@@ -265,7 +266,7 @@ def run_chaos(root: Path, *, steps: int, seed: int = 3, schedule: list[tuple[int
                     cluster.remove_node(nodes.pop(LOST_NODE))
                     watch.expect(row, lost_id)
                 elif fault == "node-add":
-                    nodes[LOST_NODE] = cluster.add_node(num_cpus=2, resources={f"msd_node:{LOST_NODE}": 1})
+                    nodes[LOST_NODE] = cluster.add_node(num_cpus=2, labels={"msd-node": LOST_NODE})
                     row.recovered, row.recovery_s = True, 0.0
                 else:
                     row.victims = kill(pick(fault, watch, rng))

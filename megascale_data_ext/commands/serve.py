@@ -119,6 +119,8 @@ def describe(tree: Any, service_cfg: Any, handles: Any, env: dict[str, str], pid
         "<model/optimizer flags>",
         "  (own launcher: megascale_data_ext.megatron.provider.train_valid_test_datasets_provider, "
         "same environment)",
+        f"actors (role, pid, node, restarts): megascale-data status --address {handles.address} "
+        f"--namespace {handles.namespace}",
         f"stop: Ctrl-C or `kill -TERM {pid}` (every actor is killed)",
     ])
 

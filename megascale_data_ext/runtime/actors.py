@@ -40,6 +40,7 @@ from megascale_data_ext.runtime.constructor import EncoderRows, encoder_rows
 from megascale_data_ext.runtime.elastic import reshard_planner_state
 from megascale_data_ext.runtime.faults import FaultToleranceConfig, crash_self
 from megascale_data_ext.runtime.metrics import record_plan
+from megascale_data_ext.runtime.placement import constructor_homes
 from megascale_data_ext.runtime.planner import Planner
 from megascale_data_ext.runtime.shadows import Replica
 from megascale_data_ext.runtime.topology import ServiceTopology
@@ -85,6 +86,8 @@ class PlannerActor:
     def __init__(self, config: ServiceConfig, topology: ServiceTopology, loaders: AutoscalePlan,
                  ft: FaultToleranceConfig | None = None, checkpoint_dir: str | None = None):
         self._topology = topology
+        pc = config.placement
+        self._constructor_homes = constructor_homes(pc.trainer_nodes, pc.ranks_per_node, topology)
         self.ft = ft or NO_FAULT_TOLERANCE
         self.checkpoints = PlannerCheckpoints(checkpoint_dir, self.ft.checkpoint_keep) if checkpoint_dir else None
         self.calls = CallCounter()
@@ -244,6 +247,11 @@ class PlannerActor:
     def shadow_actors(self) -> list[Any]:
         """The shadow of every live loader actor (empty without ``fault_tolerance.shadow_loaders``)."""
         return self.scaler.live_shadows()
+
+    def homes(self) -> dict[str, list]:
+        """Where the service's actors belong (`runtime.placement`): ``loaders``, each live loader actor
+        with its home node, and ``constructors``, each constructor's home (None: no home)."""
+        return {"loaders": self.scaler.live_homes(), "constructors": list(self._constructor_homes)}
 
     def scaling_events(self) -> list[dict[str, Any]]:
         return list(self.scaler.events)

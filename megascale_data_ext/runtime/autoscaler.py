@@ -43,6 +43,7 @@ from megascale_data_ext.runtime.calls import CallCounter
 from megascale_data_ext.runtime.failover import cannot_restart
 from megascale_data_ext.runtime.faults import FaultToleranceConfig, ServiceUnavailableError
 from megascale_data_ext.runtime.loader_group import LoaderGroupActor
+from megascale_data_ext.runtime.placement import home_of
 from megascale_data_ext.runtime.shadows import Replica, Suspects, first_answers
 from megascale_data_ext.sources.base import SourceSpec
 from megascale_data_ext.state import StateSchema
@@ -137,6 +138,7 @@ class AutoScaler:
         self.shard_options = list(shard_options) if shard_options else [{} for _ in self.specs]
         self.online = online
         self.actors: dict[int, Any] = {}
+        self.homes: dict[int, str | None] = {}  # actor id -> the node its placement prefers (`placement.home_of`)
         self.spawn_shadow = spawn_shadow
         self.shadows: dict[int, Any] = {}  # actor id -> its shadow
         self.layouts: list[list[_Layout]] = [[] for _ in self.specs]
@@ -153,6 +155,7 @@ class AutoScaler:
         handle = self.spawn(members, workers, options)
         aid, self._next_id = self._next_id, self._next_id + 1
         self.actors[aid] = handle
+        self.homes[aid] = home_of(options)
         if self.spawn_shadow is not None:
             self.shadows[aid] = self.spawn_shadow(members)
         return aid
@@ -213,6 +216,11 @@ class AutoScaler:
         """Every live loader actor, once (shadows apart: `live_shadows`)."""
         with self._lock:
             return list(self.actors.values())
+
+    def live_homes(self) -> list[tuple[Any, str | None]]:
+        """Every live loader actor with its home node (None: no labelled home), in `live` order."""
+        with self._lock:
+            return [(h, self.homes.get(a)) for a, h in self.actors.items()]
 
     def live_shadows(self) -> list[Any]:
         """The shadow of every live loader actor, in `live` order (empty without shadows)."""
@@ -294,6 +302,7 @@ class AutoScaler:
             dead = [a for a in self.actors if a not in used]
             for a in dead:
                 self.kill(self.actors.pop(a))
+                self.homes.pop(a, None)
                 if a in self.shadows:
                     self.kill(self.shadows.pop(a))
             if dead:
@@ -416,7 +425,7 @@ def build_autoscale_plan(config: Any, *, nodes: Any, placement: Any = None, rest
     parts = partition_for(config, profiles, offered)
 
     def on_node(name: str) -> dict[str, Any]:
-        return placement.on_node(name) if placement is not None else nodes_affinity(nodes, name)
+        return placement.on_node(name) if placement is not None else nodes.on_node(name, soft=True)
 
     actors = [LoaderActorSpec(shards=list(a.shards), workers=a.workers, options=on_node(a.node))
               for a in parts.assignments]
@@ -431,9 +440,3 @@ def build_autoscale_plan(config: Any, *, nodes: Any, placement: Any = None, rest
                          restart_options=dict(restart_options or {}))
     return plan, parts
 
-
-def nodes_affinity(nodes: Any, name: str) -> dict[str, Any]:
-    """Soft node affinity to `name` (single-node and unplaced services: Ray may choose elsewhere)."""
-    from megascale_data_ext.runtime.placement import node_affinity
-
-    return node_affinity(nodes.node_id(name), soft=True)

@@ -163,11 +163,15 @@ class PlacementConfig:
         ranks_per_node: Trainer ranks per node.
         soft: Let Ray restart an actor elsewhere when its node is gone (False: hard affinity, and
             a lost node's actors can never restart).
+        move_back_s: Seconds between checks for actors that restarted away from a home node
+            that is back (a node named by its ``msd-node`` label); one seen away twice in a row
+            is restarted at home. 0: they stay where they restarted.
     """
 
     trainer_nodes: list[str] = field(default_factory=list)
     ranks_per_node: int = 8
     soft: bool = True
+    move_back_s: float = 10.0
 
     def problems(self) -> list[FieldProblem]:
         out: list[FieldProblem] = []
@@ -175,6 +179,8 @@ class PlacementConfig:
             out.append(("ranks_per_node", f"must be an integer >= 1, got {self.ranks_per_node!r}"))
         if len(set(self.trainer_nodes)) != len(self.trainer_nodes):
             out.append(("trainer_nodes", f"names must be unique, got {self.trainer_nodes}"))
+        if not isinstance(self.move_back_s, int | float) or isinstance(self.move_back_s, bool) or self.move_back_s < 0:
+            out.append(("move_back_s", f"must be seconds >= 0 (0: never move back), got {self.move_back_s!r}"))
         return out
 
 

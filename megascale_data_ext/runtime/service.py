@@ -23,6 +23,7 @@ import os
 import shutil
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -32,6 +33,7 @@ from typing import Any
 import ray
 
 from megascale_data_ext.dataplane.placetree import ClientPlaceTree
+from megascale_data_ext.runtime.actor_table import actor_rows, ask_all
 from megascale_data_ext.runtime.actors import PlannerActor
 from megascale_data_ext.runtime.constructor_actor import DataConstructorActor, constructor_concurrency
 from megascale_data_ext.runtime.checkpoints import PlannerCheckpoints
@@ -122,6 +124,8 @@ class DataService:
         self.checkpoint_dir: str | None = None
         self._owns_ray = False
         self._owns_dir = False
+        self._stopping = threading.Event()
+        self._home_watch: threading.Thread | None = None
 
     def _phase(self, name: str, t0: float, detail: str = "") -> None:
         self.phases[name] = time.perf_counter() - t0
@@ -209,6 +213,10 @@ class DataService:
             self._kill_actors()
             raise
         self.startup_seconds = time.perf_counter() - t0
+        if placement is not None and cfg.placement.move_back_s > 0 and ft.restart:
+            self._home_watch = threading.Thread(target=self._watch_homes, args=(cfg.placement.move_back_s,),
+                                                daemon=True, name="megascale-home-watch")
+            self._home_watch.start()
         return ServiceHandles(
             address=ray.get_runtime_context().gcs_address,
             topology=topo,
@@ -250,37 +258,52 @@ class DataService:
     def _ask(self, handles: list[Any], method: str) -> list[Any]:
         """Call `method` on every actor, waiting out those Ray is restarting (fault tolerance);
         None for an actor that is dead for good (no restarts)."""
-        from ray.exceptions import ActorDiedError, ActorUnavailableError
+        return ask_all(handles, method, timeout_s=self.ft.recovery_timeout_s)
 
-        deadline = time.monotonic() + self.ft.recovery_timeout_s
-        out = []
-        for h in handles:
-            while True:
-                try:
-                    out.append(ray.get(getattr(h, method).remote()))
-                    break
-                except ActorDiedError:
-                    out.append(None)
-                    break
-                except ActorUnavailableError:
-                    if time.monotonic() > deadline:
-                        raise
-                    time.sleep(0.2)
-        return out
+    def _actor_rows(self) -> list[tuple[dict[str, Any], Any]]:
+        return actor_rows(self.planner, self.constructors, self.topology, timeout_s=self.ft.recovery_timeout_s)
 
     def actors(self) -> list[dict[str, Any]]:
-        """Every actor of the service: ``role`` (``planner``, ``loader/<k>``, ``shadow/<k>`` (loader
-        k's), ``constructor/<j>``), ``state``, ``pid``, ``node_id``, ``serves`` (source ids or
-        buckets), ``restarts`` and ``actor_id`` (stable across restarts), read from Ray's control
+        """Every actor of the service (`runtime.actor_table.ActorRow`): role, state, pid, node, home,
+        what it serves, restarts and actor id (stable across restarts), read from Ray's control
         store (it answers while an actor restarts)."""
-        rows: list[tuple[str, Any, list[int]]] = [("planner", self.planner, [])] if self.planner is not None else []
-        groups, shadows = self.loader_actors(), self.shadow_actors()
-        served = [(info or {}).get("sources", []) for info in self._ask(groups, "ready")]
-        rows += [(f"loader/{k}", h, srcs) for k, (h, srcs) in enumerate(zip(groups, served, strict=True))]
-        rows += [(f"shadow/{k}", h, srcs) for k, (h, srcs) in enumerate(zip(shadows, served, strict=False))]
-        rows += [(f"constructor/{j}", h, list(b)) for j, (h, b)
-                 in enumerate(zip(self.constructors, self.topology.constructor_groups, strict=True))]
-        return [{"role": role, "serves": serves, **_actor_record(h)} for role, h, serves in rows]
+        return [row for row, _ in self._actor_rows()]
+
+    def move_home(self, *, only: set[str] | None = None) -> list[str]:
+        """Restart the actors running off a home node that is alive again (`placement.away_from_home`;
+        `only`: just these actor ids): Ray schedules each restart at its home. Returns the roles
+        moved. A move is a restart, which the service survives like any other (nothing lost);
+        without restarts it moves nothing."""
+        if not self.ft.restart:
+            return []
+        moved = []
+        for row, handle in self._away().values():
+            if only is None or row["actor_id"] in only:
+                ray.kill(handle, no_restart=False)
+                moved.append(row["role"])
+        if moved and self.progress is not None:
+            self.progress(f"moved {len(moved)} actors back to their home nodes: {', '.join(moved)}")
+        return moved
+
+    def _away(self) -> dict[str, tuple[dict[str, Any], Any]]:
+        from megascale_data_ext.runtime.placement import ClusterNodes, away_from_home
+
+        placed = self._actor_rows()
+        away = {row["actor_id"] for row in away_from_home([row for row, _ in placed], ClusterNodes.discover())}
+        return {row["actor_id"]: (row, handle) for row, handle in placed if row["actor_id"] in away}
+
+    def _watch_homes(self, every_s: float) -> None:
+        """Every `every_s`, move home the actors seen away on two checks in a row (a node that just
+        returned settles first). Runs in `_home_watch`; stopped by `stop()` before Ray is."""
+        seen: set[str] = set()
+        while not self._stopping.wait(every_s):
+            try:
+                away = set(self._away())
+                if away & seen and not self._stopping.is_set():
+                    self.move_home(only=away & seen)
+                seen = away - seen
+            except Exception:  # noqa: BLE001 - an actor restarting or a node leaving: ask again next time
+                seen = set()
 
     def stats(self) -> dict:
         return {
@@ -319,6 +342,10 @@ class DataService:
         self.constructors, self.planner = [], None
 
     def stop(self) -> None:
+        self._stopping.set()
+        if self._home_watch is not None:  # out of its Ray calls before the actors (and Ray) go
+            self._home_watch.join()
+            self._home_watch = None
         self._kill_actors()
         if self._owns_dir and self.checkpoint_dir is not None:
             shutil.rmtree(self.checkpoint_dir, ignore_errors=True)
@@ -326,17 +353,6 @@ class DataService:
         if self._owns_ray:
             ray.shutdown()
             self._owns_ray = False
-
-
-def _actor_record(handle: Any) -> dict[str, Any]:
-    """State, pid, node and restarts of an actor from Ray's GCS (no call to the actor itself).
-    Ray has no public API for this without its dashboard; ``ray._private.state`` is what
-    ``ray list actors`` reads."""
-    from ray._private import state
-
-    info = state.actors(handle._actor_id.hex()) or {}
-    return {"state": info.get("State"), "pid": info.get("Pid"), "node_id": (info.get("Address") or {}).get("NodeID"),
-            "restarts": info.get("NumRestarts"), "actor_id": handle._actor_id.hex()}
 
 
 def _check_namespace_free(namespace: str) -> None:

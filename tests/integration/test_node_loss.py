@@ -1,15 +1,20 @@
 """A node lost and back on a three-node `ray.cluster_utils.Cluster`, after a Planner kill.
 
 Constructors run as sidecars beside their ranks and loader actors on their partition nodes
-(soft affinity). The Planner is killed, then the node holding constructor/1 and some loaders is
-removed, then a node is added back. The trainer-side clients must see no error, and every rank's
-bytes of every step must equal a fault-free in-process run.
+(trainer nodes named by their ``msd-node`` label: soft placement). The Planner is killed, then the
+node holding constructor/1 and some loaders is removed, then a node comes back under its label and
+the service moves those actors home. The trainer-side clients must see no error, every rank's
+bytes of every step must equal a fault-free in-process run, and `megascale-data status` must show
+where each actor runs.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -28,8 +33,8 @@ from megascale_data_ext.sources.demo_data import make_demo_data
 from megascale_data_ext.sources.profiling import source_fingerprint
 
 pytestmark = pytest.mark.slow
-STEPS = 18
-KILL_PLANNER, REMOVE_NODE, ADD_NODE = 3, 7, 12
+STEPS = 20
+KILL_PLANNER, REMOVE_NODE, ADD_NODE, HOME = 3, 7, 12, 14
 
 
 @pytest.fixture(scope="module")
@@ -48,12 +53,31 @@ def digest(microbatches) -> str:
     return h.hexdigest()
 
 
+def wait_home(service, name: str, node_id: str, timeout: float = 300.0) -> list[dict]:
+    """Wait (a loaded box restarts slowly) until every actor whose home is `name` runs on `node_id`;
+    those actors."""
+    deadline = time.monotonic() + timeout
+    while True:
+        rows = [a for a in service.actors() if a["home"] == name]
+        if rows and all(a["node_id"] == node_id and a["state"] == "ALIVE" for a in rows):
+            return rows
+        assert time.monotonic() < deadline, f"actors not back home after {timeout} s: {rows}"
+        time.sleep(0.5)
+
+
+def status(handles) -> list[dict]:
+    out = subprocess.run([sys.executable, "-m", "megascale_data_ext", "status", "--address", handles.address,
+                          "--namespace", handles.namespace, "--json"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    return [json.loads(line) for line in out.stdout.splitlines()]
+
+
 def test_planner_kill_then_node_loss_then_node_back_lose_nothing_and_raise_nothing(specs, tmp_path):
     from ray.cluster_utils import Cluster
 
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2})
-    cluster.add_node(num_cpus=2, resources={"msd_node:trainer-0": 1})
-    lost = cluster.add_node(num_cpus=2, resources={"msd_node:trainer-1": 1})
+    cluster.add_node(num_cpus=2, labels={"msd-node": "trainer-0"})
+    lost = cluster.add_node(num_cpus=2, labels={"msd-node": "trainer-1"})
     ray.init(address=cluster.address, include_dashboard=False, configure_logging=False, log_to_driver=False)
     try:
         cluster.wait_for_nodes()
@@ -67,7 +91,7 @@ def test_planner_kill_then_node_loss_then_node_back_lose_nothing_and_raise_nothi
             ray=RayConfig(address=cluster.address, namespace="node-loss"),
             autoscale=AutoscaleConfig(enabled=True, profiles=str(journal), actor_memory_mib=160, actor_base_mib=80,
                                       scaling=False),
-            placement=PlacementConfig(trainer_nodes=["trainer-0", "trainer-1"], ranks_per_node=1))
+            placement=PlacementConfig(trainer_nodes=["trainer-0", "trainer-1"], ranks_per_node=1, move_back_s=1.0))
         tree = ClientPlaceTree.from_sizes(dp=2)
         want = {}
         reference = InProcessService(cfg, tree)
@@ -93,7 +117,9 @@ def test_planner_kill_then_node_loss_then_node_back_lose_nothing_and_raise_nothi
                     time.sleep(3)  # let the clients' prefetched replies land in the store of the node that goes
                     cluster.remove_node(lost)
                 if step == ADD_NODE:
-                    cluster.add_node(num_cpus=2, resources={"msd_node:trainer-1": 1})
+                    back = cluster.add_node(num_cpus=2, labels={"msd-node": "trainer-1"})
+                if step == HOME:  # the service's watcher moves trainer-1's actors back (a restart each)
+                    home = wait_home(service, "trainer-1", back.node_id)
                 for rank, client in clients.items():
                     got[(rank, step)] = digest([client.get(step, j, rank) for j in range(cfg.num_microbatches)])
             assert got == want  # every step of every rank, byte for byte, and no error on the way
@@ -102,6 +128,11 @@ def test_planner_kill_then_node_loss_then_node_back_lose_nothing_and_raise_nothi
             assert any(r["constructor"] == 1 for r in recoveries)  # rank 1's constructor went with the node
             after = service.actors()
             assert all(a["node_id"] != lost_id for a in after)  # everything restarted on a live node
+            assert {a["role"] for a in home} >= {"constructor/1"} and any(a["role"].startswith("loader/") for a in home)
+            assert all(a["node"] == "trainer-1" for a in after if a["home"] == "trainer-1")  # still home
+            listed = status(handles)  # the CLI beside the running service sees the same actors and nodes
+            assert {r["role"]: (r["node"], r["home"]) for r in listed} == {
+                a["role"]: (a["node"], a["home"]) for a in service.actors()}
             assert {a["role"] for a in after} >= {"planner", "constructor/0", "constructor/1"}
             assert next(a for a in after if a["role"] == "planner")["restarts"] >= 1
             assert next(a for a in after if a["role"] == "constructor/1")["restarts"] >= 1
