@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import pkgutil
+import sys
 from collections.abc import Sequence
 
 from megascale_data_ext import commands
@@ -56,4 +57,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if extra:
         args.config += extra
+    if getattr(args, "plot", None) or args.command == "heatmap":  # before the work, not after it
+        from megascale_data_ext.commands._plotting import pyplot
+        from megascale_data_ext.errors import ConfigError
+
+        try:
+            pyplot()
+        except ConfigError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
     return int(args._run(args) or 0)

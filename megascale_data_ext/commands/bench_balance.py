@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
+from megascale_data_ext.commands._plotting import pyplot
 from megascale_data_ext.dataplane.balancers import BalanceResult, balance_step
 from megascale_data_ext.dataplane.costs import TransformerCost
 from megascale_data_ext.dataplane.workloads import fill_workload, workload_names
@@ -128,10 +129,7 @@ def format_table(rows: list[Row]) -> str:
 
 def plot_fig3(results: dict[str, BalanceResult], row: Row, path: Path) -> None:
     """Per-rank, per-micro-batch cost before (vanilla) and after (greedy interleaved)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, axes = plt.subplots(2, 1, figsize=(10, 6), sharey=True)
     width = 0.8 / row.microbatches

@@ -46,6 +46,8 @@ from typing import Any
 
 import numpy as np
 
+from megascale_data_ext.commands._plotting import pyplot
+
 NAME = "bench chaos"
 HELP = "Seeded random SIGKILLs (single and double) and a lost node during a long run; lost/duplicated/out of order."
 
@@ -313,10 +315,7 @@ def _node_name(node_id: str | None, nodes: dict[str, Any]) -> str:
 
 def plot(result: dict[str, Any], path: Path) -> None:
     """Per-step delivery time (all fetching ranks), faults as labelled vertical lines."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     colours = {"planner": "tab:red", "loader": "tab:orange", "constructor": "tab:purple",
                "planner+loader": "tab:brown", "constructor+loader": "tab:pink", "node-remove": "black",

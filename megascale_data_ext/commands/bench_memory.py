@@ -59,6 +59,7 @@ from megascale_data_ext.commands._colocated_memory import (
     shared_once,
     write_navit_sources,
 )
+from megascale_data_ext.commands._plotting import pyplot
 from megascale_data_ext.sources.profiling import process_memory
 
 NAME = "bench memory"
@@ -260,10 +261,7 @@ def colocated_mib(model: dict[str, Any], ranks: int, sources: int) -> float:
 
 
 def plot(rows: list[dict[str, Any]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     workloads = list(dict.fromkeys(r.get("workload", "text") for r in rows))
     fig, axes = plt.subplots(1, len(workloads), figsize=(7 * len(workloads), 4.8), squeeze=False)

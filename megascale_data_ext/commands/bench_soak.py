@@ -35,6 +35,8 @@ from typing import Any
 
 import numpy as np
 
+from megascale_data_ext.commands._plotting import pyplot
+
 NAME = "bench soak"
 HELP = "Hundreds of concurrent clients for minutes: errors, every actor's memory over time, fetch p99."
 
@@ -91,10 +93,7 @@ def memory_summary(samples: list[dict[str, Any]], *, warm_from: float, flat: flo
 
 
 def plot(result: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(9, 4.5))
     samples = result["samples"]

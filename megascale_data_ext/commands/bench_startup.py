@@ -40,6 +40,8 @@ from typing import Any
 
 import numpy as np
 
+from megascale_data_ext.commands._plotting import pyplot
+
 NAME = "bench startup"
 HELP = "Seconds to the first microbatch vs the number of Megatron prefixes: Megatron's builder vs this service."
 
@@ -266,10 +268,7 @@ def format_table(rows: list[dict[str, Any]]) -> str:
 
 def plot(rows: list[dict[str, Any]], path: Path) -> None:
     """Seconds to the first microbatch vs prefixes, log-log, one curve per loader."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     x = [r["prefixes"] for r in rows]

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from megascale_data_ext.commands._config_args import add_config_arguments, fail, load_data_config
+from megascale_data_ext.commands._plotting import pyplot
 from megascale_data_ext.errors import MegascaleDataError
 
 NAME = "heatmap"
@@ -84,10 +85,7 @@ def _ratio(costs: np.ndarray) -> np.ndarray:
 
 def plot_heatmaps(data: dict[str, Any], path: Path, title: str = "") -> None:
     """Vanilla and balanced bucket cost / step mean as two heatmaps side by side (shared colour scale)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
     from matplotlib.colors import TwoSlopeNorm
 
     ratios = {k: _ratio(data[k]) for k in ("vanilla", "balanced")}

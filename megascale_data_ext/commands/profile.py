@@ -20,6 +20,7 @@ import numpy as np
 
 from megascale_data_ext.commands import _profile_model
 from megascale_data_ext.commands._config_args import add_config_arguments, fail, load_data_config
+from megascale_data_ext.commands._plotting import pyplot
 from megascale_data_ext.dataplane.profiles import SourceProfile
 from megascale_data_ext.errors import MegascaleDataError
 from megascale_data_ext.sources.profiling import process_memory, profile_source, profile_sources
@@ -44,10 +45,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def plot(profiles: list[SourceProfile], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     names = [p.name for p in profiles]
     x = np.arange(len(names))

@@ -141,12 +141,10 @@ def status_line(service: Any, t0: float) -> str:
 
 def refuse_duplicate(namespace: str, address: str) -> None:
     """Raise `ServiceExistsError` if a Planner already runs in `namespace` (Ray joined)."""
-    import ray
-
-    from megascale_data_ext.runtime.topology import PLANNER_NAME
+    from megascale_data_ext.runtime.remote import find_planner
 
     try:
-        ray.get_actor(PLANNER_NAME, namespace=namespace)
+        find_planner(namespace)
     except ValueError:
         return
     raise ServiceExistsError(f"a data service already runs in Ray namespace {namespace!r} on {address}; stop it "
@@ -155,15 +153,17 @@ def refuse_duplicate(namespace: str, address: str) -> None:
 
 def actors_left(topology: Any) -> list[str]:
     """Names of this service's named actors Ray still finds (waits up to 10 s for kills to land)."""
-    import ray
+    from megascale_data_ext.runtime.remote import find_constructor, find_planner
 
-    names = ["planner", *topology.constructor_names()]  # the loaders are the Planner's: they die with it
+    # the loaders are the Planner's: they die with it
+    finders = {"planner": lambda: find_planner(topology.namespace)}
+    finders.update({name: (lambda j=j: find_constructor(topology, j)) for j, name in enumerate(topology.constructor_names())})
     deadline = time.monotonic() + 10.0
     while True:
         left = []
-        for name in names:
+        for name, find in finders.items():
             try:
-                ray.get_actor(name, namespace=topology.namespace)
+                find()
             except ValueError:  # no actor of that name any more: gone, as it should be
                 continue
             left.append(name)

@@ -229,7 +229,6 @@ class TrainingSession:
         from megascale_data_ext.megatron.groups import broadcast_group
         from megascale_data_ext.megatron.model import initialize_parallel
         from megascale_data_ext.runtime.client import Client
-        from megascale_data_ext.runtime.topology import PLANNER_NAME
 
         self.cfg, self.service_cfg = cfg, service_cfg
         initialize_parallel(model_cfg)
@@ -247,9 +246,9 @@ class TrainingSession:
         self.planner = None
         self._summary: tuple[int, dict] | None = None
         if self.rank == 0:
-            import ray
+            from megascale_data_ext.runtime.remote import find_planner
 
-            self.planner = ray.get_actor(PLANNER_NAME, namespace=self.handles.namespace)
+            self.planner = find_planner(self.handles.namespace)
 
     def plan(self, step: int) -> Any:
         """The step's StepPlan (rank 0 only: it holds the planner handle)."""

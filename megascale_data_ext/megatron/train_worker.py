@@ -61,7 +61,6 @@ def main(argv: list[str] | None = None) -> int:
     from megascale_data_ext.megatron.pretrain import build_optimizer, step_counts
     from megascale_data_ext.runtime.client import Client
     from megascale_data_ext.runtime.remote import RemoteConstructors, fetch_topology
-    from megascale_data_ext.runtime.topology import PLANNER_NAME
 
     vocab = -(-args.vocab_size // (64 * args.tp)) * 64 * args.tp  # pad like --make-vocab-size-divisible-by
     cfg = GPTModelConfig(
@@ -90,9 +89,9 @@ def main(argv: list[str] | None = None) -> int:
             scheduler.step()
     planner = None
     if rank == 0:
-        import ray
+        from megascale_data_ext.runtime.remote import find_planner
 
-        planner = ray.get_actor(PLANNER_NAME, namespace=args.namespace)
+        planner = find_planner(args.namespace)
     log: dict = {"rank": rank, "coords": tree.coords(rank), "steps": []}
     for step in range(args.start_step, args.start_step + args.steps):
         t0 = time.perf_counter()

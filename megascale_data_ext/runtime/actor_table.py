@@ -15,7 +15,7 @@ from typing import Any
 
 import ray
 
-from megascale_data_ext.runtime.topology import PLANNER_NAME, ServiceTopology
+from megascale_data_ext.runtime.topology import ServiceTopology
 
 __all__ = ["ActorRow", "actor_rows", "ask_all", "find_service", "format_table"]
 
@@ -85,9 +85,11 @@ def actor_rows(planner: Any, constructors: Sequence[Any], topology: ServiceTopol
 def find_service(namespace: str) -> tuple[Any, list[Any], ServiceTopology]:
     """The Planner, constructors and topology of the service running in `namespace` of the Ray
     this process joined (by the names the topology gives)."""
-    planner = ray.get_actor(PLANNER_NAME, namespace=namespace)
+    from megascale_data_ext.runtime.remote import find_constructor, find_planner
+
+    planner = find_planner(namespace)
     topology = ray.get(planner.topology.remote())
-    return planner, [ray.get_actor(n, namespace=namespace) for n in topology.constructor_names()], topology
+    return planner, [find_constructor(topology, j) for j in range(topology.num_constructors)], topology
 
 
 def format_table(rows: Sequence[ActorRow]) -> str:

@@ -21,9 +21,7 @@ sends itself (fault injection).
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import logging
 import warnings
 from typing import Any
 
@@ -31,23 +29,21 @@ import numpy as np
 import ray
 
 from megascale_data_ext.dataplane.scaling import ScalingPolicy
-from megascale_data_ext.errors import ResumeError
 from megascale_data_ext.runtime.autoscaler import AutoScaler, AutoscalePlan, spawn_loader_groups, spawn_shadows
 from megascale_data_ext.runtime.calls import CallCounter
 from megascale_data_ext.runtime.checkpoints import PlannerCheckpoints
 from megascale_data_ext.runtime.config import ServiceConfig
 from megascale_data_ext.runtime.constructor import EncoderRows, encoder_rows
-from megascale_data_ext.runtime.elastic import reshard_planner_state
 from megascale_data_ext.runtime.faults import FaultToleranceConfig, crash_self
 from megascale_data_ext.runtime.metrics import record_plan
 from megascale_data_ext.runtime.placement import constructor_homes
 from megascale_data_ext.runtime.planner import Planner
+from megascale_data_ext.runtime.planner_recovery import PlannerRecovery
 from megascale_data_ext.runtime.shadows import Replica
 from megascale_data_ext.runtime.topology import ServiceTopology
 
 ACTOR_CONCURRENCY = 16
 NO_FAULT_TOLERANCE = FaultToleranceConfig(restart=False)
-_log = logging.getLogger(__name__)
 
 
 def reconstructed() -> bool:
@@ -71,9 +67,9 @@ def delivery_horizon(config: ServiceConfig, ft: FaultToleranceConfig) -> int:
 class PlannerActor:
     """The Planner in its own process; holds handles to the loaders for `summary_buffer`.
 
-    With a checkpoint directory, the state before every planned step is written there
-    (`PlannerCheckpoints`); a restarted actor loads the newest, and a request for an older
-    step (a constructor rebuilding) rewinds to that step's saved state and re-plans.
+    With a checkpoint directory, `PlannerRecovery` writes the state after every planned step; a
+    restarted actor loads the newest, and a request for an older step (a constructor rebuilding)
+    rewinds to that step's saved state and re-plans.
 
     The Planner owns the loaders (`AutoscalePlan`: the partition's loader groups and shards with
     ``autoscale.enabled``, else one actor per source; with their shadows): it starts them, scales
@@ -89,27 +85,19 @@ class PlannerActor:
         pc = config.placement
         self._constructor_homes = constructor_homes(pc.trainer_nodes, pc.ranks_per_node, topology)
         self.ft = ft or NO_FAULT_TOLERANCE
-        self.checkpoints = PlannerCheckpoints(checkpoint_dir, self.ft.checkpoint_keep) if checkpoint_dir else None
+        checkpoints = PlannerCheckpoints(checkpoint_dir, self.ft.checkpoint_keep) if checkpoint_dir else None
         self.calls = CallCounter()
-        self.scaler = self._start_loaders(config, loaders)
+        restarted = reconstructed()
+        self.scaler = self._start_loaders(config, loaders, checkpoints if restarted else None)
         self._horizon = delivery_horizon(config, self.ft)
         summarize_many = functools.partial(self.scaler.summaries, ft=self.ft, calls=self.calls)
         self.planner = Planner(config, topology, None, summarize_many=summarize_many,
                                on_planned=self._on_planned, constructors=topology.num_constructors)
-        self.restored_from: int | None = None
-        self.rewinds = 0
-        self._reports: dict[int, list] = {}  # loss reports received, re-fed after every restore or rewind
-        if self.checkpoints is not None:
-            state = self.checkpoints.latest() if reconstructed() else None
-            if state is not None:
-                self._reports = self.checkpoints.reports()
-                self._load(state)
-                self.restored_from = int(state["step"])
-                _log.warning("planner restarted: restored its state before step %d", self.restored_from)
-            else:
-                self.checkpoints.save(self.planner.state_dict())
+        self.recovery = PlannerRecovery(self.planner, checkpoints, restarted=restarted,
+                                        reports_kept=4 * self.ft.checkpoint_keep)
 
-    def _start_loaders(self, config: ServiceConfig, plan: AutoscalePlan) -> AutoScaler:
+    def _start_loaders(self, config: ServiceConfig, plan: AutoscalePlan,
+                       restored_from: PlannerCheckpoints | None) -> AutoScaler:
         me = ray.get_runtime_context().current_actor
         n = len(config.sources)
         scaler = AutoScaler(config.sources, ScalingPolicy(plan.scaling, plan.initial_shards(n)),
@@ -120,7 +108,7 @@ class PlannerActor:
                             spawn_shadow=spawn_shadows(config, me, plan.restart_options) if plan.shadows else None)
         scaler.start(plan.actors)
         ray.get([h.ready.remote() for h in scaler.live() + scaler.live_shadows()])  # sources open (or fail, named) now
-        saved = self.checkpoints.autoscaler() if self.checkpoints is not None and reconstructed() else None
+        saved = restored_from.autoscaler() if restored_from is not None else None
         if saved is not None:  # back to the shard counts it had scaled to (the old actors died with it)
             scaler.load_state_dict(saved)
         return scaler
@@ -129,41 +117,16 @@ class PlannerActor:
         record_plan(plan, seconds)
         # under the planner's lock, so routing sees the decision in order
         decided = self.scaler.observe(plan.step, np.bincount(plan.source, minlength=len(self.scaler.specs)))
-        if self.checkpoints is not None and (decided or self.scaler.steps % self.scaler.interval_steps == 0):
-            self.checkpoints.save_autoscaler(self.scaler.state_dict())
+        if decided or self.scaler.steps % self.scaler.interval_steps == 0:
+            self.recovery.save_autoscaler(self.scaler.state_dict())
         # loaders that served only steps no constructor fetches again go: steps whose plan the
         # Planner dropped, or behind the delivery horizon of the newest step routed
         done = max(plan.step - self.planner.keep - 1, self.scaler.max_routed - self._horizon)
         self.scaler.release(min(done, self.planner.low_water() - 1))  # never what a constructor still builds
-        if self.checkpoints is not None:  # under the planner's lock: the state right after this step
-            self.checkpoints.save(self.planner.state_dict(), keep_from=self.planner.low_water())
+        self.recovery.planned()  # under the planner's lock: the state right after this step
 
     def _plan(self, step: int):
-        try:
-            return self.planner.plan(step)
-        except ResumeError:
-            if self.checkpoints is None:
-                raise
-        # Rewind to the saved state before `step` and re-plan (deterministic: the same plans) under
-        # the planning lock: concurrent calls wait, and no other rewind moves the Planner before
-        # `step` is planned (two concurrent rewinds used to clear each other's plan).
-        with self.planner.planning():
-            with contextlib.suppress(ResumeError):  # another rewind may have re-planned it meanwhile
-                return self.planner.plan(step)
-            state = self.checkpoints.at(step)
-            if state is None:
-                raise ResumeError(f"plan for step {step} is neither kept nor checkpointed (planner at step "
-                                  f"{self.planner.next_step}, checkpoints of steps {self.checkpoints.steps()[:1]}.."
-                                  f"{self.checkpoints.steps()[-1:]}); raise data.fault_tolerance.checkpoint_keep")
-            self._load(state)
-            self.rewinds += 1
-            return self.planner.plan(step)
-
-    def _load(self, state: dict) -> None:
-        """Load a saved state, then hand back the loss reports it predates (feedback mixing)."""
-        self.planner.load_state_dict(state)
-        for step, pairs in sorted(self._reports.items()):
-            self.planner.report_loss(step, dict(pairs))
+        return self.recovery.plan(step)
 
     def topology(self) -> ServiceTopology:
         """The service's topology, for clients that join by namespace alone."""
@@ -198,33 +161,18 @@ class PlannerActor:
         return self._plan(step).summary()
 
     def state_dict(self, step: int | None = None) -> dict:
-        try:
-            return self.planner.state_dict(step)
-        except ResumeError:
-            state = self.checkpoints.at(step) if self.checkpoints is not None and step is not None else None
-            if state is None:
-                raise
-            return state
+        return self.recovery.state_dict(step)
 
     def load_state_dict(self, state: dict, reshard: bool = False) -> None:
         """Continue at the saved step; `reshard` accepts a state saved under another parallel layout."""
-        if reshard:
-            state = reshard_planner_state(state, self.planner.fingerprint())
-        self.planner.load_state_dict(state)
-        if self.checkpoints is not None:
-            self.checkpoints.clear()
-            self.checkpoints.save(self.planner.state_dict())
+        self.recovery.load_state_dict(state, reshard=reshard)
 
     def report_loss(self, step: int, losses: dict) -> None:
-        self.planner.report_loss(step, losses)
-        if self.checkpoints is not None and self.planner.report_delay is not None:
-            self._reports[step] = [[k, v] for k, v in losses.items()]
-            for old in [k for k in self._reports if k < step - 4 * self.ft.checkpoint_keep]:
-                del self._reports[old]
-            self.checkpoints.save_reports(self._reports)
+        self.recovery.report_loss(step, losses)
 
     def stats(self) -> dict:
-        return {"next_step": self.planner.next_step, "restored_from": self.restored_from, "rewinds": self.rewinds,
+        return {"next_step": self.planner.next_step, "restored_from": self.recovery.restored_from,
+                "rewinds": self.recovery.rewinds,
                 "failovers": self.scaler.suspects.failovers, "ray_calls": self.calls.snapshot(),
                 "autoscale": {"layouts": self.scaler.layout_table(), "live_actors": len(self.scaler.actors),
                               "events": list(self.scaler.events)}}

@@ -8,8 +8,6 @@ Restarted by Ray with ``max_task_retries=0``: the client decides what to re-send
 
 from __future__ import annotations
 
-import logging
-import threading
 from typing import Any
 
 import ray
@@ -21,11 +19,11 @@ from megascale_data_ext.runtime.config import ServiceConfig
 from megascale_data_ext.runtime.constructor import DataConstructor
 from megascale_data_ext.runtime.faults import FaultToleranceConfig, crash_self
 from megascale_data_ext.runtime.metrics import service_metrics
+from megascale_data_ext.runtime.prefetcher import Prefetcher
 from megascale_data_ext.runtime.routing import RoutedFetch
 from megascale_data_ext.runtime.topology import ServiceTopology
 
 __all__ = ["DataConstructorActor", "constructor_concurrency"]
-_log = logging.getLogger(__name__)
 
 
 def constructor_concurrency(topology: ServiceTopology, buckets: list[int], ft: FaultToleranceConfig,
@@ -40,12 +38,11 @@ def constructor_concurrency(topology: ServiceTopology, buckets: list[int], ft: F
 
 @ray.remote(num_cpus=0, max_concurrency=ACTOR_CONCURRENCY)
 class DataConstructorActor:
-    """A Data Constructor with a background prefetch thread `prefetch` steps ahead.
+    """A Data Constructor with a `Prefetcher` building `prefetch` steps ahead.
 
-    A prefetch failure is logged and retried with backoff, never latched: a client's request
-    builds (or fails) its own step. A constructor Ray restarted starts prefetching at the first
-    step a client asks for and rebuilds steps from their plans (loaders re-read what the dead
-    instance had taken); a consumer counts for backpressure once it asks for something. Each
+    A constructor Ray restarted starts prefetching at the first step a client asks for and
+    rebuilds steps from their plans (loaders re-read what the dead instance had taken); a
+    consumer counts for backpressure once it asks for something. Each
     rise of the slowest consumer's step is told to the Planner (it keeps plans until then).
     Threads: `constructor_concurrency` (set by the service through ``.options``). A request that
     presents a ``job`` other than this service's (`ServiceTopology.job`) is refused by name.
@@ -66,7 +63,6 @@ class DataConstructorActor:
         self._planner = planner
         self._index = topology.constructor_of_bucket(buckets[0])
         self._job = topology.job
-        self._wake = threading.Event()
         self.constructor = DataConstructor(
             buckets,
             config,
@@ -82,34 +78,14 @@ class DataConstructorActor:
             on_floor=self._on_floor,
         )
         self.constructor.skip_to(start_step)
-        self.prefetch_depth = config.prefetch
-        self._target: int | None = None if self.restarted else start_step + self.prefetch_depth - 1
-        self.prefetch_errors = 0
-        threading.Thread(target=self._prefetch_loop, daemon=True, name="prefetch").start()
-        self._wake.set()
+        self.prefetcher = Prefetcher(self.constructor.prefetch, depth=config.prefetch,
+                                     first_target=None if self.restarted else start_step + config.prefetch - 1,
+                                     name=f"constructor {buckets}")
 
     def _on_floor(self, step: int) -> None:
         self.calls.add("constructor>planner constructor_floor")
         self._planner.constructor_floor.remote(self._index, step)  # no reply awaited
-        self._wake.set()  # the lead moved: prefetch may go on
-
-    def _prefetch_loop(self) -> None:
-        failures = 0
-        while True:
-            self._wake.wait(timeout=min(0.1 * 2 ** failures, 5.0) if failures else None)
-            self._wake.clear()
-            target = self._target
-            if target is None:  # restarted: wait for the first client request
-                continue
-            try:
-                self.constructor.prefetch(target)
-                failures = 0
-            except Exception as exc:  # retried; the client's own request reports a lasting failure
-                failures += 1
-                self.prefetch_errors += 1
-                log = _log.warning if failures > 1 else _log.debug  # one is routine in a recovery; two are news
-                log("constructor %s: prefetch up to step %d failed (attempt %d): %s",
-                    self.constructor.buckets, target, failures, getattr(exc, "cause", None) or exc)
+        self.prefetcher.wake()  # the lead moved: prefetch may go on
 
     def _check_job(self, job: str | None) -> None:
         """A string compare per request; None is a caller inside the service (no client)."""
@@ -130,9 +106,7 @@ class DataConstructorActor:
 
     def _deliver(self, step: int, take: Any) -> Any:
         self.constructor.skip_to(step)
-        if self._target is None or step + self.prefetch_depth > self._target:
-            self._target = step + self.prefetch_depth
-            self._wake.set()
+        self.prefetcher.requested(step)
         out = take()
         buckets = "+".join(map(str, self.constructor.buckets))
         service_metrics().buffered_steps(self.constructor.buffered_steps(), buckets)
@@ -145,7 +119,7 @@ class DataConstructorActor:
         return self.constructor.get_encoder_images(step, rank, position)
 
     def stats(self) -> dict:
-        return {**self.constructor.stats(), "restarted": self.restarted, "prefetch_errors": self.prefetch_errors,
+        return {**self.constructor.stats(), "restarted": self.restarted, "prefetch_errors": self.prefetcher.errors,
                 "failovers": self._loaders.failovers, "ray_calls": self.calls.snapshot()}
 
     @ray.method(max_task_retries=0)  # never re-run on the restarted actor

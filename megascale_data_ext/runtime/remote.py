@@ -57,12 +57,31 @@ def _exit_quietly_on_sigterm() -> None:
         signal.signal(signal.SIGTERM, handler)
 
 
+def find_planner(namespace: str) -> Any:
+    """The Planner of the service running in `namespace` of the joined Ray (ValueError: none runs).
+
+    With `find_constructor`, the one place a process finds the service's actors by name: a process
+    that joins a running service has only its namespace (the Planner) and topology (constructors);
+    everything else is handed over as handles.
+    """
+    import ray
+
+    return ray.get_actor(PLANNER_NAME, namespace=namespace)
+
+
+def find_constructor(topology: ServiceTopology, index: int) -> Any:
+    """Data Constructor `index` of the running service `topology` (ValueError: not (yet) there)."""
+    import ray
+
+    return ray.get_actor(topology.constructor_names()[index], namespace=topology.namespace)
+
+
 def fetch_topology(address: str | None, namespace: str) -> ServiceTopology:
     """The topology of the service running in `namespace`, asked of its Planner."""
     import ray
 
     join_ray(address, namespace)
-    return ray.get(ray.get_actor(PLANNER_NAME, namespace=namespace).topology.remote())
+    return ray.get(find_planner(namespace).topology.remote())
 
 
 def actor_crasher(topology: ServiceTopology) -> Any:
@@ -71,14 +90,14 @@ def actor_crasher(topology: ServiceTopology) -> Any:
     import ray
 
     def crash(component: str, index: int) -> None:
-        planner = ray.get_actor(PLANNER_NAME, namespace=topology.namespace)
+        planner = find_planner(topology.namespace)
         if component == "planner":
             planner.crash.remote()
         elif component == "loader":
             for handle in ray.get(planner.loaders_of.remote(index)):
                 handle.crash.remote()
         else:
-            ray.get_actor(topology.constructor_names()[index], namespace=topology.namespace).crash.remote()
+            find_constructor(topology, index).crash.remote()
 
     return crash
 
@@ -119,7 +138,7 @@ class RemoteConstructors:
         if self.ft is not None and self._planner is not None:
             return
         join_ray(self.address, self.topology.namespace)
-        self._planner = ray.get_actor(PLANNER_NAME, namespace=self.topology.namespace)
+        self._planner = find_planner(self.topology.namespace)
         if self.ft is None:
             self.ft = ray.get(self._planner.fault_tolerance.remote())
         specs = self.ft.schedule()
@@ -146,11 +165,8 @@ class RemoteConstructors:
     def _handle(self, index: int, *, fresh: bool = False) -> Any:
         handle = None if fresh else self._handles.get(index)
         if handle is None:
-            import ray
-
             self._join()
-            name = self.topology.constructor_names()[index]
-            handle = self._handles[index] = ray.get_actor(name, namespace=self.topology.namespace)
+            handle = self._handles[index] = find_constructor(self.topology, index)
         return handle
 
     # -- delivery ------------------------------------------------------------------

@@ -42,6 +42,7 @@ from megascale_data_ext.runtime.faults import FaultToleranceConfig
 from megascale_data_ext.runtime.handles import ServiceHandles
 from megascale_data_ext.runtime.malloc import cap_arenas_for_embedded_ray
 from megascale_data_ext.runtime.ray_address import check_reachable
+from megascale_data_ext.runtime.remote import find_planner
 from megascale_data_ext.runtime.topology import PLANNER_NAME, ServiceTopology
 from megascale_data_ext.sources.tokenizer import load_tokenizer
 
@@ -361,7 +362,7 @@ def _check_namespace_free(namespace: str) -> None:
     from megascale_data_ext.errors import ConfigError
 
     try:
-        other = ray.get_actor(PLANNER_NAME, namespace=namespace)
+        other = find_planner(namespace)
     except ValueError:  # no such actor: the namespace is free
         return
     try:

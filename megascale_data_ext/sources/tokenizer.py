@@ -224,7 +224,11 @@ class SentencePieceTokenizer:
     """
 
     def __init__(self, path: str | Path, *, key: str = "tokenizer") -> None:
-        import sentencepiece as spm
+        try:
+            import sentencepiece as spm
+        except ImportError:
+            raise ConfigError(f"`{key}`: {str(path)!r} is a SentencePiece model, which needs sentencepiece: "
+                              "pip install 'megascale_data_ext[sentencepiece]'") from None
 
         p = Path(path)
         if p.is_dir():

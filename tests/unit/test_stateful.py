@@ -262,3 +262,46 @@ def test_elastic_resume_restamps_only_the_layout(specs):
     assert dp2.next_step == 3 and dp2.cursors.tolist() == dp4.cursors.tolist()
     same = sorted(zip(*(a.tolist() for a in plan_rows(dp4, 3)[:2]), strict=True))
     assert sorted(zip(*(a.tolist() for a in plan_rows(dp2, 3)[:2]), strict=True)) == same  # same samples, new split
+
+
+def test_planner_recovery_restores_rewinds_concurrently_and_names_a_missing_state(specs, tmp_path):
+    """`PlannerRecovery` (the Planner actor's logic, without Ray): a restarted Planner continues from
+    the newest saved state; a dropped plan is re-planned from the state before it, the same for
+    every thread that asks at once; a step saved nowhere is one error naming checkpoint_keep."""
+    import threading
+
+    from megascale_data_ext.errors import ResumeError
+    from megascale_data_ext.runtime.checkpoints import PlannerCheckpoints
+    from megascale_data_ext.runtime.planner_recovery import PlannerRecovery
+
+    cfg = service_config(specs)
+    ref = InProcessService(cfg, TREE).planner
+    want = {step: plan_rows(ref, step) for step in range(30)}
+
+    def recovered(restarted: bool) -> PlannerRecovery:
+        planner = InProcessService(cfg, TREE).planner
+        rec = PlannerRecovery(planner, PlannerCheckpoints(tmp_path, keep=64), restarted=restarted, reports_kept=8)
+        planner.on_planned = lambda plan, seconds: rec.planned()
+        return rec
+
+    first = recovered(restarted=False)
+    for step in range(12):
+        first.plan(step)
+    again = recovered(restarted=True)  # the process died after planning step 11
+    assert again.restored_from == 12 and again.planner.next_step == 12
+    for step in range(12, 30):  # goes on where it was, and its kept window moves past step 0
+        np.testing.assert_equal(plan_rows(again, step), want[step])
+    with pytest.raises(ResumeError):
+        again.planner.plan(2)  # dropped from the Planner's own window
+    got: dict[int, list] = {}
+    threads = [threading.Thread(target=lambda i=i: got.setdefault(i, plan_rows(again, 2 + i % 2))) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for i, rows in got.items():  # a constructor rebuilding steps 2 and 3 from six threads at once
+        np.testing.assert_equal(rows, want[2 + i % 2])
+    assert again.rewinds >= 1
+    PlannerCheckpoints(tmp_path).clear()  # the states are gone (another disk, a cleaned directory)
+    with pytest.raises(ResumeError, match="checkpoint_keep"):
+        again.plan(0)
