@@ -63,6 +63,10 @@ class DataConstructorActor:
         self._planner = planner
         self._index = topology.constructor_of_bucket(buckets[0])
         self._job = topology.job
+        # before the constructor, whose floor callback wakes it; started once the constructor is ready
+        self.prefetcher = Prefetcher(lambda target: self.constructor.prefetch(target), depth=config.prefetch,
+                                     first_target=None if self.restarted else start_step + config.prefetch - 1,
+                                     name=f"constructor {buckets}")
         self.constructor = DataConstructor(
             buckets,
             config,
@@ -78,9 +82,7 @@ class DataConstructorActor:
             on_floor=self._on_floor,
         )
         self.constructor.skip_to(start_step)
-        self.prefetcher = Prefetcher(self.constructor.prefetch, depth=config.prefetch,
-                                     first_target=None if self.restarted else start_step + config.prefetch - 1,
-                                     name=f"constructor {buckets}")
+        self.prefetcher.start()
 
     def _on_floor(self, step: int) -> None:
         self.calls.add("constructor>planner constructor_floor")

@@ -39,8 +39,12 @@ class Prefetcher:
         self._wake = threading.Event()
         self._closed = False
         self._thread = threading.Thread(target=self._loop, daemon=True, name="prefetch")
+
+    def start(self) -> Prefetcher:
+        """Start building (a `wake` or `requested` before this is kept for then)."""
         self._thread.start()
         self._wake.set()
+        return self
 
     def requested(self, step: int) -> None:
         """A client asked for `step`: build up to `depth` past it."""
@@ -57,7 +61,8 @@ class Prefetcher:
         thread ends with its process."""
         self._closed = True
         self._wake.set()
-        self._thread.join()
+        if self._thread.is_alive():
+            self._thread.join()
 
     def _loop(self) -> None:
         failures = 0

@@ -17,7 +17,7 @@ def _until(cond, timeout: float = 60.0) -> None:
 
 def test_builds_to_the_first_target_then_depth_past_each_request():
     built: list[int] = []
-    p = Prefetcher(built.append, depth=3, first_target=2, name="test")
+    p = Prefetcher(built.append, depth=3, first_target=2, name="test").start()
     try:
         _until(lambda: built[-1:] == [2])
         p.requested(1)  # 1 + 3 = 4 > 2: build further
@@ -38,7 +38,7 @@ def test_a_failure_is_retried_with_backoff_and_counted():
         if len(calls) < 3:
             raise RuntimeError("loader restarting")
 
-    p = Prefetcher(build, depth=1, first_target=5, name="test")
+    p = Prefetcher(build, depth=1, first_target=5, name="test").start()
     try:
         _until(lambda: len(calls) >= 3)  # two failures, then it builds (no request needed)
         assert calls[:3] == [5, 5, 5] and p.errors == 2
@@ -48,7 +48,7 @@ def test_a_failure_is_retried_with_backoff_and_counted():
 
 def test_a_restarted_builder_waits_for_the_first_request():
     started = threading.Event()
-    p = Prefetcher(lambda target: started.set(), depth=2, first_target=None, name="test")
+    p = Prefetcher(lambda target: started.set(), depth=2, first_target=None, name="test").start()
     try:
         p.wake()
         assert not started.wait(0.3)  # no target: nothing built
