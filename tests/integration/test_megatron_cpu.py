@@ -53,6 +53,7 @@ def test_shims_apply_idempotently_and_remove_restores_originals() -> None:
     import megatron.core.pipeline_parallel.schedules as schedules
     from megatron.core.tensor_parallel.random import CudaRNGStatesTracker
 
+    remove_cpu_shims()  # a model built earlier in this process (initialize_parallel) leaves them applied
     originals = (torch.cuda.current_device, torch.cuda.synchronize, schedules.torch,
                  fused_softmax.get_default_causal_mask, vars(CudaRNGStatesTracker)["fork"])
     first = apply_cpu_shims()
