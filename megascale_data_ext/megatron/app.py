@@ -167,7 +167,7 @@ def run(train: TrainFn, argv: Sequence[str] | None = None, *, config_name: str, 
         resolve_run_paths(cfg)
     except MegascaleDataError as e:
         write_error_file(e)
-        print(f"error: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        say_error(f"error: {type(e).__name__}: {e}")
         return 1
     quiet_imports()
     log = error_log_path(cfg)
@@ -183,8 +183,16 @@ def run(train: TrainFn, argv: Sequence[str] | None = None, *, config_name: str, 
         cause = root_cause(e)
         if not isinstance(cause, MegascaleDataError):
             raise
-        print(error_line(cause, write_error_log(log, e)), file=sys.stderr, flush=True)
+        say_error(error_line(cause, write_error_log(log, e)))
         return 1
+
+
+def say_error(line: str) -> None:
+    """Write `line` and its newline to stderr in one write: the ranks share one terminal, and
+    ``print`` writes the newline apart (stderr writes through), so another rank's output could land
+    between a line and its end."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
 
 
 def error_line(e: BaseException, log: Path | None = None) -> str:
