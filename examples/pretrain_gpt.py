@@ -8,18 +8,18 @@ r"""GPT pretraining with megatron-core, fed by the MegaScale-Data service.
 Arguments are Hydra overrides of conf/train_gpt.yaml (composed with `defaults: [data: megascale, ...]`),
 e.g. `strategy=vanilla`, `data.seq_length=2048`, `data.ray.address=auto`, `train.save=ckpt
 train.save_interval=2`, `train.load=ckpt`; `--config-dir DIR --config-name NAME` composes your own
-config, which can use the package's groups (megascale_data_ext/megatron/app.py has the flags).
+config, which can use the package's groups (megascale_data_ext/trainer/app.py has the flags).
 Runs on CPU (gloo + the shims in megascale_data_ext/patches/cpu.py) or, where CUDA is present, on
 the rank's GPU (cpu:gloo,cuda:nccl; `train.bf16=true` for bf16; not yet run on a GPU by this project).
 """
 
 from __future__ import annotations
 
-from megascale_data_ext.megatron.app import run
+from megascale_data_ext.trainer.app import run
 
 
 def train(cfg):
-    from megascale_data_ext.megatron.pretrain import pretrain_gpt
+    from megascale_data_ext.trainer.pretrain import pretrain_gpt
 
     return pretrain_gpt(cfg)
 

@@ -7,17 +7,17 @@ r"""VLM (LLaVA stage-1 style) pretraining with megatron-core, fed by the hybrid 
 Images are balanced over WORLD and encoded by a frozen megatron ViT on every rank; sequences
 are balanced over DP for the GPT backbone, whose first stage embeds the projected image
 features. Arguments are Hydra overrides of conf/train_vlm.yaml; `--config-dir DIR --config-name
-NAME` composes your own config (megascale_data_ext/megatron/app.py has the flags). Runs on CPU
+NAME` composes your own config (megascale_data_ext/trainer/app.py has the flags). Runs on CPU
 (gloo + shims) or on the rank's GPU where CUDA is present (not yet run on a GPU by this project).
 """
 
 from __future__ import annotations
 
-from megascale_data_ext.megatron.app import run
+from megascale_data_ext.trainer.app import run
 
 
 def train(cfg):
-    from megascale_data_ext.megatron.pretrain_vlm import pretrain_vlm
+    from megascale_data_ext.trainer.pretrain_vlm import pretrain_vlm
 
     return pretrain_vlm(cfg)
 

@@ -42,8 +42,8 @@ _EXPORTS: dict[str, str] = {
     "DataService": "megascale_data_ext.runtime.service",
     "InProcessService": "megascale_data_ext.runtime.inprocess",
     "Client": "megascale_data_ext.runtime.client",
-    "FaultToleranceConfig": "megascale_data_ext.runtime.faults",
-    "ServiceUnavailableError": "megascale_data_ext.runtime.faults",
+    "FaultToleranceConfig": "megascale_data_ext.runtime.fault_tolerance",
+    "ServiceUnavailableError": "megascale_data_ext.errors",
     # state and errors
     "Stateful": "megascale_data_ext.state",
     "StateSchema": "megascale_data_ext.state",

@@ -73,3 +73,7 @@ def root_cause(exc: BaseException) -> BaseException:
             return exc
         exc = cause
     return exc
+
+
+class ServiceUnavailableError(MegascaleDataError):
+    """A service actor did not come back within the retry budget; names it and what to do."""

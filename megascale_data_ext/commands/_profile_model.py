@@ -4,7 +4,7 @@
 The cost model is only as good as its fit to the kernel that runs: per-document attention
 follows the FLOPs model's shape but adds a fixed per-microbatch time, a dense S×S mask does
 not follow it at all. So the profile step times the project's own GPT (megatron-core
-`GPTModel` from `megatron/model.py`) forward + backward on packs whose document lengths vary
+`GPTModel` from `trainer/model.py`) forward + backward on packs whose document lengths vary
 from one long document to many short ones, fits `dataplane.calibration` to those times,
 saves the fit and prints predicted vs measured. On CUDA the timings come from CUDA events in
 bf16 autocast; on CPU from `time.perf_counter` in fp32.
@@ -82,9 +82,9 @@ def cuda_available() -> bool:
 
 
 def attention_choices() -> list[str]:
-    """The `GPTModelConfig.attention` choices `megatron/model.py` offers (dense only before it had any)."""
+    """The `GPTModelConfig.attention` choices `trainer/model.py` offers (dense only before it had any)."""
     try:
-        from megascale_data_ext.megatron.attention import ATTENTION_BACKENDS
+        from megascale_data_ext.trainer.attention import ATTENTION_BACKENDS
     except ImportError:
         return ["auto", "dense"]
     return list(ATTENTION_BACKENDS)
@@ -94,10 +94,10 @@ def resolve_attention_choice(choice: str, *, device: str) -> str:
     """The backend that runs for `choice` on `device` (te, flex or dense), or a named error."""
     choices = attention_choices()
     if choice not in choices:
-        raise ConfigError(f"attention must be one of {choices} (megatron/model.py's GPTModelConfig.attention), "
+        raise ConfigError(f"attention must be one of {choices} (trainer/model.py's GPTModelConfig.attention), "
                           f"got {choice!r}")
     try:
-        from megascale_data_ext.megatron.attention import resolve_attention
+        from megascale_data_ext.trainer.attention import resolve_attention
     except ImportError:
         return "dense"
     return resolve_attention(choice, cuda=device.startswith("cuda"))
@@ -135,7 +135,7 @@ def single_process_megatron(seed: int = 1234, *, device: str = "cpu") -> Iterato
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    from megascale_data_ext.megatron.model import set_random_seed
+    from megascale_data_ext.trainer.model import set_random_seed
     from megascale_data_ext.patches import apply_cpu_shims
 
     with tempfile.TemporaryDirectory(prefix="megascale-profile-") as tmp:
@@ -172,7 +172,7 @@ class ModelTimer:
     def __init__(self, shape: ModelShape, *, seed: int = 0):
         import torch
 
-        from megascale_data_ext.megatron.model import GPTModelConfig, build_gpt_model
+        from megascale_data_ext.trainer.model import GPTModelConfig, build_gpt_model
 
         self.shape = shape
         kwargs: dict[str, Any] = {"vocab_size": shape.vocab, "hidden_size": shape.hidden, "num_layers": shape.layers,
@@ -189,7 +189,7 @@ class ModelTimer:
         self._gen = torch.Generator().manual_seed(seed)
 
     def batch(self, doc_lens: Sequence[int]) -> dict[str, Any]:
-        """One packed microbatch on the device, in `megatron.model.forward_step`'s format."""
+        """One packed microbatch on the device, in `trainer.model.forward_step`'s format."""
         import torch
 
         lens = np.asarray(doc_lens, dtype=np.int64)
@@ -214,7 +214,7 @@ class ModelTimer:
         return {k: v.to(self.device) for k, v in batch.items()}
 
     def _fwd_bwd(self, batch: dict[str, Any]) -> None:
-        from megascale_data_ext.megatron.model import forward_step
+        from megascale_data_ext.trainer.model import forward_step
 
         with self._autocast:
             output, loss_fn = forward_step(iter([batch]), self.model)

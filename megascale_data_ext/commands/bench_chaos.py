@@ -182,7 +182,7 @@ def chaos_config(root: Path, *, dp: int, pp: int, sources: int, seed: int, scali
     from megascale_data_ext.dataplane.placetree import ClientPlaceTree
     from megascale_data_ext.dataplane.profiles import ProfileJournal, SourceProfile
     from megascale_data_ext.runtime.config import AutoscaleConfig, PlacementConfig, RayConfig, ServiceConfig
-    from megascale_data_ext.runtime.faults import FaultToleranceConfig
+    from megascale_data_ext.runtime.fault_tolerance import FaultToleranceConfig
     from megascale_data_ext.sources.demo_data import make_demo_data
     from megascale_data_ext.sources.profiling import source_fingerprint
 

@@ -132,7 +132,7 @@ def run(args: argparse.Namespace) -> int:
 
     from megascale_data_ext.dataplane.placetree import ClientPlaceTree
     from megascale_data_ext.runtime.config import RayConfig, ServiceConfig
-    from megascale_data_ext.runtime.faults import FaultToleranceConfig
+    from megascale_data_ext.runtime.fault_tolerance import FaultToleranceConfig
     from megascale_data_ext.runtime.inprocess import InProcessService
     from megascale_data_ext.runtime.metrics import rss_bytes
     from megascale_data_ext.runtime.remote import RemoteConstructors

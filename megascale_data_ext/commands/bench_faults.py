@@ -3,7 +3,7 @@
 One service on embedded Ray (demo text sources, DP x PP layout) is consumed by one process
 playing every fetching rank through `RemoteConstructors` (the trainer's path: whole steps,
 ``client_prefetch`` steps in flight) with ``--step-seconds`` of simulated compute per step.
-The run is repeated per component with a fault schedule (`runtime.faults`: each kill is a
+The run is repeated per component with a fault schedule (`runtime.fault_injection`: each kill is a
 SIGKILL the actor sends itself) and compared with a run without faults in the same process:
 
 * ``lost`` / ``duplicated``: documents of the fault-free run missing from / extra in the
@@ -60,7 +60,7 @@ class FaultRun:
 
 def consume(service: Any, handles: Any, steps: int, *, faults: str = "", step_seconds: float = 0.0) -> FaultRun:
     """Pull `steps` steps for every fetching rank of `service`, firing `faults` on the way."""
-    from megascale_data_ext.runtime.faults import FaultInjector, parse_faults
+    from megascale_data_ext.runtime.fault_injection import FaultInjector, parse_faults
     from megascale_data_ext.runtime.remote import RemoteConstructors, actor_crasher
     from megascale_data_ext.sources.tokenizer import load_tokenizer
 
@@ -147,7 +147,7 @@ def run(args: argparse.Namespace) -> int:
 
     from megascale_data_ext.dataplane.placetree import ClientPlaceTree
     from megascale_data_ext.runtime.config import RayConfig, ServiceConfig
-    from megascale_data_ext.runtime.faults import FaultToleranceConfig
+    from megascale_data_ext.runtime.fault_tolerance import FaultToleranceConfig
     from megascale_data_ext.runtime.service import DataService
     from megascale_data_ext.sources.demo_data import make_demo_data
 

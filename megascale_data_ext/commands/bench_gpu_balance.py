@@ -5,7 +5,7 @@ workload (long-short, navit, coyo) and token cap, one global batch filling `--fi
 DP × m × cap tokens is split over `--dp` simulated DP ranks twice: vanilla (Megatron's
 order, contiguous equal-count slices, no cap) and balanced (`--method` at the interleaved
 level under the cap, as `LLMBalance`). Every rank's microbatches then run forward + backward
-serially on the one local device through the project's own GPT (`megatron/model.py`), timed
+serially on the one local device through the project's own GPT (`trainer/model.py`), timed
 with CUDA events on a GPU (bf16 autocast) and `time.perf_counter` on CPU (fp32). With
 synchronous DP the slowest rank sets the step, so
 
@@ -194,7 +194,7 @@ def _memory_rows(shape: pm.ModelShape, tokens: int) -> list[dict[str, Any]]:
         return [unmeasured(k, "not measured (no CUDA device: CPU smoke run)") for k in kinds]
     import torch
 
-    rows = [] if per_doc else [unmeasured("per-document", "not measured: megatron/model.py offers no per-document "
+    rows = [] if per_doc else [unmeasured("per-document", "not measured: trainer/model.py offers no per-document "
                                                           "attention")]
     for kind in kinds[0 if per_doc else 1:]:
         timer = pm.ModelTimer(pm.ModelShape(**{**asdict(shape), "attention": kind, "seq": max(shape.seq, tokens)}))

@@ -163,7 +163,7 @@ def measure_service(specs: list[Any], *, ranks: int, seq_length: int, steps: int
     from megascale_data_ext.dataplane.placetree import ClientPlaceTree
     from megascale_data_ext.dataplane.scaling import ScalingConfig
     from megascale_data_ext.runtime.actors import PlannerActor
-    from megascale_data_ext.runtime.autoscaler import AutoscalePlan, LoaderActorSpec
+    from megascale_data_ext.runtime.autoscale_plan import AutoscalePlan, LoaderActorSpec
     from megascale_data_ext.runtime.routing import RoutedFetch
     from megascale_data_ext.runtime.config import RayConfig, ServiceConfig
     from megascale_data_ext.runtime.constructor import DataConstructor
@@ -223,7 +223,7 @@ def measure_constructor(spec: Any, *, seq_length: int, ranks_per_node: int, seed
 
     from megascale_data_ext.dataplane.placetree import ClientPlaceTree
     from megascale_data_ext.runtime.actors import PlannerActor
-    from megascale_data_ext.runtime.autoscaler import per_source_plan
+    from megascale_data_ext.runtime.autoscale_plan import per_source_plan
     from megascale_data_ext.runtime.constructor_actor import DataConstructorActor
     from megascale_data_ext.runtime.config import RayConfig, ServiceConfig
     from megascale_data_ext.runtime.topology import ServiceTopology

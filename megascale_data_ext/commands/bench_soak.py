@@ -58,7 +58,7 @@ def soak_config(root: Path, *, clients: int, constructors: int, sources: int, cl
     """``(ServiceConfig, ClientPlaceTree)`` for `clients` DP ranks served by `constructors` actors."""
     from megascale_data_ext.dataplane.placetree import ClientPlaceTree
     from megascale_data_ext.runtime.config import RayConfig, ServiceConfig
-    from megascale_data_ext.runtime.faults import FaultToleranceConfig
+    from megascale_data_ext.runtime.fault_tolerance import FaultToleranceConfig
     from megascale_data_ext.sources.demo_data import make_demo_data
 
     if clients % constructors:

@@ -300,7 +300,7 @@ def run_service(prefixes: list[str], *, strategy: str, seq_length: int, steps: i
     init_s = start_ray(config)
     t_init = time.perf_counter()
     t0 = t_init - init_s  # a Ray this process started before counts as started for this service too
-    from megascale_data_ext.runtime.faults import FaultToleranceConfig
+    from megascale_data_ext.runtime.fault_tolerance import FaultToleranceConfig
 
     service = DataService(config, ClientPlaceTree.from_sizes(dp=dp),
                           fault_tolerance=FaultToleranceConfig(restart=restart))

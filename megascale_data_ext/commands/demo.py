@@ -46,7 +46,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from megascale_data_ext.megatron.app import quiet_imports
+    from megascale_data_ext.trainer.app import quiet_imports
 
     quiet_imports()  # before anything imports megatron-core (the sample data's tokenizers do)
     from megascale_data_ext.dataplane.placetree import ClientPlaceTree
@@ -89,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
     out = work / "ranks"
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
-        "-m", "megascale_data_ext.megatron.train_worker",
+        "-m", "megascale_data_ext.trainer.train_worker",
         "--tp", str(args.tp), "--pp", str(args.pp), "--cp", str(args.cp), "--steps", str(args.steps),
         "--attention", args.attention, *(["--bf16"] if args.bf16 else []),
         "--samples-per-step", str(args.samples_per_step),

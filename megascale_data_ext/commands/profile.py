@@ -70,7 +70,7 @@ def plot(profiles: list[SourceProfile], path: Path) -> None:
 def preview_partition(config: Any, profiles: list[SourceProfile]) -> str:
     """What ``autoscale.enabled`` would start with these profiles, this machine as the one node."""
     from megascale_data_ext.dataplane.partitioner import NodeResources
-    from megascale_data_ext.runtime.autoscaler import partition_for
+    from megascale_data_ext.runtime.autoscale_plan import partition_for
 
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") * config.autoscale.node_memory_fraction
     node = NodeResources(name="this-machine", memory_bytes=int(memory), cpus=float(os.cpu_count() or 1))

@@ -28,7 +28,7 @@ LR_DECAY_STYLES: tuple[str, ...] = get_args(LrDecayStyle)
 @dataclass(slots=True, kw_only=True)
 class ModelConfig:
     """``model``: the GPT backbone's shape (``num_layers``, ``hidden_size``, ``num_attention_heads``
-    are required) and attention backend (`megatron.attention.resolve_attention`)."""
+    are required) and attention backend (`trainer.attention.resolve_attention`)."""
 
     attention: str = "auto"
     num_layers: int | None = None

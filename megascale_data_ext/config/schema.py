@@ -27,7 +27,7 @@ from megascale_data_ext.runtime.config import (
     RayConfig,
     ServiceConfig,
 )
-from megascale_data_ext.runtime.faults import FaultToleranceConfig
+from megascale_data_ext.runtime.fault_tolerance import FaultToleranceConfig
 from megascale_data_ext.sources.base import SourceSpec
 
 GLOB_CHARS = frozenset("*?[")

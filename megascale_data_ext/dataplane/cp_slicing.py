@@ -5,7 +5,7 @@ hands it to ``megatron.core.utils.get_thd_batch_on_this_cp_rank``, which keeps, 
 document*, the chunks ``r`` and ``2 * cp - 1 - r`` of ``2 * cp`` equal chunks (Transformer
 Engine's ``thd_get_partitioned_indices``): each document must therefore be padded to a multiple
 of ``2 * cp`` first, and ``cu_seqlens_padded`` says where the padded documents start. That is
-what per-document attention with CP needs (TE's ring attention, or `megatron.attention`): every
+what per-document attention with CP needs (TE's ring attention, or `trainer.attention`): every
 rank holds an early and a late piece of each document, so causal work stays balanced per
 document, not per pack. ``pad_for_cp`` does the padding, ``slice_for_cp`` pads and slices,
 ``reassemble_cp`` inverts both (so tests can prove nothing was lost).

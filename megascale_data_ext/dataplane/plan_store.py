@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from megascale_data_ext.dataplane.plan import EncoderPlan, StepPlan
-from megascale_data_ext.errors import ConfigError
+from megascale_data_ext.errors import ConfigError, PlanError
 from megascale_data_ext.state import plain
 
 FORMAT_VERSION = 1
@@ -113,3 +113,13 @@ class PlanStore:
                   for k in ("source_names", "bucket_ranks", "fetch_ranks", "broadcast_dims", "lineage")}
         plain_arrays = {k: v for k, v in arrays.items() if not k.startswith("encoder.")}
         return StepPlan(**{**meta, **tuples}, **plain_arrays, encoder=encoder)
+
+    def read_continuing(self, step: int, cursors: np.ndarray) -> StepPlan:
+        """The plan of `step`, which must continue every source's stream at its cursor (replay mode)."""
+        plan = self.read(step)
+        for s in range(len(cursors)):
+            pos = np.sort(plan.position[plan.source == s])
+            if len(pos) and not np.array_equal(pos, np.arange(cursors[s], cursors[s] + len(pos))):
+                raise PlanError(f"replayed step {step} takes source {s} at positions {pos[:3].tolist()}..., "
+                                f"but its stream is at {int(cursors[s])}: the plan directory is inconsistent")
+        return plan

@@ -14,14 +14,14 @@ the returned schedule is one global step served by the service:
   ``broadcast_at("tp")``, so every TP rank holds the batch.
 
 With ``report_loss`` (feedback mixing), after each step the last pipeline stage sums the
-``"source loss"`` entries its loss function returned (see `megatron.model.loss_func`), reduces
+``"source loss"`` entries its loss function returned (see `trainer.model.loss_func`), reduces
 them over data (and context) parallel ranks, and one rank reports the per-source mean loss to
 the Planner through the client, which applies it exactly ``delay`` steps later.
 
 Everything it replaces is restored by `Installation.uninstall()`; modules that do not hold
 these functions are not touched. The data position (next step) is the client's: each call
 serves the client's current step and then moves it to the next one; the installation's
-`state_dict()` is the client's, saved with a checkpoint (see `megatron.pretrain`).
+`state_dict()` is the client's, saved with a checkpoint (see `trainer.pretrain`).
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from megascale_data_ext.errors import ConfigError
+from megascale_data_ext.patches.patching import ORIGINAL, Patches, original_of
 
 
 def _model_configs(model: Any) -> list[Any]:
@@ -55,7 +56,7 @@ class Installation:
         num_model_chunks: Virtual pipeline chunks of this rank (1 without VPP).
         start_step: First global step to serve; None keeps the client's position.
         transform: Optional ``(batch, info) -> batch`` applied to each microbatch as the schedule
-            pulls it (e.g. `megatron.vlm.VLMFeed` attaching image features).
+            pulls it (e.g. `trainer.vlm.VLMFeed` attaching image features).
         report_loss: Report each step's per-source loss to the Planner (feedback mixing).
     """
 
@@ -75,7 +76,7 @@ class Installation:
             pp_rank = parallel_state.get_pipeline_model_parallel_rank()
             pp_size = parallel_state.get_pipeline_model_parallel_world_size()
         self.pp_rank, self.pp_size = pp_rank, pp_size
-        self._patched: list[tuple[Any, str, Any]] = []
+        self._patches = Patches()  # what `install` replaced (`patches.patching`)
         self.steps_served = 0
 
     # -- what the schedule sees ----------------------------------------------------
@@ -129,7 +130,7 @@ class Installation:
                 dist.barrier()
             return out
 
-        fed_by_service.__megascale_original__ = schedule  # type: ignore[attr-defined]
+        setattr(fed_by_service, ORIGINAL, schedule)
         return fed_by_service
 
     def _report_source_loss(self, step: int, outputs: Any) -> None:
@@ -156,33 +157,23 @@ class Installation:
     def install(self) -> Installation:
         from megatron.core import pipeline_parallel
 
-        original = getattr(pipeline_parallel.get_forward_backward_func, "__megascale_original__",
-                           pipeline_parallel.get_forward_backward_func)
+        original = original_of(pipeline_parallel.get_forward_backward_func)
 
         def get_forward_backward_func(*args: Any, **kwargs: Any) -> Callable[..., Any]:
             return self.wrap(original(*args, **kwargs))
 
-        get_forward_backward_func.__megascale_original__ = original  # type: ignore[attr-defined]
-        for mod in list(sys.modules.values()):
-            if getattr(mod, "get_forward_backward_func", None) is original:
-                self._patch(mod, "get_forward_backward_func", get_forward_backward_func)
+        self._patches.everywhere(original, get_forward_backward_func, ["get_forward_backward_func"])
         utils = sys.modules.get("megatron.training.utils")
         if utils is not None and hasattr(utils, "get_batch_on_this_tp_rank"):
-            self._patch(utils, "get_batch_on_this_tp_rank", _batch_already_broadcast)
+            self._patches.set(utils, "get_batch_on_this_tp_rank", _batch_already_broadcast)
         return self
 
-    def _patch(self, mod: Any, name: str, value: Any) -> None:
-        self._patched.append((mod, name, getattr(mod, name)))
-        setattr(mod, name, value)
-
     def uninstall(self) -> None:
-        for mod, name, old in reversed(self._patched):
-            setattr(mod, name, old)
-        self._patched.clear()
+        self._patches.undo()
 
     @property
     def installed(self) -> bool:
-        return bool(self._patched)
+        return len(self._patches) > 0
 
     # -- state ---------------------------------------------------------------------
     @property

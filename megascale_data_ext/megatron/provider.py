@@ -44,6 +44,7 @@ import torch
 
 from megascale_data_ext.dataplane.placetree import ClientPlaceTree
 from megascale_data_ext.errors import ConfigError
+from megascale_data_ext.patches.patching import Patches, original_of
 from megascale_data_ext.runtime.client import Client, MicrobatchSource
 from megascale_data_ext.runtime.topology import ServiceTopology
 
@@ -346,14 +347,16 @@ def _thd_already_sliced(batch: Any, cu_seqlens: Any, cu_seqlens_padded: Any, max
     PackedSeqParams, no second slicing (the real function with cp_size=1)."""
     from megatron.core import utils
 
-    original = getattr(utils.get_thd_batch_on_this_cp_rank, "__megascale_original__",
-                       utils.get_thd_batch_on_this_cp_rank)
+    original = original_of(utils.get_thd_batch_on_this_cp_rank)
     return original(batch, cu_seqlens, cu_seqlens_padded, max_seqlen, cp_size=1, cp_rank=0)
 
 
 def _sbhd_already_sliced(batch: Any) -> Any:
     """Megatron's ``get_batch_on_this_cp_rank`` for a batch the service already sliced."""
     return batch
+
+
+_CP_SLICERS = ("get_thd_batch_on_this_cp_rank", "get_batch_on_this_cp_rank")
 
 
 def install_cp_passthrough() -> list[str]:
@@ -365,33 +368,21 @@ def install_cp_passthrough() -> list[str]:
     targets = []
     core = sys.modules.get("megatron.core.utils")
     if core is not None and hasattr(core, "get_thd_batch_on_this_cp_rank"):
-        thd = getattr(core.get_thd_batch_on_this_cp_rank, "__megascale_original__", core.get_thd_batch_on_this_cp_rank)
-        targets.append((thd, _thd_already_sliced))
+        targets.append((original_of(core.get_thd_batch_on_this_cp_rank), _thd_already_sliced))
     for name in ("megatron.core.utils", "megatron.training.utils"):
         mod = sys.modules.get(name)
         if mod is not None and hasattr(mod, "get_batch_on_this_cp_rank"):
-            fn = mod.get_batch_on_this_cp_rank
-            targets.append((getattr(fn, "__megascale_original__", fn), _sbhd_already_sliced))
-    done = []
-    for original, replacement in targets:
-        replacement.__megascale_original__ = original  # type: ignore[attr-defined]
-        for mod_name, mod in list(sys.modules.items()):
-            for attr in ("get_thd_batch_on_this_cp_rank", "get_batch_on_this_cp_rank"):
-                if getattr(mod, attr, None) is original:
-                    setattr(mod, attr, replacement)
-                    _PASSTHROUGH.append((mod, attr, original))
-                    done.append(f"{mod_name}.{attr}")
-    return done
+            targets.append((original_of(mod.get_batch_on_this_cp_rank), _sbhd_already_sliced))
+    return [done for original, replacement in targets
+            for done in _PASSTHROUGH.everywhere(original, replacement, _CP_SLICERS)]
 
 
 def remove_cp_passthrough() -> None:
     """Restore what `install_cp_passthrough` replaced."""
-    while _PASSTHROUGH:
-        mod, attr, original = _PASSTHROUGH.pop()
-        setattr(mod, attr, original)
+    _PASSTHROUGH.undo()
 
 
-_PASSTHROUGH: list[tuple[Any, str, Any]] = []  # (module, name, original) replaced by install_cp_passthrough
+_PASSTHROUGH = Patches()  # what install_cp_passthrough replaced (`patches.patching`)
 
 
 def _chunk_reads_data(tree: ClientPlaceTree, rank: int, vp_stage: int | None) -> bool:

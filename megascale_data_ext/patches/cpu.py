@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 
+from megascale_data_ext.patches.patching import Patches, current
+
 __all__ = ["CPU_SHIMS", "CpuShim", "active_cpu_shims", "apply_cpu_shims", "remove_cpu_shims"]
 
 _DEFAULT_RNG_STATE_NAME = "default-rng"  # CudaRNGStatesTracker's name for "no fork active".
@@ -181,8 +183,8 @@ CPU_SHIMS: tuple[CpuShim, ...] = (
             make=_cpu_rng_fork),
 )
 
-# name -> (patched object, attribute, original value); the single record of what is applied.
-_APPLIED: dict[str, tuple[Any, str, Any]] = {}
+_PATCHES = Patches()  # what the shims replaced (`patches.patching`: the package's one patching record)
+_ACTIVE: list[str] = []  # names of the shims in effect, in the order applied
 
 
 def apply_cpu_shims() -> list[str]:
@@ -197,16 +199,11 @@ def apply_cpu_shims() -> list[str]:
     if torch.cuda.is_available():
         return []
     for shim in CPU_SHIMS:
-        if shim.name in _APPLIED:
+        if shim.name in _ACTIVE:
             continue
         target = shim.target()
-        original = getattr(target, shim.attr)
-        # Class attributes are read from __dict__ so that restoring puts back the exact
-        # function object (not a bound or re-wrapped one).
-        if shim.owner is not None:
-            original = vars(target)[shim.attr]
-        setattr(target, shim.attr, shim.make(original))
-        _APPLIED[shim.name] = (target, shim.attr, original)
+        _PATCHES.set(target, shim.attr, shim.make(current(target, shim.attr)))
+        _ACTIVE.append(shim.name)
     return active_cpu_shims()
 
 
@@ -214,19 +211,14 @@ def remove_cpu_shims() -> list[str]:
     """Restore every attribute `apply_cpu_shims` replaced.
 
     Returns:
-        Names of the shims removed (empty when none were applied).
+        Names of the shims removed (empty when none were applied), in `CPU_SHIMS` order.
     """
-    removed = []
-    for shim in reversed(CPU_SHIMS):
-        entry = _APPLIED.pop(shim.name, None)
-        if entry is None:
-            continue
-        target, attr, original = entry
-        setattr(target, attr, original)
-        removed.append(shim.name)
-    return removed[::-1]
+    removed = active_cpu_shims()
+    _PATCHES.undo()
+    _ACTIVE.clear()
+    return removed
 
 
 def active_cpu_shims() -> list[str]:
     """Names of the shims currently installed, in `CPU_SHIMS` order."""
-    return [shim.name for shim in CPU_SHIMS if shim.name in _APPLIED]
+    return [shim.name for shim in CPU_SHIMS if shim.name in _ACTIVE]

@@ -9,12 +9,12 @@ the table answers while an actor restarts. `DataService.actors()` and ``megascal
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 from typing import Any
 
 import ray
 
+from megascale_data_ext.runtime.retry import Retry
 from megascale_data_ext.runtime.topology import ServiceTopology
 
 __all__ = ["ActorRow", "actor_rows", "ask_all", "find_service", "format_table"]
@@ -30,7 +30,7 @@ def ask_all(handles: Sequence[Any], method: str, *, timeout_s: float) -> list[An
     dead for good (no restarts). Past `timeout_s` of waiting, the restart's error is raised."""
     from ray.exceptions import ActorDiedError, ActorUnavailableError
 
-    deadline = time.monotonic() + timeout_s
+    retry = Retry(timeout_s, base_s=0.2, cap_s=0.2)
     out = []
     for h in handles:
         while True:
@@ -41,9 +41,9 @@ def ask_all(handles: Sequence[Any], method: str, *, timeout_s: float) -> list[An
                 out.append(None)
                 break
             except ActorUnavailableError:
-                if time.monotonic() > deadline:
+                if retry.expired():
                     raise
-                time.sleep(0.2)
+                retry.pause()
     return out
 
 

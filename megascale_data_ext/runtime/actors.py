@@ -11,7 +11,7 @@ too: with loss-driven mixing, planning a step waits for a trainer's `report_loss
 be served meanwhile (the Planner's lock serialises planning itself). The Planner never
 waits on a constructor, so the call graph has no cycle that can exhaust the thread pools.
 
-Failures (`runtime.faults`, paper Sec. 6): every actor may be restarted by Ray. The Planner
+Failures (`runtime.fault_injection`, paper Sec. 6): every actor may be restarted by Ray. The Planner
 writes its state after each planned step and a restarted one restores it (re-planning older
 steps from their saved states on demand); its calls are idempotent, so Ray re-runs calls in
 flight. Loaders and constructors are called through `RoutedFetch` (with shadows,
@@ -29,12 +29,15 @@ import numpy as np
 import ray
 
 from megascale_data_ext.dataplane.scaling import ScalingPolicy
-from megascale_data_ext.runtime.autoscaler import AutoScaler, AutoscalePlan, spawn_loader_groups, spawn_shadows
+from megascale_data_ext.runtime.autoscale_plan import AutoscalePlan
+from megascale_data_ext.runtime.autoscaler import AutoScaler
 from megascale_data_ext.runtime.calls import CallCounter
 from megascale_data_ext.runtime.checkpoints import PlannerCheckpoints
 from megascale_data_ext.runtime.config import ServiceConfig
 from megascale_data_ext.runtime.constructor import EncoderRows, encoder_rows
-from megascale_data_ext.runtime.faults import FaultToleranceConfig, crash_self
+from megascale_data_ext.runtime.fault_injection import crash_self
+from megascale_data_ext.runtime.fault_tolerance import FaultToleranceConfig
+from megascale_data_ext.runtime.loader_group import spawn_loader_groups, spawn_shadows
 from megascale_data_ext.runtime.metrics import record_plan
 from megascale_data_ext.runtime.placement import constructor_homes
 from megascale_data_ext.runtime.planner import Planner

@@ -17,7 +17,7 @@ from typing import Any
 
 from megascale_data_ext.dataplane.mixing import MixMode
 from megascale_data_ext.errors import ConfigError
-from megascale_data_ext.runtime.faults import FaultToleranceConfig
+from megascale_data_ext.runtime.fault_tolerance import FaultToleranceConfig
 from megascale_data_ext.sources.base import FieldProblem, SourceSpec
 
 __all__ = ["DEFAULT_STRATEGY", "MIX_MODES", "OVERFLOW_MODES", "AutoscaleConfig", "BatchConfig", "FieldProblem",

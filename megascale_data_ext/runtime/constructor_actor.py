@@ -17,7 +17,8 @@ from megascale_data_ext.runtime.actors import ACTOR_CONCURRENCY, NO_FAULT_TOLERA
 from megascale_data_ext.runtime.calls import CallCounter
 from megascale_data_ext.runtime.config import ServiceConfig
 from megascale_data_ext.runtime.constructor import DataConstructor
-from megascale_data_ext.runtime.faults import FaultToleranceConfig, crash_self
+from megascale_data_ext.runtime.fault_injection import crash_self
+from megascale_data_ext.runtime.fault_tolerance import FaultToleranceConfig
 from megascale_data_ext.runtime.metrics import service_metrics
 from megascale_data_ext.runtime.prefetcher import Prefetcher
 from megascale_data_ext.runtime.routing import RoutedFetch

@@ -14,16 +14,18 @@ ways of serving a fetch keep that exactly-once (`runtime.loader_group.LoaderGrou
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 from ray.exceptions import ActorUnavailableError, GetTimeoutError, ObjectLostError, RayActorError
 
 from megascale_data_ext.dataplane.plan import LoaderPlan
-from megascale_data_ext.errors import SourceError
+from megascale_data_ext.errors import ServiceUnavailableError, SourceError
 from megascale_data_ext.runtime.loader import SourceLoader
+from megascale_data_ext.runtime.retry import Retry
 
-__all__ = ["ACTOR_FAILURES", "cannot_restart", "missing_buckets", "read_buckets"]
+__all__ = ["ACTOR_FAILURES", "cannot_restart", "missing_buckets", "raise_unless_recovering", "read_buckets"]
 
 ACTOR_FAILURES = (RayActorError, ActorUnavailableError, GetTimeoutError, ObjectLostError)
 """What counts as a failed call: the actor died, is restarting or unreachable, or timed out, or
@@ -42,6 +44,25 @@ def cannot_restart(exc: BaseException) -> str | None:
         return None
     lines = [ln.strip() for ln in str(exc).splitlines() if "Error:" in ln]
     return lines[-1] if lines else str(exc).splitlines()[0]
+
+
+def raise_unless_recovering(failures: Mapping[Any, BaseException], sources: Sequence[Any], doing: str,
+                            retry: Retry) -> None:
+    """Raise `ServiceUnavailableError` when waiting for the loaders of `sources` cannot help:
+    one of them died in its restart (`cannot_restart`), or `retry`'s deadline passed. `doing`
+    says what they were asked (``"deliver step 7"``)."""
+    last = next(iter(failures.values()))
+    names = list(sources)[:8]
+    more = " ..." if len(sources) > 8 else ""
+    dead = next(filter(None, map(cannot_restart, failures.values())), None)
+    if dead is not None:
+        raise ServiceUnavailableError(f"the loader of sources {names}{more} cannot start again after a restart: "
+                                      f"{dead}") from last
+    if retry.expired():
+        raise ServiceUnavailableError(
+            f"the loaders of sources {names}{more} did not {doing} within {retry.timeout_s:g} s "
+            f"(fault_tolerance.recovery_timeout_s): {last!r}. Check the actors' logs (`ray logs`), raise the "
+            "timeout, or enable fault_tolerance.shadow_loaders") from last
 
 
 def read_buckets(loader: SourceLoader, plan: LoaderPlan, buckets: Sequence[int]) -> dict[str, list]:

@@ -43,12 +43,16 @@ from megascale_data_ext.dataplane.plan import LoaderPlan
 from megascale_data_ext.errors import SourceError
 from megascale_data_ext.runtime.calls import CallCounter
 from megascale_data_ext.runtime.failover import missing_buckets, read_buckets
-from megascale_data_ext.runtime.faults import crash_self
+from megascale_data_ext.runtime.fault_injection import crash_self
 from megascale_data_ext.runtime.loader import SourceLoader
 from megascale_data_ext.runtime.metrics import rss_bytes, samples_in, service_metrics
 from megascale_data_ext.sources.base import SourceSpec
 
-__all__ = ["GROUP_CONCURRENCY", "LoaderGroup", "LoaderGroupActor", "merge_fetches", "shard_of_plan"]
+#: ``(members, workers, ray options) -> actor handle``: a ready loader (group) actor with its plans wired.
+Spawn = Callable[[list[tuple[ShardRef, SourceSpec]], int, dict], Any]
+
+__all__ = ["GROUP_CONCURRENCY", "LoaderGroup", "LoaderGroupActor", "Spawn", "merge_fetches", "shard_of_plan",
+           "spawn_loader_groups", "spawn_shadows"]
 
 GROUP_CONCURRENCY = 16
 _log = logging.getLogger(__name__)
@@ -287,3 +291,29 @@ def merge_fetches(parts: Sequence[Mapping[str, list]]) -> dict[str, list]:
     samples = sorted((x for p in parts for x in p["samples"]), key=lambda x: (x[0], x[1]))
     skipped = sorted((x for p in parts for x in p["skipped"]), key=lambda x: (x[0], x[1]))
     return {"samples": samples, "skipped": skipped}
+
+
+def spawn_loader_groups(config: Any, planner: Any, restart_options: dict[str, Any]) -> Spawn:
+    """The `Spawn` of a Planner actor: restartable `LoaderGroupActor`s with its plans.
+
+    Returns at once (the actor starts in the background): the partition's actors start side by
+    side, and a shard created by scaling opens its sources during the ``lead_steps`` before its
+    boundary instead of holding up planning. A call that reaches it first waits for its start.
+    """
+
+    def spawn(members: list[tuple[ShardRef, SourceSpec]], workers: int, options: dict) -> Any:
+        return LoaderGroupActor.options(**restart_options, **options).remote(
+            members, config.seed, config.shuffle, workers, planner)
+
+    return spawn
+
+
+def spawn_shadows(config: Any, planner: Any, restart_options: dict[str, Any]) -> Callable[[list], Any]:
+    """The shadow spawner of a Planner actor (``fault_tolerance.shadow_loaders``): a direct-reading
+    `LoaderGroupActor` of the same members, spread by Ray away from its primary where it can."""
+
+    def spawn(members: list[tuple[ShardRef, SourceSpec]]) -> Any:
+        return LoaderGroupActor.options(**restart_options, scheduling_strategy="SPREAD").remote(
+            members, config.seed, config.shuffle, 1, planner, True)
+
+    return spawn

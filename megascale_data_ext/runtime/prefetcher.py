@@ -16,6 +16,8 @@ import logging
 import threading
 from collections.abc import Callable
 
+from megascale_data_ext.runtime.retry import backoff_s
+
 __all__ = ["Prefetcher"]
 
 _log = logging.getLogger(__name__)
@@ -67,7 +69,7 @@ class Prefetcher:
     def _loop(self) -> None:
         failures = 0
         while True:
-            self._wake.wait(timeout=min(0.1 * 2 ** failures, 5.0) if failures else None)
+            self._wake.wait(timeout=backoff_s(failures, base_s=0.1, cap_s=5.0) if failures else None)
             self._wake.clear()
             target = self.target
             if self._closed:

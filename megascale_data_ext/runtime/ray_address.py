@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import os
 import socket
-import time
 
 from megascale_data_ext.errors import ConfigError
+from megascale_data_ext.runtime.retry import Retry
 
 DEFAULT_GCS_PORT = 6379
 DEFAULT_CLIENT_PORT = 10001
@@ -47,17 +47,17 @@ def check_reachable(address: str | None, *, seconds: float = PROBE_SECONDS) -> N
     endpoint = None if address is None else host_port(address)
     if endpoint is None:
         return
-    deadline = time.monotonic() + seconds
+    retry = Retry(seconds, base_s=0.5, cap_s=0.5)
     last: OSError | None = None
-    while time.monotonic() < deadline:
+    while not retry.expired():
         try:
-            with socket.create_connection(endpoint, timeout=min(2.0, max(0.1, deadline - time.monotonic()))) as sock:
+            with socket.create_connection(endpoint, timeout=min(2.0, max(0.1, retry.left()))) as sock:
                 if os.environ.get("RAY_USE_TLS", "0").lower() not in ("1", "true"):
                     _speaks_grpc(sock, address, endpoint)
                 return
         except OSError as exc:
             last = exc
-            time.sleep(0.5)
+            retry.pause()
     raise ConfigError(f"`data.ray.address` {address!r}: nothing answers at {endpoint[0]}:{endpoint[1]} after "
                       f"{seconds:g} s ({last}); start the Ray head there (`ray start --head`), fix the address, "
                       "or set data.ray.address=null for an embedded local Ray")

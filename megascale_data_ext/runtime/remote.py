@@ -17,14 +17,15 @@ request carries the topology's ``job``; a constructor of another service refuses
 from __future__ import annotations
 
 import os
-import time
 from typing import Any
 
 import numpy as np
 
-from megascale_data_ext.errors import ConfigError
+from megascale_data_ext.errors import ConfigError, ServiceUnavailableError
 from megascale_data_ext.runtime.constructor import EncoderImages, merge_encoder_images
-from megascale_data_ext.runtime.faults import FaultInjector, FaultToleranceConfig, ServiceUnavailableError
+from megascale_data_ext.runtime.fault_injection import FaultInjector
+from megascale_data_ext.runtime.fault_tolerance import FaultToleranceConfig
+from megascale_data_ext.runtime.retry import Retry
 from megascale_data_ext.runtime.topology import PLANNER_NAME, ServiceTopology
 
 
@@ -193,29 +194,28 @@ class RemoteConstructors:
         from megascale_data_ext.runtime.failover import ACTOR_FAILURES
 
         ft = self.ft
-        t0 = time.monotonic()
-        deadline, attempts, last = t0 + ft.recovery_timeout_s, 0, None
+        retry, last = Retry(ft.recovery_timeout_s), None
         while True:
             try:
-                out = ray.get(ref, timeout=max(0.01, min(ft.rpc_timeout_s, deadline - time.monotonic())))
-                if attempts:
-                    self.recoveries.append({"step": step, "constructor": index, "rank": rank, "attempts": attempts,
-                                            "seconds": time.monotonic() - t0, "error": type(last).__name__})
+                out = ray.get(ref, timeout=max(0.01, min(ft.rpc_timeout_s, retry.left())))
+                if retry.attempts:
+                    self.recoveries.append({"step": step, "constructor": index, "rank": rank,
+                                            "attempts": retry.attempts, "seconds": retry.elapsed(),
+                                            "error": type(last).__name__})
                 return out
             except ACTOR_FAILURES as exc:
                 last = exc
                 timed_out = isinstance(exc, ray.exceptions.GetTimeoutError)
-                if not timed_out:
-                    attempts += 1
-                if attempts > ft.retries or time.monotonic() >= deadline:
+                if retry.attempts + (not timed_out) > ft.retries or retry.expired():
                     raise ServiceUnavailableError(
-                        f"constructor/{index} (serving rank {rank}) did not deliver step {step} after {attempts} "
-                        f"re-sends within {time.monotonic() - t0:.1f} s (fault_tolerance.retries={ft.retries}, "
-                        f"recovery_timeout_s={ft.recovery_timeout_s:g}): last error {exc!r}. Check the actor's "
-                        "log (`ray logs` / the dashboard); resume the job from its last checkpoint") from exc
+                        f"constructor/{index} (serving rank {rank}) did not deliver step {step} after "
+                        f"{retry.attempts + (not timed_out)} re-sends within {retry.elapsed():.1f} s "
+                        f"(fault_tolerance.retries={ft.retries}, recovery_timeout_s={ft.recovery_timeout_s:g}): "
+                        f"last error {exc!r}. Check the actor's log (`ray logs` / the dashboard); resume the job "
+                        "from its last checkpoint") from exc
                 if timed_out:  # alive but slow (a rebuild, a loader failover): keep waiting on the same call
                     continue
-                time.sleep(min(0.05 * 2 ** (attempts - 1), 1.0))
+                retry.pause()
                 handle = self._handle(index, fresh=True)  # the restarted actor, by name
                 ref = handle.get_step.remote(step, rank, step, job=self.topology.job)
                 self._resend_failed(handle, rank, step)

@@ -9,14 +9,14 @@ with shadow loaders its shadow answers when the primary is down or slow (`runtim
 
 from __future__ import annotations
 
-import time
 from collections import OrderedDict
 from collections.abc import Callable
 
 from megascale_data_ext.runtime.calls import CallCounter
-from megascale_data_ext.runtime.failover import cannot_restart
-from megascale_data_ext.runtime.faults import FaultToleranceConfig, ServiceUnavailableError
+from megascale_data_ext.runtime.failover import raise_unless_recovering
+from megascale_data_ext.runtime.fault_tolerance import FaultToleranceConfig
 from megascale_data_ext.runtime.loader_group import merge_fetches
+from megascale_data_ext.runtime.retry import Retry
 from megascale_data_ext.runtime.shadows import Replica, Suspects, first_answers
 
 __all__ = ["CACHED_STEPS", "RoutedFetch"]
@@ -66,9 +66,9 @@ class RoutedFetch:
             self.calls.add("constructor>loader fetch_many")
 
     def __call__(self, step: int, sources: list[int], buckets: list[int]) -> dict[int, dict[str, list]]:
-        deadline = time.monotonic() + self.ft.recovery_timeout_s
+        retry = Retry(self.ft.recovery_timeout_s)
         out: dict[int, dict[str, list]] = {}
-        todo, fresh, attempt = list(sources), False, 0
+        todo, fresh = list(sources), False
         while True:
             by_actor: dict[Replica, list[int]] = {}
             for s, reps in self._replicas(step, todo, fresh).items():
@@ -86,15 +86,6 @@ class RoutedFetch:
             out.update({s: merge_fetches(parts[s]) for s in todo if s not in failed})
             if not failed:
                 return out
-            last = next(iter(failures.values()))
-            dead = next(filter(None, map(cannot_restart, failures.values())), None)
-            if dead is not None:
-                raise ServiceUnavailableError(
-                    f"the loader of sources {sorted(failed)[:8]} cannot start again after a restart: {dead}") from last
-            if time.monotonic() > deadline:
-                raise ServiceUnavailableError(
-                    f"the loaders of sources {sorted(failed)[:8]} did not deliver step {step} within "
-                    f"{self.ft.recovery_timeout_s:g} s (fault_tolerance.recovery_timeout_s): {last!r}. Check the "
-                    "actors' logs (`ray logs`), raise the timeout, or enable fault_tolerance.shadow_loaders") from last
-            time.sleep(min(0.05 * 2 ** attempt, 1.0))
-            todo, fresh, attempt = [s for s in todo if s in failed], True, attempt + 1
+            raise_unless_recovering(failures, sorted(failed), f"deliver step {step}", retry)
+            retry.pause()
+            todo, fresh = [s for s in todo if s in failed], True

@@ -38,7 +38,7 @@ from megascale_data_ext.runtime.actors import PlannerActor
 from megascale_data_ext.runtime.constructor_actor import DataConstructorActor, constructor_concurrency
 from megascale_data_ext.runtime.checkpoints import PlannerCheckpoints
 from megascale_data_ext.runtime.config import ServiceConfig
-from megascale_data_ext.runtime.faults import FaultToleranceConfig
+from megascale_data_ext.runtime.fault_tolerance import FaultToleranceConfig
 from megascale_data_ext.runtime.handles import ServiceHandles
 from megascale_data_ext.runtime.malloc import cap_arenas_for_embedded_ray
 from megascale_data_ext.runtime.ray_address import check_reachable
@@ -170,14 +170,14 @@ class DataService:
             planner_opts = ft.actor_options(retry_tasks=True)
             loader_opts = ft.actor_options(retry_tasks=False)
             if cfg.autoscale.enabled:
-                from megascale_data_ext.runtime.autoscaler import build_autoscale_plan
+                from megascale_data_ext.runtime.autoscale_plan import build_autoscale_plan
 
                 plan, self.partition = build_autoscale_plan(cfg, nodes=self._nodes(), placement=placement,
                                                             progress=self.progress, restart_options=loader_opts)
                 self._phase("loaders partitioned", t0, f" ({len(self.config.sources)} sources -> "
                                                        f"{len(plan.actors)} loader actors)")
             else:
-                from megascale_data_ext.runtime.autoscaler import per_source_plan
+                from megascale_data_ext.runtime.autoscale_plan import per_source_plan
 
                 plan = per_source_plan(cfg, loader_opts)
             plan.shadows = ft.shadow_loaders
@@ -261,8 +261,9 @@ class DataService:
         None for an actor that is dead for good (no restarts)."""
         return ask_all(handles, method, timeout_s=self.ft.recovery_timeout_s)
 
-    def _actor_rows(self) -> list[tuple[dict[str, Any], Any]]:
-        return actor_rows(self.planner, self.constructors, self.topology, timeout_s=self.ft.recovery_timeout_s)
+    def _actor_rows(self, timeout_s: float | None = None) -> list[tuple[dict[str, Any], Any]]:
+        return actor_rows(self.planner, self.constructors, self.topology,
+                          timeout_s=self.ft.recovery_timeout_s if timeout_s is None else timeout_s)
 
     def actors(self) -> list[dict[str, Any]]:
         """Every actor of the service (`runtime.actor_table.ActorRow`): role, state, pid, node, home,
@@ -270,39 +271,41 @@ class DataService:
         store (it answers while an actor restarts)."""
         return [row for row, _ in self._actor_rows()]
 
-    def move_home(self, *, only: set[str] | None = None) -> list[str]:
-        """Restart the actors running off a home node that is alive again (`placement.away_from_home`;
-        `only`: just these actor ids): Ray schedules each restart at its home. Returns the roles
-        moved. A move is a restart, which the service survives like any other (nothing lost);
-        without restarts it moves nothing."""
-        if not self.ft.restart:
-            return []
+    def move_home(self) -> list[str]:
+        """Restart the actors running off a home node that is alive again (`placement.away_from_home`):
+        Ray schedules each restart at its home. Returns the roles moved. A move is a restart, which
+        the service survives like any other (nothing lost); without restarts it moves nothing."""
+        return self._move(self._away()) if self.ft.restart else []
+
+    def _move(self, away: dict[str, tuple[dict[str, Any], Any]], only: set[str] | None = None) -> list[str]:
         moved = []
-        for row, handle in self._away().values():
-            if only is None or row["actor_id"] in only:
+        for actor_id, (row, handle) in away.items():
+            if only is None or actor_id in only:
                 ray.kill(handle, no_restart=False)
                 moved.append(row["role"])
         if moved and self.progress is not None:
             self.progress(f"moved {len(moved)} actors back to their home nodes: {', '.join(moved)}")
         return moved
 
-    def _away(self) -> dict[str, tuple[dict[str, Any], Any]]:
+    def _away(self, timeout_s: float | None = None) -> dict[str, tuple[dict[str, Any], Any]]:
         from megascale_data_ext.runtime.placement import ClusterNodes, away_from_home
 
-        placed = self._actor_rows()
+        placed = self._actor_rows(timeout_s)
         away = {row["actor_id"] for row in away_from_home([row for row, _ in placed], ClusterNodes.discover())}
         return {row["actor_id"]: (row, handle) for row, handle in placed if row["actor_id"] in away}
 
     def _watch_homes(self, every_s: float) -> None:
         """Every `every_s`, move home the actors seen away on two checks in a row (a node that just
-        returned settles first). Runs in `_home_watch`; stopped by `stop()` before Ray is."""
+        returned settles first). Runs in `_home_watch`; stopped by `stop()` before Ray is. A check
+        waits at most `every_s` (≤ 5 s) for a restarting actor, so a stop is never held up longer."""
         seen: set[str] = set()
         while not self._stopping.wait(every_s):
             try:
-                away = set(self._away())
-                if away & seen and not self._stopping.is_set():
-                    self.move_home(only=away & seen)
-                seen = away - seen
+                away = self._away(min(every_s, 5.0))
+                due = set(away) & seen
+                if due and self.ft.restart and not self._stopping.is_set():
+                    self._move(away, due)
+                seen = set(away) - seen
             except Exception:  # noqa: BLE001 - an actor restarting or a node leaving: ask again next time
                 seen = set()
 

@@ -12,7 +12,7 @@ runs; only the import cost moves to that call.
 then runs the target unchanged as ``__main__`` (a test's own worker script, an example, or a module)::
 
     python -m torch.distributed.run ... tests/dist/lazy_compile.py examples/pretrain_gpt.py ARGS
-    python -m torch.distributed.run ... tests/dist/lazy_compile.py -m megascale_data_ext.megatron.train_worker ARGS
+    python -m torch.distributed.run ... tests/dist/lazy_compile.py -m megascale_data_ext.trainer.train_worker ARGS
 """
 
 from __future__ import annotations

@@ -94,7 +94,7 @@ def main() -> int:
     import torch
     from megatron.core import parallel_state as ps
 
-    from megascale_data_ext.megatron.model import (
+    from megascale_data_ext.trainer.model import (
         GPTModelConfig, build_model_chunks, init_layout_invariant, initialize_parallel, stage_batch_keys, train_step,
     )
 

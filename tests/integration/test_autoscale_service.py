@@ -139,7 +139,7 @@ def test_injected_planner_and_loader_kills_through_the_client_lose_nothing(specs
     with the shard counts it had scaled to (its old actors died with it); the loader kill hits the
     actors serving source 0 then (`loaders_of`). Constructors re-route; every microbatch equals the
     in-process run."""
-    from megascale_data_ext.runtime.faults import FaultToleranceConfig
+    from megascale_data_ext.runtime.fault_tolerance import FaultToleranceConfig
     from megascale_data_ext.runtime.remote import RemoteConstructors
 
     profiles = journal(specs, tmp_path / "profiles.json", latency_s=[0.2] + [1e-4] * (SOURCES - 1))

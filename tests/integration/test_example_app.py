@@ -1,4 +1,4 @@
-"""The examples' Hydra-style command line (megascale_data_ext/megatron/app.py): --help, --cfg job,
+"""The examples' Hydra-style command line (megascale_data_ext/trainer/app.py): --help, --cfg job,
 a user's own --config-dir whose config uses the package's groups, trained for real under torchrun
 on the user's own JSONL sources, and a bad config value reported in one line, not a traceback flood."""
 
@@ -195,7 +195,7 @@ def test_bad_config_value_exits_nonzero_with_one_line_per_rank(tmp_path):
     out = err.value.output
     assert err.value.returncode not in (0, None)
     assert "error: ConfigError" in out and "`data.seq_length`" in out
-    assert 'megascale_data_ext/megatron/app.py", line' not in out  # no rank printed its traceback
+    assert 'megascale_data_ext/trainer/app.py", line' not in out  # no rank printed its traceback
     assert out.count("Traceback (most recent call last)") <= 1     # torchrun's own launcher traceback only
     assert not (tmp_path / "logs").exists()
 

@@ -1,6 +1,6 @@
 """Killed actors on a real local Ray: the trainer's delivered tokens stay exactly the fault-free stream.
 
-Every kill is a SIGKILL the actor sends itself (`runtime.faults`). The reference is the same
+Every kill is a SIGKILL the actor sends itself (`runtime.fault_injection`). The reference is the same
 config wired in one process without Ray (`InProcessService`), whose delivered documents are
 compared with the faulted run's as multisets of token sequences (not the service's counters).
 """
@@ -16,7 +16,8 @@ import ray
 from megascale_data_ext.commands.bench_faults import compare, consume, documents
 from megascale_data_ext.dataplane.placetree import ClientPlaceTree
 from megascale_data_ext.runtime.config import RayConfig, ServiceConfig
-from megascale_data_ext.runtime.faults import FaultToleranceConfig, ServiceUnavailableError
+from megascale_data_ext.errors import ServiceUnavailableError
+from megascale_data_ext.runtime.fault_tolerance import FaultToleranceConfig
 from megascale_data_ext.runtime.inprocess import InProcessService
 from megascale_data_ext.runtime.remote import RemoteConstructors, actor_crasher
 from megascale_data_ext.runtime.service import DataService

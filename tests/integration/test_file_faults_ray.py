@@ -23,7 +23,8 @@ from megascale_data_ext.commands.bench_faults import documents
 from megascale_data_ext.dataplane.placetree import ClientPlaceTree
 from megascale_data_ext.errors import SourceError, root_cause
 from megascale_data_ext.runtime.config import AutoscaleConfig, RayConfig, ServiceConfig
-from megascale_data_ext.runtime.faults import FaultToleranceConfig, ServiceUnavailableError
+from megascale_data_ext.errors import ServiceUnavailableError
+from megascale_data_ext.runtime.fault_tolerance import FaultToleranceConfig
 from megascale_data_ext.runtime.inprocess import InProcessService
 from megascale_data_ext.runtime.remote import RemoteConstructors
 from megascale_data_ext.runtime.service import DataService

@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from megascale_data_ext.errors import ConfigError, ParallelLayoutError, SampleError
-from megascale_data_ext.megatron.model import GPTModelConfig, forward_step, stage_batch_keys
+from megascale_data_ext.trainer.model import GPTModelConfig, forward_step, stage_batch_keys
 from megascale_data_ext.patches import CPU_SHIMS, active_cpu_shims, apply_cpu_shims, remove_cpu_shims
 from tests.dist.launch import run_torchrun
 from tests.dist.train_gpt_cpu import expected_num_tokens, make_microbatch
@@ -177,7 +177,7 @@ def test_forward_step_names_missing_keys() -> None:
 
 
 def test_lr_schedule_warms_up_linearly_then_decays_by_cosine_to_min_lr() -> None:
-    from megascale_data_ext.megatron.pretrain import lr_factor
+    from megascale_data_ext.trainer.pretrain import lr_factor
 
     f = [lr_factor(s, warmup=4, decay=12, min_ratio=0.1, style="cosine") for s in range(14)]
     assert f[:4] == [0.25, 0.5, 0.75, 1.0]
@@ -189,7 +189,7 @@ def test_lr_schedule_warms_up_linearly_then_decays_by_cosine_to_min_lr() -> None
 def test_step_line_counts_samples_deferred_and_per_source() -> None:
     from types import SimpleNamespace
 
-    from megascale_data_ext.megatron.pretrain import step_counts
+    from megascale_data_ext.trainer.pretrain import step_counts
 
     summary = {"samples": 7, "per_source": [3, 4]}
     assert step_counts(summary, SimpleNamespace(samples_per_step=8, tokens_per_step=None)) == \
@@ -203,7 +203,7 @@ def one_process() -> Any:
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    from megascale_data_ext.megatron.model import initialize_parallel
+    from megascale_data_ext.trainer.model import initialize_parallel
     from tests.dist.launch import free_port
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
@@ -217,8 +217,8 @@ def one_process() -> Any:
 def _recipe_run(bf16: bool, clip: float, steps: int = 3) -> tuple[list[dict[str, float]], list[torch.nn.Module], Any]:
     from omegaconf import OmegaConf
 
-    from megascale_data_ext.megatron.model import build_model_chunks, init_layout_invariant, train_step
-    from megascale_data_ext.megatron.pretrain import build_optimizer
+    from megascale_data_ext.trainer.model import build_model_chunks, init_layout_invariant, train_step
+    from megascale_data_ext.trainer.pretrain import build_optimizer
 
     cfg = GPTModelConfig(vocab_size=VOCAB, hidden_size=32, num_layers=2, num_attention_heads=4, seq_length=SEQ,
                          bf16=bf16)
@@ -341,7 +341,7 @@ def _cp_worker(out: Path) -> None:
     from megatron.core import parallel_state as ps
 
     from megascale_data_ext.dataplane.cp_slicing import slice_for_cp
-    from megascale_data_ext.megatron.model import (
+    from megascale_data_ext.trainer.model import (
         GPTModelConfig, build_model_chunks, init_layout_invariant, initialize_parallel, train_step,
     )
 

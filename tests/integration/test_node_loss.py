@@ -25,7 +25,7 @@ from megascale_data_ext.dataplane.partitioner import MiB
 from megascale_data_ext.dataplane.placetree import ClientPlaceTree
 from megascale_data_ext.dataplane.profiles import ProfileJournal, SourceProfile
 from megascale_data_ext.runtime.config import AutoscaleConfig, PlacementConfig, RayConfig, ServiceConfig
-from megascale_data_ext.runtime.faults import FaultToleranceConfig
+from megascale_data_ext.runtime.fault_tolerance import FaultToleranceConfig
 from megascale_data_ext.runtime.inprocess import InProcessService
 from megascale_data_ext.runtime.remote import RemoteConstructors, actor_crasher
 from megascale_data_ext.runtime.service import DataService

@@ -48,10 +48,10 @@ def config(specs, namespace="t", **kw):
 
 
 def train_workers(handles, out, *args: str) -> dict[int, dict]:
-    """8 torchrun ranks of `megatron.train_worker` on the service; returns {rank: its log}.
+    """8 torchrun ranks of `trainer.train_worker` on the service; returns {rank: its log}.
     (Started through tests/dist/lazy_compile.py: megatron's fusions compile on first call, not at import.)"""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=8", str(LAZY_COMPILE),
-           "-m", "megascale_data_ext.megatron.train_worker", *args, "--seq-length", "1024",
+           "-m", "megascale_data_ext.trainer.train_worker", *args, "--seq-length", "1024",
            "--vocab-size", str(ByteTokenizer().vocab_size), "--namespace", handles.namespace,
            "--address", handles.address, "--record-digests", "--out", str(out)]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))

@@ -18,7 +18,7 @@ from megascale_data_ext.commands.bench_consumers import step_digest
 from megascale_data_ext.dataplane.placetree import ClientPlaceTree
 from megascale_data_ext.errors import ConfigError, JobMismatchError
 from megascale_data_ext.runtime.config import RayConfig, ServiceConfig
-from megascale_data_ext.runtime.faults import FaultToleranceConfig
+from megascale_data_ext.runtime.fault_tolerance import FaultToleranceConfig
 from megascale_data_ext.runtime.inprocess import InProcessService
 from megascale_data_ext.runtime.remote import RemoteConstructors
 from megascale_data_ext.runtime.service import DataService

@@ -1,4 +1,4 @@
-"""Per-document attention (megatron/attention.py) against the dense block-diagonal path, on CPU.
+"""Per-document attention (trainer/attention.py) against the dense block-diagonal path, on CPU.
 
 The kernel tests compare `DocumentAttention` on THD inputs with torch SDPA under the dense
 S x S document mask (forward and every input gradient); the model tests build the real
@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from megascale_data_ext.dataplane.packing import pack_microbatch
 from megascale_data_ext.errors import ConfigError, ParallelLayoutError
-from megascale_data_ext.megatron.attention import (
+from megascale_data_ext.trainer.attention import (
     DocumentAttention,
     dense_document_mask,
     gpt_layer_spec,
@@ -35,7 +35,7 @@ def megatron_1proc():
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    from megascale_data_ext.megatron.model import GPTModelConfig, initialize_parallel
+    from megascale_data_ext.trainer.model import GPTModelConfig, initialize_parallel
     from megascale_data_ext.patches import remove_cpu_shims
     from tests.dist.launch import free_port
 
@@ -109,7 +109,7 @@ def _batch(seed: int = 3) -> dict[str, np.ndarray]:
 @pytest.mark.parametrize("position", ["rope", "learned_absolute"])
 def test_gpt_with_document_attention_equals_dense_mask(megatron_1proc, position):
     """Same weights, same pack: THD per-document attention == dense block-diagonal mask (loss and grads)."""
-    from megascale_data_ext.megatron.model import GPTModelConfig, build_gpt_model, forward_step
+    from megascale_data_ext.trainer.model import GPTModelConfig, build_gpt_model, forward_step
 
     losses, grads, state = {}, {}, {}
     for backend in ("flex", "dense"):
@@ -136,7 +136,7 @@ def test_gpt_with_document_attention_equals_dense_mask(megatron_1proc, position)
 
 def test_dense_backend_builds_the_mask_from_cu_seqlens(megatron_1proc):
     """A batch sent without the O(s^2) mask still attends per document on the dense path."""
-    from megascale_data_ext.megatron.model import GPTModelConfig, build_gpt_model, forward_step
+    from megascale_data_ext.trainer.model import GPTModelConfig, build_gpt_model, forward_step
 
     cfg = GPTModelConfig(vocab_size=128, hidden_size=32, num_layers=2, num_attention_heads=4, attention="dense")
     model = build_gpt_model(cfg, pre_process=True, post_process=True)

@@ -27,7 +27,7 @@ from hypothesis import strategies as st
 
 from megascale_data_ext.dataplane.microbatch import check_megatron_batch, pack_microbatch, pad_for_cp, slice_for_cp
 from megascale_data_ext.dataplane.placetree import ClientPlaceTree
-from megascale_data_ext.megatron.attention import packed_seq_params
+from megascale_data_ext.trainer.attention import packed_seq_params
 
 mutils = pytest.importorskip("megatron.core.utils")
 SEQUENCE_KEYS = ("tokens", "labels", "loss_mask", "position_ids", "source_ids")

@@ -90,3 +90,18 @@ def test_the_root_and_the_actor_modules_load_neither_torch_nor_ray() -> None:
         "assert not heavy, heavy\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_layers_import_only_downwards() -> None:
+    """The data plane needs nothing of the runtime or Megatron; the integration a Megatron user
+    imports (`megatron/`) needs nothing of the reference trainer (`trainer/`)."""
+    graph = import_graph()
+
+    def reaching(layer: str, forbidden: tuple[str, ...]) -> dict[str, list[str]]:
+        return {m: sorted(d for d in deps if d.startswith(forbidden))
+                for m, deps in graph.items() if m.startswith(layer) and any(d.startswith(forbidden) for d in deps)}
+
+    pkg = "megascale_data_ext."
+    assert reaching(pkg + "dataplane", (pkg + "runtime", pkg + "megatron", pkg + "trainer", pkg + "sources")) == {}
+    assert reaching(pkg + "megatron", (pkg + "trainer", pkg + "commands")) == {}
+    assert reaching(pkg + "runtime", (pkg + "trainer", pkg + "commands")) == {}

@@ -92,7 +92,7 @@ def test_scalar_log_writes_every_interval_and_reads_back(tmp_path):
     pytest.importorskip("tensorboard", reason="the `tensorboard` extra (installed by the test extra)")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from megascale_data_ext.megatron.tensorboard import ScalarLog
+    from megascale_data_ext.trainer.tensorboard import ScalarLog
 
     log = ScalarLog(tmp_path, interval=2, source_names=["web", "code"])
     for step in range(4):

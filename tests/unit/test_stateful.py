@@ -231,7 +231,8 @@ def test_reading_buckets_from_the_plan_equals_popping_them(specs):
 
 def test_fault_schedules_parse_and_bad_entries_are_named():
     from megascale_data_ext.errors import ConfigError
-    from megascale_data_ext.runtime.faults import FaultInjector, FaultToleranceConfig, parse_faults
+    from megascale_data_ext.runtime.fault_injection import FaultInjector, parse_faults
+    from megascale_data_ext.runtime.fault_tolerance import FaultToleranceConfig
 
     specs = parse_faults("planner@every15, loader:0-4@10;constructor:1@7")
     assert [(s.component, s.indices, s.at, s.every) for s in specs] == [

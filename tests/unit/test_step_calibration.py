@@ -1,4 +1,4 @@
-"""Online cost-model fit from step times (megatron/step_calibration.py): each step's time is
+"""Online cost-model fit from step times (trainer/step_calibration.py): each step's time is
 attributed to the rank the fit predicts slowest, the fit recovers the machine's coefficients,
 a saved profile fit is the prior, and calibration.json is reusable as `model: calibrated:<path>`."""
 
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from megascale_data_ext.dataplane.calibration import CalibratedCost, load_calibration
-from megascale_data_ext.megatron.step_calibration import StepCalibration, plan_microbatches
+from megascale_data_ext.trainer.step_calibration import StepCalibration, plan_microbatches
 
 TRUE = CalibratedCost(fixed=0.02, linear=2e-5, quadratic=4e-9)
 

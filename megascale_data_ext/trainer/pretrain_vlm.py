@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from megascale_data_ext.errors import ConfigError
-from megascale_data_ext.megatron.pretrain import TrainingSession, build_optimizer, gpt_model_config, step_counts
+from megascale_data_ext.trainer.pretrain import TrainingSession, build_optimizer, gpt_model_config, step_counts
 
 __all__ = ["encoder_balance", "pretrain_vlm"]
 
@@ -49,7 +49,7 @@ def pretrain_vlm(cfg: Any) -> list[dict]:
     from megatron.core.utils import get_attr_wrapped_model
 
     from megascale_data_ext.config import load_config
-    from megascale_data_ext.megatron.vlm import FrozenViT, ViTConfig, VLMFeed, build_vlm_chunks, exchange_features
+    from megascale_data_ext.trainer.vlm import FrozenViT, ViTConfig, VLMFeed, build_vlm_chunks, exchange_features
     from megascale_data_ext.sources.tokenizer import load_tokenizer
 
     cp = int(cfg.parallel.get("context_parallel_size", 1))

@@ -1,7 +1,7 @@
 """A small megatron-core GPTModel with a Megatron-style forward step and train step.
 
 This is the trainer side the data service feeds in tests, examples and benchmarks: real
-`megatron.core.models.gpt.GPTModel` chunks whose attention `megatron.attention` chooses
+`megatron.core.models.gpt.GPTModel` chunks whose attention `trainer.attention` chooses
 (per-document THD attention from the batch's ``cu_seqlens``: Transformer Engine's, or this
 project's over torch kernels; the dense S x S mask as a fallback), megatron's own pipeline
 schedules with ``variable_seq_lengths=True`` (each microbatch may have its own length after
@@ -39,7 +39,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import get_attr_wrapped_model
 
 from megascale_data_ext.errors import ConfigError, ParallelLayoutError, SampleError
-from megascale_data_ext.megatron.attention import (
+from megascale_data_ext.trainer.attention import (
     ATTENTION_BACKENDS,
     AttentionBackend,
     dense_document_mask,
@@ -80,7 +80,7 @@ class GPTModelConfig:
     """Shape and parallel layout of the GPT trained on the service's batches.
 
     ``vpp`` is the number of model chunks per pipeline rank (None: no interleaving).
-    ``attention`` picks the attention backend (`megatron.attention.resolve_attention`); ``cp``
+    ``attention`` picks the attention backend (`trainer.attention.resolve_attention`); ``cp``
     > 1 needs a per-document one (``te``/``flex``/``auto``). ``bf16`` trains in Megatron's bf16
     mixed precision. ``per_token_loss`` is Megatron's ``--calculate-per-token-loss``: gradients of
     the global token-mean loss whatever the DP/CP split (else each microbatch and CP slice is

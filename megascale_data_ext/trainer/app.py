@@ -28,9 +28,9 @@ prints the root cause of a failure (the first failing rank's error file). Our ow
 :class:`~megascale_data_ext.errors.MegascaleDataError` (a bad config value, a missing source, a
 source failing inside the service mid-run: unwrapped from Ray's ``RayTaskError``) is printed as
 one line ``error: <Type>: <message> (full log: <path>)`` per rank instead of a traceback, with exit
-code 1; the log (``megatron.run_dir.error_log_path``) holds the whole chain, remote tracebacks included.
+code 1; the log (``trainer.run_dir.error_log_path``) holds the whole chain, remote tracebacks included.
 With ``train.run_dir`` set, rank 0 first writes the composed config and the overrides there
-(``.hydra/config.yaml``, ``.hydra/overrides.yaml``, see :mod:`~megascale_data_ext.megatron.run_dir`).
+(``.hydra/config.yaml``, ``.hydra/overrides.yaml``, see :mod:`~megascale_data_ext.trainer.run_dir`).
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ from typing import Any
 
 from megascale_data_ext.errors import ConfigError, MegascaleDataError, root_cause
 from megascale_data_ext.megatron.preflight import preflight
-from megascale_data_ext.megatron.run_dir import error_log_path, resolve_run_paths, write_error_log, write_run_config
+from megascale_data_ext.trainer.run_dir import error_log_path, resolve_run_paths, write_error_log, write_run_config
 
 TrainFn = Callable[[Any], "list[dict] | None"]
 
@@ -226,7 +226,7 @@ def quiet_imports() -> None:
     The fallbacks it announces when Transformer Engine or Apex is absent (a CPU run, or a GPU
     image without them) are the ones these examples are built to use: ``model.attention``
     picks the backend and says which. (Its ``cuda_graph_scope`` deprecation warning is avoided
-    where the config is built: `megatron.model.quiet_config_defaults`.)
+    where the config is built: `trainer.model.quiet_config_defaults`.)
     """
     warnings.filterwarnings("ignore", message=r"(Transformer Engine and Apex are|Apex is) not installed\. "
                                               r"Falling back to", category=UserWarning)

@@ -201,7 +201,7 @@ def build_optimizer(chunks: list, train: Any, *, bf16: bool = False) -> tuple[An
 
 def gpt_model_config(cfg: Any, service_cfg: Any, vocab: int) -> Any:
     """The backbone's `GPTModelConfig` from the run config (`model`, `parallel`, `train` nodes)."""
-    from megascale_data_ext.megatron.model import GPTModelConfig
+    from megascale_data_ext.trainer.model import GPTModelConfig
 
     par, mcfg = cfg.parallel, cfg.model
     tp = int(par.tensor_model_parallel_size)
@@ -227,7 +227,7 @@ class TrainingSession:
     def __init__(self, cfg: Any, service_cfg: Any, model_cfg: Any) -> None:
         from megascale_data_ext.dataplane.placetree import ClientPlaceTree
         from megascale_data_ext.megatron.groups import broadcast_group
-        from megascale_data_ext.megatron.model import initialize_parallel
+        from megascale_data_ext.trainer.model import initialize_parallel
         from megascale_data_ext.runtime.client import Client
 
         self.cfg, self.service_cfg = cfg, service_cfg
@@ -267,7 +267,7 @@ class TrainingSession:
         directory = self.cfg.train.get("tensorboard_dir")
         if self.rank != 0 or not directory:
             return None
-        from megascale_data_ext.megatron.tensorboard import ScalarLog
+        from megascale_data_ext.trainer.tensorboard import ScalarLog
 
         return ScalarLog(directory, interval=int(self.cfg.train.get("log_interval") or 1),
                          source_names=[s.name for s in self.service_cfg.sources])
@@ -290,7 +290,7 @@ class TrainingSession:
             report: Rank 0's per-step printout (default: loss, balance, tokens/s, fetch latency).
         """
         from megascale_data_ext.megatron.hooks import install
-        from megascale_data_ext.megatron.model import train_step
+        from megascale_data_ext.trainer.model import train_step
 
         client, tcfg, m = self.client, self.cfg.train, self.service_cfg.num_microbatches
         hooks = install(client, num_model_chunks=len(chunks), start_step=self.start, transform=transform,
@@ -354,7 +354,7 @@ class TrainingSession:
             return None
         import ray
 
-        from megascale_data_ext.megatron.step_calibration import StepCalibration
+        from megascale_data_ext.trainer.step_calibration import StepCalibration
 
         planner = self.service.planner
 
@@ -389,7 +389,7 @@ def step_counts(summary: dict, service_cfg: Any) -> str:
 def pretrain_gpt(cfg: Any) -> list[dict]:
     """Run `cfg.train.train_iters` steps of GPT pretraining on the service; returns this rank's step log."""
     from megascale_data_ext.config import load_config
-    from megascale_data_ext.megatron.model import build_model_chunks
+    from megascale_data_ext.trainer.model import build_model_chunks
     from megascale_data_ext.sources.tokenizer import load_tokenizer
 
     cp = int(cfg.parallel.get("context_parallel_size", 1))

@@ -48,7 +48,7 @@ from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megascale_data_ext.errors import ConfigError, SampleError
-from megascale_data_ext.megatron.model import GPTModelConfig, build_gpt_model, device, quiet_config_defaults
+from megascale_data_ext.trainer.model import GPTModelConfig, build_gpt_model, device, quiet_config_defaults
 
 __all__ = ["FrozenViT", "ViTConfig", "VLMChunk", "VLMFeed", "build_vlm_chunks", "exchange_features"]
 

@@ -1,6 +1,6 @@
 """One trainer rank of the main job: megatron-core GPT trained on the service's batches.
 
-Run under torchrun (``python -m torch.distributed.run ... -m megascale_data_ext.megatron.train_worker``).
+Run under torchrun (``python -m torch.distributed.run ... -m megascale_data_ext.trainer.train_worker``).
 Each rank initialises torch.distributed (gloo on CPU; NCCL for CUDA tensors on ``cuda:LOCAL_RANK``
 when CUDA is present) + Megatron's `parallel_state`, builds its `ClientPlaceTree` from Megatron; rank 0 asks the service's Planner for its `ServiceTopology` and shares it, fetching
 ranks join the Ray cluster of the service on their first fetch, and every rank trains through
@@ -35,7 +35,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--hidden", type=int, default=64)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--attention", default="auto", help="auto|te|flex|dense (megatron/attention.py)")
+    p.add_argument("--attention", default="auto", help="auto|te|flex|dense (trainer/attention.py)")
     p.add_argument("--bf16", action="store_true", help="Megatron bf16 mixed precision")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--warmup", type=int, default=1, help="linear LR warm-up steps")
@@ -50,15 +50,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from megascale_data_ext.megatron.app import quiet_imports
+    from megascale_data_ext.trainer.app import quiet_imports
 
     quiet_imports()  # megatron-core's TE/Apex fallback notices: the CPU run uses the fallbacks on purpose
     from omegaconf import OmegaConf
 
     from megascale_data_ext.dataplane.placetree import ClientPlaceTree
     from megascale_data_ext.megatron.groups import broadcast_group
-    from megascale_data_ext.megatron.model import GPTModelConfig, build_model_chunks, initialize_parallel, train_step
-    from megascale_data_ext.megatron.pretrain import build_optimizer, step_counts
+    from megascale_data_ext.trainer.model import GPTModelConfig, build_model_chunks, initialize_parallel, train_step
+    from megascale_data_ext.trainer.pretrain import build_optimizer, step_counts
     from megascale_data_ext.runtime.client import Client
     from megascale_data_ext.runtime.remote import RemoteConstructors, fetch_topology
 
