@@ -162,13 +162,14 @@ def measure_service(specs: list[Any], *, ranks: int, seq_length: int, steps: int
     from megascale_data_ext.dataplane.partitioner import NodeResources, PartitionLimits, partition
     from megascale_data_ext.dataplane.placetree import ClientPlaceTree
     from megascale_data_ext.dataplane.scaling import ScalingConfig
-    from megascale_data_ext.runtime.actors import PlannerActor
+    from megascale_data_ext.runtime.actors import NO_FAULT_TOLERANCE
     from megascale_data_ext.runtime.autoscale_plan import AutoscalePlan, LoaderActorSpec
     from megascale_data_ext.runtime.routing import RoutedFetch
     from megascale_data_ext.runtime.config import RayConfig, ServiceConfig
     from megascale_data_ext.runtime.constructor import DataConstructor
-    from megascale_data_ext.runtime.loader_group import LoaderGroupActor
+    from megascale_data_ext.runtime.loader_group import spawn_shadows
     from megascale_data_ext.runtime.topology import ServiceTopology
+    from megascale_data_ext.runtime.wiring import start_planner
 
     tree = ClientPlaceTree.from_sizes(dp=ranks)
     cfg = ServiceConfig(sources=specs, seed=seed, samples_per_step=2 * ranks, num_microbatches=2,
@@ -182,7 +183,7 @@ def measure_service(specs: list[Any], *, ranks: int, seq_length: int, steps: int
     groups = [a.sources for a in plan.assignments]
     fleet = AutoscalePlan(actors=[LoaderActorSpec(shards=list(a.shards), workers=a.workers) for a in plan.assignments],
                           scaling=ScalingConfig(capacity=(1.0,) * len(specs), max_shards=1), online=False)
-    planner = PlannerActor.remote(cfg, topo, fleet)
+    planner = start_planner(cfg, topo, fleet, NO_FAULT_TOLERANCE, named=False)
     con = DataConstructor(list(range(ranks)), cfg, topo,
                           get_plan=lambda step, b: ray.get(planner.constructor_plan.remote(step, b)),
                           fetch=RoutedFetch(lambda step, ss: ray.get(planner.routes.remote(step, ss))),
@@ -203,8 +204,8 @@ def measure_service(specs: list[Any], *, ranks: int, seq_length: int, steps: int
             break
     loader_mem = _pid_memory(loaders)
     planner_mem = _pid_memory([planner])[0]
-    shadows = [LoaderGroupActor.remote([(sh, specs[sh.source]) for sh in a.shards], cfg.seed, cfg.shuffle, 1, planner,
-                                       True) for a in plan.assignments]
+    shadow = spawn_shadows(cfg, planner, {})
+    shadows = [shadow([(sh, specs[sh.source]) for sh in a.shards]) for a in plan.assignments]
     ray.get([s.ready.remote() for s in shadows])
     shadow_mem = _pid_memory(shadows)
     for h in [*shadows, *loaders, planner]:
@@ -216,24 +217,24 @@ def measure_service(specs: list[Any], *, ranks: int, seq_length: int, steps: int
             "steps_served": step, "row_groups_held": held, "row_groups_full": want, "row_group_mib": nbytes / MiB}
 
 
-def measure_constructor(spec: Any, *, seq_length: int, ranks_per_node: int, seed: int,
-                        image_token_id: int | None = None) -> float:
-    """USS (MiB) of one real DataConstructorActor serving a node's ranks for two steps from `spec`."""
+def measure_constructor(spec: Any, *, seq_length: int, ranks_per_node: int, seed: int) -> float:
+    """USS (MiB) of one real DataConstructorActor serving a node's ranks for two steps from `spec`
+    (its pad and image tokens from `spec`'s tokenizer, as the service's)."""
     import ray
 
     from megascale_data_ext.dataplane.placetree import ClientPlaceTree
-    from megascale_data_ext.runtime.actors import PlannerActor
+    from megascale_data_ext.runtime.actors import NO_FAULT_TOLERANCE
     from megascale_data_ext.runtime.autoscale_plan import per_source_plan
-    from megascale_data_ext.runtime.constructor_actor import DataConstructorActor
     from megascale_data_ext.runtime.config import RayConfig, ServiceConfig
     from megascale_data_ext.runtime.topology import ServiceTopology
+    from megascale_data_ext.runtime.wiring import start_constructors, start_planner
 
     cfg = ServiceConfig(sources=[spec], seed=seed, samples_per_step=2 * ranks_per_node, num_microbatches=2,
                         seq_length=seq_length, strategy="vanilla", buffer_size=256, prefetch=2,
                         constructor_group=ranks_per_node, ray=RayConfig(namespace="bench-memory-constructor"))
     topo = ServiceTopology.of(cfg, ClientPlaceTree.from_sizes(dp=ranks_per_node))
-    planner = PlannerActor.remote(cfg, topo, per_source_plan(cfg))
-    con = DataConstructorActor.remote(list(topo.constructor_groups[0]), cfg, topo, planner, 0, image_token_id)
+    planner = start_planner(cfg, topo, per_source_plan(cfg), NO_FAULT_TOLERANCE, named=False)
+    con, = start_constructors(cfg, topo, planner, NO_FAULT_TOLERANCE, named=False)
     for step in range(2):
         ray.get([con.get_step.remote(step, r) for r in range(ranks_per_node)])
     uss = _pid_memory([con])[0]["uss"] / MiB
@@ -343,7 +344,7 @@ def _run_workload(workload: str, args: argparse.Namespace, root: Path, t0: float
     _progress(f"{workload}: profiled and Ray started at {time.perf_counter() - t0:.0f} s")
     try:
         con_mib = measure_constructor(specs[0], seq_length=seq_length, ranks_per_node=args.ranks_per_node,
-                                      seed=args.seed, image_token_id=image_token_id) \
+                                      seed=args.seed) \
             if args.ranks_per_node > 0 else 0.0
         _progress(f"{workload}: constructor measured at {time.perf_counter() - t0:.0f} s")
         grid = [(r, s) for s in sources_grid for r in ranks_grid]

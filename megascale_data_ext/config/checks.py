@@ -164,7 +164,7 @@ def check_mixing(cfg: MegascaleDataConfig, path: str, problems: Problems) -> Non
 
 def check_strategy(cfg: MegascaleDataConfig, path: str, problems: Problems) -> None:
     """One of name/_target_, importable, known argument names and values, and it builds."""
-    from megascale_data_ext.dataplane.strategies import STRATEGIES
+    from megascale_data_ext.dataplane.strategies import STRATEGIES, strategy_args
 
     where, sc = f"{path}.strategy", cfg.strategy
     if problems.blocked(where):
@@ -191,10 +191,7 @@ def check_strategy(cfg: MegascaleDataConfig, path: str, problems: Problems) -> N
                 continue  # a fitted cost model's file: building the strategy below loads and checks it
             if norm not in allowed:
                 problems.add(f"{where}.args.{key}", f"got {value!r}; {did_you_mean(value, allowed)}allowed: {allowed}")
-    args = dict(sc.args)
-    args.setdefault("num_microbatches", cfg.num_microbatches)  # as runtime.topology.make_strategy
-    if name != "vanilla":
-        args.setdefault("cap", cfg.seq_length)
+    args = strategy_args(name, sc.args, num_microbatches=cfg.num_microbatches, seq_length=cfg.seq_length)
     params = inspect.signature(factory).parameters
     if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
         for key in sorted(set(sc.args) - set(params)):

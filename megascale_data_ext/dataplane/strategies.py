@@ -9,7 +9,8 @@ name fails there (ConfigError naming the known ones), not at the first plan.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import enum
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -140,7 +141,7 @@ STRATEGIES: dict[str, Callable[..., Strategy]] = {}
 
 
 def register_strategy(name: str, factory: Callable[..., Strategy]) -> None:
-    STRATEGIES[name] = factory
+    STRATEGIES[str(name)] = factory  # plain names: error messages list them as typed
 
 
 def build_strategy(name: str, **kwargs: Any) -> Strategy:
@@ -167,6 +168,24 @@ def _vlm_factory(
     )
 
 
-register_strategy("vanilla", Vanilla)
-register_strategy("llm_balance", LLMBalance)
-register_strategy("vlm_balance", _vlm_factory)
+class StrategyName(enum.StrEnum):
+    """The built-in strategies (`register_strategy` adds others by name)."""
+
+    VANILLA = "vanilla"
+    LLM_BALANCE = "llm_balance"
+    VLM_BALANCE = "vlm_balance"
+
+
+def strategy_args(name: str, args: Mapping[str, Any], *, num_microbatches: int, seq_length: int) -> dict[str, Any]:
+    """A strategy's arguments with the batch shape's defaults: ``num_microbatches``, and the token
+    ``cap`` (``seq_length``) for every strategy but vanilla, which packs a fixed count without one."""
+    out = dict(args)
+    out.setdefault("num_microbatches", num_microbatches)
+    if name != StrategyName.VANILLA:
+        out.setdefault("cap", seq_length)
+    return out
+
+
+register_strategy(StrategyName.VANILLA, Vanilla)
+register_strategy(StrategyName.LLM_BALANCE, LLMBalance)
+register_strategy(StrategyName.VLM_BALANCE, _vlm_factory)

@@ -66,7 +66,6 @@ def delivery_horizon(config: ServiceConfig, ft: FaultToleranceConfig) -> int:
     return 2 * (config.prefetch + ft.client_prefetch) + 4
 
 
-@ray.remote(num_cpus=0, max_concurrency=ACTOR_CONCURRENCY)
 class PlannerActor:
     """The Planner in its own process; holds handles to the loaders for `summary_buffer`.
 
@@ -81,6 +80,8 @@ class PlannerActor:
     shard counts it had saved (any layout serves any step: a shard's samples are a pure function
     of the plan).
     """
+
+    RAY_OPTIONS = {"num_cpus": 0, "max_concurrency": ACTOR_CONCURRENCY}  # `runtime.wiring.actor` adds the rest
 
     def __init__(self, config: ServiceConfig, topology: ServiceTopology, loaders: AutoscalePlan,
                  ft: FaultToleranceConfig | None = None, checkpoint_dir: str | None = None):

@@ -9,6 +9,7 @@ field to its config path.
 
 from __future__ import annotations
 
+import enum
 import hashlib
 import json
 from collections.abc import Sequence
@@ -16,16 +17,26 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from megascale_data_ext.dataplane.mixing import MixMode
+from megascale_data_ext.dataplane.strategies import StrategyName
 from megascale_data_ext.errors import ConfigError
 from megascale_data_ext.runtime.fault_tolerance import FaultToleranceConfig
 from megascale_data_ext.sources.base import FieldProblem, SourceSpec
 
-__all__ = ["DEFAULT_STRATEGY", "MIX_MODES", "OVERFLOW_MODES", "AutoscaleConfig", "BatchConfig", "FieldProblem",
+__all__ = ["DEFAULT_STRATEGY", "MIX_MODES", "OVERFLOW_MODES", "AutoscaleConfig", "Overflow", "BatchConfig", "FieldProblem",
            "PlacementConfig", "RayConfig", "ServiceConfig", "choice_problems", "render_problems"]
 
-DEFAULT_STRATEGY = "llm_balance"
+DEFAULT_STRATEGY = StrategyName.LLM_BALANCE.value
 MIX_MODES: tuple[str, ...] = tuple(m.value for m in MixMode)
-OVERFLOW_MODES: tuple[str, ...] = ("defer", "error")
+
+
+class Overflow(enum.StrEnum):
+    """What a step whose samples do not fit its microbatches does (``overflow``)."""
+
+    DEFER = "defer"
+    ERROR = "error"
+
+
+OVERFLOW_MODES: tuple[str, ...] = tuple(m.value for m in Overflow)
 #: BatchConfig fields that must be integers >= 1, in the order problems are reported.
 _POSITIVE = ("samples_per_step", "num_microbatches", "seq_length", "pad_to_multiple_of", "prefetch", "buffer_size",
              "constructor_group")
@@ -304,7 +315,7 @@ class ServiceConfig(BatchConfig):
         if len(set(names)) != len(names):
             out.append(("sources", f"names must be unique, got {names}"))
         out += choice_problems("mix_mode", self.mix_mode, MIX_MODES)
-        if self.tokens_per_step is not None and self.strategy == "vanilla":
+        if self.tokens_per_step is not None and self.strategy == StrategyName.VANILLA:
             out.append(("tokens_per_step", "needs a strategy with a token cap (llm_balance, vlm_balance); "
                                            "vanilla packs a fixed sample count without one"))
         out += [(f"autoscale.{key}", msg) for key, msg in self.autoscale.problems()]

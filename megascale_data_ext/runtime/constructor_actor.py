@@ -37,7 +37,6 @@ def constructor_concurrency(topology: ServiceTopology, buckets: list[int], ft: F
     return max(ACTOR_CONCURRENCY, fetchers * (ft.client_prefetch + 1) + world + 4)
 
 
-@ray.remote(num_cpus=0, max_concurrency=ACTOR_CONCURRENCY)
 class DataConstructorActor:
     """A Data Constructor with a `Prefetcher` building `prefetch` steps ahead.
 
@@ -48,6 +47,8 @@ class DataConstructorActor:
     Threads: `constructor_concurrency` (set by the service through ``.options``). A request that
     presents a ``job`` other than this service's (`ServiceTopology.job`) is refused by name.
     """
+
+    RAY_OPTIONS = {"num_cpus": 0, "max_concurrency": ACTOR_CONCURRENCY}  # `runtime.wiring.actor` adds the rest
 
     def __init__(self, buckets: list[int], config: ServiceConfig, topology: ServiceTopology, planner: Any,
                  pad_id: int, image_token_id: int | None, start_step: int = 0, ft: FaultToleranceConfig | None = None):

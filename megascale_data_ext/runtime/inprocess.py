@@ -20,7 +20,7 @@ from megascale_data_ext.runtime.loader import SourceLoader
 from megascale_data_ext.runtime.metrics import record_plan
 from megascale_data_ext.runtime.planner import Planner
 from megascale_data_ext.runtime.topology import ServiceTopology
-from megascale_data_ext.sources.tokenizer import load_tokenizer
+from megascale_data_ext.runtime.wiring import constructor_tokens
 
 
 class InProcessService:
@@ -47,14 +47,13 @@ class InProcessService:
                                on_planned=record_plan, constructors=topo.num_constructors)
         for ld in self.loaders:
             ld.get_plan = self.planner.loader_plan
-        tok = load_tokenizer(config.sources[0].tokenizer)
-        image_id = tok.image_id if any(s.image_column for s in config.sources) else None
+        pad_id, image_id = constructor_tokens(config)  # as on Ray (`runtime.wiring`)
         self.constructors = [
             DataConstructor(
                 list(buckets), config, topo,
                 get_plan=lambda step, b: self.planner.plan(step).constructor_do_plan(b),
                 fetch=lambda step, ss, bs: {s: self.loaders[s].fetch(step, bs) for s in ss},
-                pad_id=tok.pad_id, image_token_id=image_id,
+                pad_id=pad_id, image_token_id=image_id,
                 get_encoder_plan=lambda step, bs: encoder_rows(self.planner.plan(step), bs),
                 max_lead=max_lead, wait_timeout_s=wait_timeout_s,
                 on_floor=lambda step, j=j: self.planner.constructor_floor(j, step),

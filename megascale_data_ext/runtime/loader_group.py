@@ -46,6 +46,7 @@ from megascale_data_ext.runtime.failover import missing_buckets, read_buckets
 from megascale_data_ext.runtime.fault_injection import crash_self
 from megascale_data_ext.runtime.loader import SourceLoader
 from megascale_data_ext.runtime.metrics import rss_bytes, samples_in, service_metrics
+from megascale_data_ext.runtime.ray_actor import actor
 from megascale_data_ext.sources.base import SourceSpec
 
 #: ``(members, workers, ray options) -> actor handle``: a ready loader (group) actor with its plans wired.
@@ -226,7 +227,6 @@ class LoaderGroup:
             ld.close()
 
 
-@ray.remote(num_cpus=0, max_concurrency=GROUP_CONCURRENCY)
 class LoaderGroupActor:
     """A `LoaderGroup` in its own process (the service's one loader actor class); plans come from
     the Planner actor whose handle it is given.
@@ -236,6 +236,8 @@ class LoaderGroupActor:
     its arguments; a restarted Planner keeps its actor id) and the group stages nothing until asked
     (`LoaderGroup.fetch` reads again what the dead instance had handed out).
     """
+
+    RAY_OPTIONS = {"num_cpus": 0, "max_concurrency": GROUP_CONCURRENCY}  # `runtime.wiring.actor` adds the rest
 
     def __init__(self, members: list[tuple[ShardRef, SourceSpec]], seed: int, shuffle: bool, workers: int = 1,
                  planner: Any = None, direct: bool = False):
@@ -302,7 +304,7 @@ def spawn_loader_groups(config: Any, planner: Any, restart_options: dict[str, An
     """
 
     def spawn(members: list[tuple[ShardRef, SourceSpec]], workers: int, options: dict) -> Any:
-        return LoaderGroupActor.options(**restart_options, **options).remote(
+        return actor(LoaderGroupActor, **restart_options, **options).remote(
             members, config.seed, config.shuffle, workers, planner)
 
     return spawn
@@ -313,7 +315,7 @@ def spawn_shadows(config: Any, planner: Any, restart_options: dict[str, Any]) ->
     `LoaderGroupActor` of the same members, spread by Ray away from its primary where it can."""
 
     def spawn(members: list[tuple[ShardRef, SourceSpec]]) -> Any:
-        return LoaderGroupActor.options(**restart_options, scheduling_strategy="SPREAD").remote(
+        return actor(LoaderGroupActor, **restart_options, scheduling_strategy="SPREAD").remote(
             members, config.seed, config.shuffle, 1, planner, True)
 
     return spawn

@@ -38,7 +38,7 @@ from megascale_data_ext.dataplane.plan import LoaderPlan, StepPlan
 from megascale_data_ext.dataplane.plan_store import PlanStore
 from megascale_data_ext.dataplane.summary import BufferSummary, SourceSummary
 from megascale_data_ext.errors import CapacityError, PlanError, ResumeError
-from megascale_data_ext.runtime.config import ServiceConfig
+from megascale_data_ext.runtime.config import Overflow, ServiceConfig
 from megascale_data_ext.runtime.loss_feedback import LossReports
 from megascale_data_ext.runtime.token_budget import TokenBudget
 from megascale_data_ext.runtime.topology import ServiceTopology, make_strategy
@@ -193,7 +193,7 @@ class Planner:
         try:
             plan = self.strategy(graph).plan()
         except CapacityError:
-            if self.config.overflow != "defer":
+            if self.config.overflow != Overflow.DEFER:
                 raise
             plan = self._fit(buffer, graph, step)
             self.mixer.settle(step, plan.counts_per_source())

@@ -34,8 +34,6 @@ import ray
 
 from megascale_data_ext.dataplane.placetree import ClientPlaceTree
 from megascale_data_ext.runtime.actor_table import actor_rows, ask_all
-from megascale_data_ext.runtime.actors import PlannerActor
-from megascale_data_ext.runtime.constructor_actor import DataConstructorActor, constructor_concurrency
 from megascale_data_ext.runtime.checkpoints import PlannerCheckpoints
 from megascale_data_ext.runtime.config import ServiceConfig
 from megascale_data_ext.runtime.fault_tolerance import FaultToleranceConfig
@@ -43,8 +41,8 @@ from megascale_data_ext.runtime.handles import ServiceHandles
 from megascale_data_ext.runtime.malloc import cap_arenas_for_embedded_ray
 from megascale_data_ext.runtime.ray_address import check_reachable
 from megascale_data_ext.runtime.remote import find_planner
-from megascale_data_ext.runtime.topology import PLANNER_NAME, ServiceTopology
-from megascale_data_ext.sources.tokenizer import load_tokenizer
+from megascale_data_ext.runtime.topology import ServiceTopology
+from megascale_data_ext.runtime.wiring import start_constructors, start_planner
 
 
 def check_sources(specs: list) -> None:
@@ -160,14 +158,12 @@ class DataService:
                 cap_arenas_for_embedded_ray()
             ray.init(**cfg.ray.init_kwargs(), include_dashboard=False, log_to_driver=True, configure_logging=False)
             self._owns_ray = True
-        ns = topo.namespace
-        _check_namespace_free(ns)
+        _check_namespace_free(topo.namespace)
         check_sources(cfg.sources)
         ckpt = self._prepare_checkpoint_dir()
         self._phase("sources checked", t0, f" ({len(cfg.sources)} sources)")
         try:
             placement = self._placement()
-            planner_opts = ft.actor_options(retry_tasks=True)
             loader_opts = ft.actor_options(retry_tasks=False)
             if cfg.autoscale.enabled:
                 from megascale_data_ext.runtime.autoscale_plan import build_autoscale_plan
@@ -181,8 +177,7 @@ class DataService:
 
                 plan = per_source_plan(cfg, loader_opts)
             plan.shadows = ft.shadow_loaders
-            self.planner = PlannerActor.options(name=PLANNER_NAME, namespace=ns, **planner_opts).remote(
-                cfg, topo, plan, ft, ckpt)
+            self.planner = start_planner(cfg, topo, plan, ft, ckpt)
             loaders, shadows = ray.get([self.planner.loader_actors.remote(),  # surfaces source errors now
                                         self.planner.shadow_actors.remote()])
             self._phase("loaders up", t0, f" ({len(loaders)} loader actors" +
@@ -193,19 +188,8 @@ class DataService:
                 start_step = int(state["step"])
             self._phase("planner up", t0, f" (step {start_step}{', resharded' if reshard and state else ''})")
             first_plan = self.planner.plan_summary.remote(start_step)  # planned while the constructors start
-            tok = load_tokenizer(cfg.sources[0])
-            image_id = tok.image_id if any(s.image_column for s in cfg.sources) else None
-            opts = ft.actor_options(retry_tasks=False)
-            sidecar = placement.constructor_ranks(topo) if placement is not None else None
-            images = image_id is not None
-            self.constructors = [
-                DataConstructorActor.options(name=name, namespace=ns, **opts,
-                                             max_concurrency=constructor_concurrency(topo, list(buckets), ft, images),
-                                             **(placement.constructor(sidecar[j]) if sidecar else {})).remote(
-                    list(buckets), cfg, topo, self.planner, tok.pad_id, image_id, start_step, ft)
-                for j, (name, buckets) in enumerate(zip(topo.constructor_names(), topo.constructor_groups,
-                                                        strict=True))
-            ]
+            self.constructors = start_constructors(cfg, topo, self.planner, ft, start_step=start_step,
+                                                   placement=placement)
             ray.get(first_plan)
             self._phase("first plan", t0)
             ray.get([c.stats.remote() for c in self.constructors])

@@ -23,7 +23,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from megascale_data_ext.dataplane.placetree import BucketAxis, BucketLayout, ClientPlaceTree, FetchStages
-from megascale_data_ext.dataplane.strategies import build_strategy
+from megascale_data_ext.dataplane.strategies import build_strategy, strategy_args
 
 DEFAULT_BROADCAST_DIMS: tuple[str, ...] = ("tp",)
 """Broadcast dims of a strategy that declares none: Megatron's TP-rank-0 broadcast."""
@@ -34,11 +34,9 @@ PLANNER_NAME = "planner"
 def make_strategy(config: Any) -> Callable[..., Any]:
     """The config's strategy, with ``num_microbatches`` and (except vanilla) the token ``cap``
     defaulted from the batch shape."""
-    args = dict(config.strategy_args)
-    args.setdefault("num_microbatches", config.num_microbatches)
-    if config.strategy != "vanilla":
-        args.setdefault("cap", config.seq_length)
-    return build_strategy(config.strategy, **args)
+    return build_strategy(config.strategy, **strategy_args(config.strategy, config.strategy_args,
+                                                           num_microbatches=config.num_microbatches,
+                                                           seq_length=config.seq_length))
 
 
 def strategy_axis(strategy: Any) -> BucketAxis:

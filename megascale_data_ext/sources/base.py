@@ -9,10 +9,11 @@ indices. Everything here is plain Python/numpy so unit tests can build a source 
 
 from __future__ import annotations
 
+import enum
 import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol, get_args, runtime_checkable
+from typing import Any, Literal, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -20,10 +21,23 @@ from megascale_data_ext.errors import ConfigError
 from megascale_data_ext.sources.formats import SourceFormat, source_formats
 from megascale_data_ext.sources.tokenizer import TokenizerType, tokenizer_types
 
-DecodeMode = Literal["loader", "constructor"]
+class DecodeImages(enum.StrEnum):
+    """Where a source's images are decoded: in its loader, or in the Data Constructor (the paper's
+    transformation reordering: raw bytes travel, decoding runs beside the trainer)."""
+
+    LOADER = "loader"
+    CONSTRUCTOR = "constructor"
+
+
+DecodeMode = Literal["loader", "constructor"]  # `DecodeImages` as the config schema types it
 #: What opening a JSONL source does with rows it cannot use (invalid JSON, text not a string,
 #: a missing image file): refuse at start-up, or leave them out of the source and report them once.
-BadRowPolicy = Literal["error", "skip"]
+class BadRows(enum.StrEnum):
+    ERROR = "error"
+    SKIP = "skip"
+
+
+BadRowPolicy = Literal["error", "skip"]  # `BadRows` as the config schema types it
 #: One thing wrong with a config value: ``(field name, message)``; a config re-addresses the field.
 FieldProblem = tuple[str, str]
 
@@ -174,10 +188,9 @@ class SourceSpec:
         if v["tokenizer_type"] is not None and v["tokenizer_type"] not in tokenizer_types():
             out.append(("tokenizer_type", f"must be one of {tokenizer_types()} (Megatron's --tokenizer-type names) "
                                           f"or null, got {v['tokenizer_type']!r}"))
-        if v["on_bad_rows"] not in get_args(BadRowPolicy):
-            out.append(("on_bad_rows", f"must be one of {list(get_args(BadRowPolicy))}, got {v['on_bad_rows']!r}"))
-        if v["decode_images"] not in get_args(DecodeMode):
-            out.append(("decode_images", f"must be one of {list(get_args(DecodeMode))}, got {v['decode_images']!r}"))
+        for key, choices in (("on_bad_rows", BadRows), ("decode_images", DecodeImages)):
+            if v[key] not in list(choices):
+                out.append((key, f"must be one of {[c.value for c in choices]}, got {v[key]!r}"))
         if v["max_tokens"] is not None and v["max_tokens"] < 2:
             out.append(("max_tokens", f"must be >= 2 (one token plus EOD) or null, got {v['max_tokens']!r}"))
         if not 0.0 <= v["max_bad_fraction"] <= 1.0:

@@ -25,6 +25,7 @@ import os
 from collections.abc import Sequence
 
 from megascale_data_ext.errors import SourceError
+from megascale_data_ext.sources.base import BadRows
 from megascale_data_ext.sources.transforms import RawSample
 
 __all__ = ["FileFaults", "file_gone"]
@@ -75,7 +76,7 @@ class FileFaults:
                 by_file.setdefault(raw.path or "?", []).append(raw)
         for path, bad in by_file.items():
             reason = bad[0].error or "unreadable"
-            if self.policy != "skip":
+            if self.policy != BadRows.SKIP:
                 raise SourceError(
                     f"source {self.source!r}: {path!r} {reason} while the run reads it ({len(bad)} planned "
                     f"row(s) unreadable, first row {bad[0].row}); restore the file and resume from the last "

@@ -23,7 +23,7 @@ from typing import Any, BinaryIO
 import numpy as np
 
 from megascale_data_ext.errors import SampleError, SourceError
-from megascale_data_ext.sources.base import SourceSpec, make_metadata
+from megascale_data_ext.sources.base import BadRows, SourceSpec, make_metadata
 from megascale_data_ext.sources.rowsource import RowSource, empty_source_error, resolve_files
 from megascale_data_ext.sources.tokenizer import Tokenizer
 from megascale_data_ext.sources.transforms import RawSample
@@ -127,7 +127,7 @@ class JsonlSource(RowSource):
         self.bad_rows: list[BadRow] = [b for s in scans for b in s.bad_rows]
         rows = sum(len(s.offsets) for s in scans)
         key = f"data.sources.{spec.name}"
-        skip = spec.on_bad_rows == "skip"
+        skip = spec.on_bad_rows == BadRows.SKIP
         if self.bad_rows and not skip and len(self.bad_rows) > spec.max_bad_fraction * rows:
             raise SourceError(
                 f"source {self.name!r}: {len(self.bad_rows)} of {rows} rows are bad, found when opening it "

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from megascale_data_ext.errors import SampleError
-from megascale_data_ext.sources.base import ReadResult, Sample, SkippedSample, SourceSpec
+from megascale_data_ext.sources.base import DecodeImages, ReadResult, Sample, SkippedSample, SourceSpec
 from megascale_data_ext.sources.images import decode_patches, header_patch_count
 from megascale_data_ext.sources.tokenizer import Tokenizer, load_tokenizer
 from megascale_data_ext.sources.tolerance import BadSampleTracker
@@ -120,7 +120,7 @@ class SampleTransform:
                 raise SampleError(raw.error)
             tokens = self._tokens(raw)
             sample = Sample(source=self.spec.name, index=raw.index, tokens=tokens, image_bytes=list(raw.images))
-            if self.spec.decode_images == "loader":
+            if self.spec.decode_images == DecodeImages.LOADER:
                 _decode_into(sample, patch_size=self.spec.patch_size, max_patches=self.spec.max_image_patches)
             elif not raw.images:
                 sample.image_bytes = None
@@ -194,7 +194,7 @@ class DeferredDecoder:
 
     def __init__(self, specs: Sequence[SourceSpec]) -> None:
         self.settings: dict[int, tuple[int, int]] = {
-            i: (s.patch_size, s.max_image_patches) for i, s in enumerate(specs) if s.decode_images == "constructor"}
+            i: (s.patch_size, s.max_image_patches) for i, s in enumerate(specs) if s.decode_images == DecodeImages.CONSTRUCTOR}
 
     @classmethod
     def of(cls, specs: Sequence[SourceSpec]) -> DeferredDecoder | None:

@@ -15,7 +15,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from megascale_data_ext.errors import ConfigError
-from megascale_data_ext.megatron import app
+from megascale_data_ext.trainer import app
 from tests.dist import launch
 
 pytestmark = pytest.mark.slow

@@ -7,7 +7,7 @@ import pytest
 from megascale_data_ext.config import compose_config
 from megascale_data_ext.config.run import ATTENTION_BACKENDS, LR_DECAY_STYLES, load_run_config
 from megascale_data_ext.errors import ConfigError
-from megascale_data_ext.megatron import app
+from megascale_data_ext.trainer import app
 from megascale_data_ext.megatron.preflight import preflight
 
 

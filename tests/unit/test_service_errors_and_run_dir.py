@@ -11,7 +11,7 @@ from omegaconf import OmegaConf
 
 from megascale_data_ext.config.run import load_run_config
 from megascale_data_ext.errors import ConfigError, PlanError, SourceError, root_cause
-from megascale_data_ext.megatron import run_dir
+from megascale_data_ext.trainer import run_dir
 from megascale_data_ext.runtime.client import raise_service_error, to_torch
 
 

@@ -1,0 +1,59 @@
+"""How the service's parts are put together, in one place.
+
+* every actor is `runtime.ray_actor.actor`: ``ray.remote(cls).options(**options)`` over a plain
+  façade class (no options fixed in decorators).
+* `constructor_tokens(config)`: the pad and image token ids every Data Constructor uses, read
+  from the first source's tokenizer the same way on Ray and in-process.
+* `start_planner` / `start_constructors`: the Planner actor (which starts the loaders it owns)
+  and the Data Constructor actors of a topology, as `DataService` and the benchmarks start them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from megascale_data_ext.runtime.ray_actor import actor
+
+__all__ = ["constructor_tokens", "start_constructors", "start_planner"]
+
+
+def constructor_tokens(config: Any) -> tuple[int, int | None]:
+    """``(pad_id, image_token_id)`` of the service's microbatches: the first source's tokenizer
+    (type and merges included); an image token only when some source has images."""
+    from megascale_data_ext.sources.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(config.sources[0])
+    return tok.pad_id, (tok.image_id if any(s.image_column for s in config.sources) else None)
+
+
+def start_planner(config: Any, topology: Any, loaders: Any, ft: Any, checkpoint_dir: str | None = None, *,
+                  named: bool = True) -> Any:
+    """The Planner actor (restartable per `ft`, retrying calls in flight: it is idempotent); it
+    starts the loader actors of `loaders` (`AutoscalePlan`). `named`: under the topology's names,
+    where clients joining the running service find it."""
+    from megascale_data_ext.runtime.actors import PlannerActor
+    from megascale_data_ext.runtime.topology import PLANNER_NAME
+
+    names = {"name": PLANNER_NAME, "namespace": topology.namespace} if named else {}
+    return actor(PlannerActor, **names, **ft.actor_options(retry_tasks=True)).remote(
+        config, topology, loaders, ft, checkpoint_dir)
+
+
+def start_constructors(config: Any, topology: Any, planner: Any, ft: Any, *, start_step: int = 0,
+                       placement: Any = None, groups: Sequence[int] | None = None, named: bool = True) -> list[Any]:
+    """The Data Constructor actors of `topology` (`groups`: only these constructor indices), each
+    with the concurrency its buckets need and, with `placement`, on its trainer node."""
+    from megascale_data_ext.runtime.constructor_actor import DataConstructorActor, constructor_concurrency
+
+    pad_id, image_id = constructor_tokens(config)
+    sidecar = placement.constructor_ranks(topology) if placement is not None else None
+    out = []
+    for j in range(topology.num_constructors) if groups is None else groups:
+        buckets = list(topology.constructor_groups[j])
+        names = {"name": topology.constructor_names()[j], "namespace": topology.namespace} if named else {}
+        out.append(actor(DataConstructorActor, **names, **ft.actor_options(retry_tasks=False),
+                         max_concurrency=constructor_concurrency(topology, buckets, ft, image_id is not None),
+                         **(placement.constructor(sidecar[j]) if sidecar else {})).remote(
+            buckets, config, topology, planner, pad_id, image_id, start_step, ft))
+    return out
