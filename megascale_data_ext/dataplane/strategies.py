@@ -30,8 +30,22 @@ class Strategy(Protocol):
     def __call__(self, g: DGraph) -> DGraph: ...
 
 
+class _CostsByModel:
+    """A strategy whose ``model`` names the transformer cost model it costs samples with."""
+
+    __slots__ = ()
+
+    def __post_init__(self) -> None:
+        self._cost = get_cost_model(self.model, kind=TransformerCost)
+
+    @property
+    def cost_model(self) -> Callable:
+        """The cost model `model` names, as the strategy applies it to samples."""
+        return self._cost
+
+
 @dataclass(slots=True, kw_only=True)
-class Vanilla:
+class Vanilla(_CostsByModel):
     """No balancing: Megatron's order, contiguous equal-count slices per DP rank and microbatch.
 
     `axis`: the distribution axis; `broadcast`: the dims the trainer broadcasts over.
@@ -42,14 +56,6 @@ class Vanilla:
     model: str | TransformerConfig | Callable = "llama-12b"
     broadcast: tuple[str, ...] = ("tp",)
     _cost: Callable = field(init=False, repr=False, compare=False)
-
-    def __post_init__(self) -> None:
-        self._cost = get_cost_model(self.model, kind=TransformerCost)
-
-    @property
-    def cost_model(self) -> Callable:
-        """The cost model `model` names, as the strategy applies it to samples."""
-        return self._cost
 
     def __call__(self, g: DGraph) -> DGraph:
         g = (
@@ -63,7 +69,7 @@ class Vanilla:
 
 
 @dataclass(slots=True, kw_only=True)
-class LLMBalance:
+class LLMBalance(_CostsByModel):
     """Algorithm 1 (LLMBalance): cost-balanced microbatches spread over the distribution axis.
 
     `level="interleaved"` packs all samples into k·m balanced bins under the token `cap`,
@@ -81,14 +87,6 @@ class LLMBalance:
     keep_order: bool = True
     broadcast: tuple[str, ...] = ("tp",)
     _cost: Callable = field(init=False, repr=False, compare=False)
-
-    def __post_init__(self) -> None:
-        self._cost = get_cost_model(self.model, kind=TransformerCost)
-
-    @property
-    def cost_model(self) -> Callable:
-        """The cost model `model` names, as the strategy applies it to samples."""
-        return self._cost
 
     def __call__(self, g: DGraph) -> DGraph:
         g = g.distribute(self.axis, group_size=self.group_size).cost(self._cost)

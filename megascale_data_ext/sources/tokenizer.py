@@ -57,7 +57,27 @@ class Tokenizer(Protocol):
     def fingerprint(self) -> str: ...
 
 
-class ByteTokenizer:
+class _SpecialIds:
+    """The special token ids every tokenizer answers, from the ``_eod``, ``_pad`` and ``_image`` it sets."""
+
+    _eod: int
+    _pad: int
+    _image: int | None
+
+    @property
+    def eod_id(self) -> int:
+        return self._eod
+
+    @property
+    def pad_id(self) -> int:
+        return self._pad
+
+    @property
+    def image_id(self) -> int | None:
+        return self._image
+
+
+class ByteTokenizer(_SpecialIds):
     """UTF-8 bytes shifted by :attr:`OFFSET`; ids below the offset are specials.
 
     Needs no file, so tests and demos are self-contained; ``vocab_size`` is 256 + specials.
@@ -67,22 +87,11 @@ class ByteTokenizer:
     EOD: int = 1
     IMAGE: int = 2
     OFFSET: int = 3
+    _pad, _eod, _image = PAD, EOD, IMAGE
 
     @property
     def vocab_size(self) -> int:
         return 256 + self.OFFSET
-
-    @property
-    def eod_id(self) -> int:
-        return self.EOD
-
-    @property
-    def pad_id(self) -> int:
-        return self.PAD
-
-    @property
-    def image_id(self) -> int | None:
-        return self.IMAGE
 
     def encode(self, text: str) -> np.ndarray:
         return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int64) + self.OFFSET
@@ -111,7 +120,7 @@ def _digest(*paths: Path) -> str:
     return h.hexdigest()[:16]
 
 
-class _RustTokenizer:
+class _RustTokenizer(_SpecialIds):
     """Shared body of the tokenizers backed by a Hugging Face ``tokenizers.Tokenizer`` object.
 
     The EOD token is the first of the usual end-of-text spellings found in the vocabulary
@@ -143,18 +152,6 @@ class _RustTokenizer:
     @property
     def vocab_size(self) -> int:
         return int(self._tok.get_vocab_size(with_added_tokens=True))
-
-    @property
-    def eod_id(self) -> int:
-        return self._eod
-
-    @property
-    def pad_id(self) -> int:
-        return self._pad
-
-    @property
-    def image_id(self) -> int | None:
-        return self._image
 
     def encode(self, text: str) -> np.ndarray:
         return np.asarray(self._tok.encode(text, add_special_tokens=False).ids, dtype=np.int64)
@@ -216,7 +213,7 @@ class GPT2BPETokenizer(_RustTokenizer):
                          eod_token="<|endoftext|>", key=key)
 
 
-class SentencePieceTokenizer:
+class SentencePieceTokenizer(_SpecialIds):
     """Megatron's ``SentencePieceTokenizer``: a SentencePiece ``.model`` file.
 
     Ids as ``encode_as_ids`` gives them (no BOS/EOS); EOD is the model's EOS id, PAD its pad id
@@ -252,18 +249,6 @@ class SentencePieceTokenizer:
     @property
     def vocab_size(self) -> int:
         return int(self._sp.get_piece_size())
-
-    @property
-    def eod_id(self) -> int:
-        return self._eod
-
-    @property
-    def pad_id(self) -> int:
-        return self._pad
-
-    @property
-    def image_id(self) -> int | None:
-        return self._image
 
     def encode(self, text: str) -> np.ndarray:
         return np.asarray(self._sp.encode(text), dtype=np.int64)

@@ -6,24 +6,17 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from megascale_data_ext.dataplane.mixing.checks import raise_problems
-from megascale_data_ext.dataplane.mixing.schedules import (
-    ConstantSchedule,
-    FeedbackSchedule,
-    LinearRampSchedule,
-    MixingSchedule,
-    PiecewiseSchedule,
-    ScheduleType,
-)
+from megascale_data_ext.dataplane.mixing import schedules as sch
 from megascale_data_ext.errors import ConfigError
 
 __all__ = ["build_schedule"]
 
 # type -> (class, required keys, optional keys)
-_SPECS: dict[ScheduleType, tuple[Callable[..., MixingSchedule], tuple[str, ...], tuple[str, ...]]] = {
-    ScheduleType.CONSTANT: (ConstantSchedule, ("weights",), ()),
-    ScheduleType.PIECEWISE: (PiecewiseSchedule, ("boundaries", "weights"), ("unit", "steps_per_epoch")),
-    ScheduleType.RAMP: (LinearRampSchedule, ("start", "end", "warmup_steps"), ("start_step",)),
-    ScheduleType.FEEDBACK: (FeedbackSchedule, ("base_weights",), ("lr", "smoothing", "min_weight", "delay")),
+_SPECS: dict[sch.ScheduleType, tuple[Callable[..., sch.MixingSchedule], tuple[str, ...], tuple[str, ...]]] = {
+    sch.ScheduleType.CONSTANT: (sch.ConstantSchedule, ("weights",), ()),
+    sch.ScheduleType.PIECEWISE: (sch.PiecewiseSchedule, ("boundaries", "weights"), ("unit", "steps_per_epoch")),
+    sch.ScheduleType.RAMP: (sch.LinearRampSchedule, ("start", "end", "warmup_steps"), ("start_step",)),
+    sch.ScheduleType.FEEDBACK: (sch.FeedbackSchedule, ("base_weights",), ("lr", "smoothing", "min_weight", "delay")),
 }
 _WEIGHT_KEYS = ("weights", "start", "end", "base_weights")
 
@@ -41,7 +34,7 @@ def _weights_from_mapping(key: str, value: Any, names: Sequence[str] | None, pro
     return [float(value.get(n, 0.0)) for n in names]
 
 
-def build_schedule(config: Mapping[str, Any], *, source_names: Sequence[str] | None = None) -> MixingSchedule:
+def build_schedule(config: Mapping[str, Any], *, source_names: Sequence[str] | None = None) -> sch.MixingSchedule:
     """Build a schedule from a plain dict (a Hydra/YAML node), the inverse of ``to_config``.
 
     Args:
@@ -52,11 +45,11 @@ def build_schedule(config: Mapping[str, Any], *, source_names: Sequence[str] | N
     Raises:
         ConfigError: listing every problem (unknown type or keys, bad weights, ...).
     """
-    raw_type = config.get("type", ScheduleType.CONSTANT.value)
-    allowed = [t.value for t in ScheduleType]
+    raw_type = config.get("type", sch.ScheduleType.CONSTANT.value)
+    allowed = [t.value for t in sch.ScheduleType]
     if raw_type not in allowed:
         raise ConfigError(f"mixing schedule `type` must be one of {allowed}, got {raw_type!r}")
-    kind = ScheduleType(raw_type)
+    kind = sch.ScheduleType(raw_type)
     cls, required, optional = _SPECS[kind]
     unknown = sorted(set(config) - set(required) - set(optional) - {"type"})
     allowed_keys = [*required, *optional]
@@ -65,7 +58,7 @@ def build_schedule(config: Mapping[str, Any], *, source_names: Sequence[str] | N
     args = {k: config[k] for k in (*required, *optional) if k in config}
     for key in _WEIGHT_KEYS:
         if key in args:
-            if kind is ScheduleType.PIECEWISE:
+            if kind is sch.ScheduleType.PIECEWISE:
                 args[key] = [_weights_from_mapping(f"{key}[{i}]", w, source_names, problems)
                              for i, w in enumerate(args[key])]
             else:
