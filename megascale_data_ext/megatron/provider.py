@@ -7,8 +7,8 @@ Megatron-shaped view of the rank's trainer-side `Client` (the same client the sc
 use), which walks (step, microbatch) in order and holds the data position.
 
 Megatron calls the provider with nothing but sample counts, so where the service lives has to
-come from outside: `configure(handles)` in the launching process, or environment variables set
-for torchrun (the only thing that travels to every rank); the service's `ServiceTopology` is
+come from outside: `configure(handles)` (a `DatasetProvider` to pass to `pretrain`) in the
+launching process, or environment variables set for torchrun (the only thing that travels to every rank); the service's `ServiceTopology` is
 then asked of its Planner:
 
 * ``MEGASCALE_RAY_ADDRESS``: Ray address of the service's cluster (``ray://...`` or ``host:port``).
@@ -101,7 +101,7 @@ class ProviderConfig:
         start = integer(ENV_START_STEP, 0)
         if problems:
             raise ConfigError("megascale data provider environment: " + "; ".join(problems)
-                              + " (or call megascale_data_ext.megatron.provider.configure(...) before pretrain)")
+                              + " (or pass pretrain the provider megascale_data_ext.megatron.provider.configure(...) returns)")
         return cls(namespace=namespace, address=env.get(ENV_RAY_ADDRESS, "").strip() or None,
                    num_microbatches=num_microbatches, start_step=start)
 
@@ -225,18 +225,77 @@ class MicrobatchIterator(Iterator[dict[str, torch.Tensor] | None]):
         self.load_state_dict(state)
 
 
-@dataclass(slots=True, kw_only=True)
-class _Settings:
-    config: ProviderConfig | None = None
-    source_factory: SourceFactory = remote_source
-    topology_factory: TopologyFactory = service_topology
-    valid_factory: Callable[[int | None], Any] | None = None
-    test_factory: Callable[[int | None], Any] | None = None
+class DatasetProvider:
+    """Megatron's dataset-provider hook, bound to where the service is (no module state).
+
+    ``provider(train_val_test_num_samples, vp_stage)`` is what Megatron's `pretrain` calls; it
+    returns per-rank iterators over the service. Sample counts are ignored: the service plans
+    steps forever and Megatron stops after ``--train-iters``. Call after
+    `initialize_model_parallel` (Megatron does). With CP > 1 it also installs
+    `install_cp_passthrough` (the service already sliced; `reset` undoes it).
+
+    Args:
+        config: Where the service is; None reads the environment at each call (what `serve`
+            exports to torchrun).
+        source_factory: Builds a fetching rank's `MicrobatchSource` (default: Ray; tests pass a fake).
+        topology_factory: Finds the service's topology (default: the config's, else the Planner's).
+        valid_factory: Called with `vp_stage` to build the validation iterator (None: no validation).
+        test_factory: Same for the test iterator.
+    """
+
+    is_distributed = True  # every rank builds its own iterator (Megatron's flag for the provider)
+
+    def __init__(self, config: ProviderConfig | None = None, *, source_factory: SourceFactory | None = None,
+                 topology_factory: TopologyFactory | None = None,
+                 valid_factory: Callable[[int | None], Any] | None = None,
+                 test_factory: Callable[[int | None], Any] | None = None) -> None:
+        self.config = config
+        self.source_factory = source_factory or remote_source
+        self.topology_factory = topology_factory or service_topology
+        self.valid_factory, self.test_factory = valid_factory, test_factory
+
+    def __call__(self, train_val_test_num_samples: Any,
+                 vp_stage: int | None = None) -> tuple[MicrobatchIterator, Any, Any]:
+        """Per-rank iterators ``(train, valid, test)``.
+
+        Raises:
+            ConfigError: Missing service settings, a service planned for another layout,
+                or ``--dataloader-type`` not external.
+            ParallelLayoutError: parallel_state is not initialised.
+        """
+        del train_val_test_num_samples
+        config = self.config or ProviderConfig.from_env()
+        args = _megatron_args()
+        problems: list[str] = []
+        if args is not None and getattr(args, "dataloader_type", "external") != "external":
+            problems.append(f"--dataloader-type is {args.dataloader_type!r}; pass --dataloader-type external")
+        tree = ClientPlaceTree.from_megatron()
+        num_microbatches = config.num_microbatches or _megatron_num_microbatches()
+        if num_microbatches is None:
+            problems.append(f"number of microbatches unknown: set {ENV_NUM_MICROBATCHES} "
+                            "or configure(num_microbatches=...)")
+        if problems:
+            raise ConfigError("megascale data provider: " + "; ".join(problems))
+        start = config.start_step
+        if start is None:
+            start = int(getattr(args, "iteration", 0) or 0) if args is not None else 0
+        if tree.cp > 1:
+            install_cp_passthrough()
+        rank = _global_rank()
+        topology = self.topology_factory(tree, config)
+        reads = _chunk_reads_data(tree, rank, vp_stage)
+        fetches = reads and topology.fetches(rank) and topology.needs_data(rank)
+        source = self.source_factory(topology, config) if fetches else None
+        client = Client(topology, rank, source=source, num_microbatches=num_microbatches, broadcast=False)
+        client.seek(start)
+        train = MicrobatchIterator(client, reads=reads)
+        valid = self.valid_factory(vp_stage) if self.valid_factory else None
+        test = self.test_factory(vp_stage) if self.test_factory else None
+        return train, valid, test
 
 
-# Megatron calls the provider with sample counts only, so the service's whereabouts must live at
-# module level; `configure` and `reset` are the only writers.
-_SETTINGS = _Settings()
+#: What Megatron-LM's patched `pretrain_gpt.py` imports: the service named by the environment.
+train_valid_test_datasets_provider = DatasetProvider()
 
 
 def configure(
@@ -248,21 +307,18 @@ def configure(
     topology_factory: TopologyFactory | None = None,
     valid_factory: Callable[[int | None], Any] | None = None,
     test_factory: Callable[[int | None], Any] | None = None,
-) -> ProviderConfig:
-    """Point the provider at a service before Megatron's `pretrain` builds its data iterators.
+) -> DatasetProvider:
+    """A provider pointed at a service: pass it to Megatron's `pretrain` as its dataset provider.
 
     Args:
         service: `ServiceHandles` from `DataService.start()`, a `ProviderConfig`, an environment
             mapping (read like `os.environ`), or None to read `os.environ` now.
         num_microbatches: Overrides the config's count.
         start_step: Overrides the config's first step.
-        source_factory: Builds a fetching rank's `MicrobatchSource` (default: Ray; tests pass a fake).
-        topology_factory: Finds the service's topology (default: the config's, else the Planner's).
-        valid_factory: Called with `vp_stage` to build the validation iterator (None: no validation).
-        test_factory: Same for the test iterator.
+        source_factory, topology_factory, valid_factory, test_factory: As `DatasetProvider`.
 
     Returns:
-        The config the provider will use.
+        The provider (its ``config`` is the settings it will use).
     """
     from megascale_data_ext.runtime.handles import ServiceHandles
 
@@ -279,66 +335,13 @@ def configure(
         config = replace(config, num_microbatches=num_microbatches)
     if start_step is not None:
         config = replace(config, start_step=start_step)
-    _SETTINGS.config = config
-    _SETTINGS.source_factory = source_factory or remote_source
-    _SETTINGS.topology_factory = topology_factory or service_topology
-    _SETTINGS.valid_factory, _SETTINGS.test_factory = valid_factory, test_factory
-    return config
+    return DatasetProvider(config, source_factory=source_factory, topology_factory=topology_factory,
+                           valid_factory=valid_factory, test_factory=test_factory)
 
 
 def reset() -> None:
-    """Forget `configure` (the next provider call reads the environment again) and undo the CP pass-through."""
-    global _SETTINGS
-    _SETTINGS = _Settings()
+    """Undo the CP pass-through a provider call installed (`install_cp_passthrough`)."""
     remove_cp_passthrough()
-
-
-def train_valid_test_datasets_provider(
-    train_val_test_num_samples: Any, vp_stage: int | None = None
-) -> tuple[MicrobatchIterator, Any, Any]:
-    """Megatron's dataset-provider hook: per-rank iterators over the service.
-
-    Sample counts are ignored: the service plans steps forever and Megatron stops after
-    ``--train-iters``. Call after `initialize_model_parallel` (Megatron does). With CP > 1 it
-    also installs `install_cp_passthrough` (the service already sliced; `reset` undoes it).
-
-    Raises:
-        ConfigError: Missing service settings, a service planned for another layout,
-            or ``--dataloader-type`` not external.
-        ParallelLayoutError: parallel_state is not initialised.
-    """
-    del train_val_test_num_samples
-    config = _SETTINGS.config or ProviderConfig.from_env()
-    args = _megatron_args()
-    problems: list[str] = []
-    if args is not None and getattr(args, "dataloader_type", "external") != "external":
-        problems.append(f"--dataloader-type is {args.dataloader_type!r}; pass --dataloader-type external")
-    tree = ClientPlaceTree.from_megatron()
-    num_microbatches = config.num_microbatches or _megatron_num_microbatches()
-    if num_microbatches is None:
-        problems.append(f"number of microbatches unknown: set {ENV_NUM_MICROBATCHES} "
-                        "or configure(num_microbatches=...)")
-    if problems:
-        raise ConfigError("megascale data provider: " + "; ".join(problems))
-    start = config.start_step
-    if start is None:
-        start = int(getattr(args, "iteration", 0) or 0) if args is not None else 0
-    if tree.cp > 1:
-        install_cp_passthrough()
-    rank = _global_rank()
-    topology = _SETTINGS.topology_factory(tree, config)
-    reads = _chunk_reads_data(tree, rank, vp_stage)
-    fetches = reads and topology.fetches(rank) and topology.needs_data(rank)
-    source = _SETTINGS.source_factory(topology, config) if fetches else None
-    client = Client(topology, rank, source=source, num_microbatches=num_microbatches, broadcast=False)
-    client.seek(start)
-    train = MicrobatchIterator(client, reads=reads)
-    valid = _SETTINGS.valid_factory(vp_stage) if _SETTINGS.valid_factory else None
-    test = _SETTINGS.test_factory(vp_stage) if _SETTINGS.test_factory else None
-    return train, valid, test
-
-
-train_valid_test_datasets_provider.is_distributed = True  # type: ignore[attr-defined]
 
 
 def _thd_already_sliced(batch: Any, cu_seqlens: Any, cu_seqlens_padded: Any, max_seqlen: Any,

@@ -71,7 +71,7 @@ def own_topology(tree: ClientPlaceTree, config: ProviderConfig) -> ServiceTopolo
                            namespace=config.namespace)
 
 
-def configure(config: ProviderConfig, **kw: Any) -> ProviderConfig:
+def configure(config: ProviderConfig, **kw: Any) -> prov.DatasetProvider:
     return prov.configure(config, source_factory=FakeSource, topology_factory=own_topology, **kw)
 
 
@@ -91,17 +91,18 @@ def _clean(monkeypatch: pytest.MonkeyPatch):
     prov.reset()
 
 
-def build_on(monkeypatch: pytest.MonkeyPatch, rank: int, vp_stage: int | None = None, **layout: Any):
+def build_on(provider: prov.DatasetProvider, monkeypatch: pytest.MonkeyPatch, rank: int, vp_stage: int | None = None,
+             **layout: Any):
     monkeypatch.setitem(sys.modules, "megatron.core.parallel_state", fake_parallel_state(rank, **layout))
-    return prov.train_valid_test_datasets_provider([100, 10, 10], vp_stage=vp_stage)
+    return provider([100, 10, 10], vp_stage=vp_stage)
 
 
 def test_provider_is_distributed_and_only_fetching_ranks_pull(monkeypatch: pytest.MonkeyPatch) -> None:
     assert prov.train_valid_test_datasets_provider.is_distributed is True
-    configure(ProviderConfig(namespace="ns", num_microbatches=3, start_step=5))
+    provider = configure(ProviderConfig(namespace="ns", num_microbatches=3, start_step=5))
     fetching = []
     for rank in range(8):  # tp=2, pp=2, dp=2: ranks 0..3 stage 0, 4..7 stage 1; tp rank = rank % 2
-        train, valid, test = build_on(monkeypatch, rank, tp=2, pp=2, dp=2)
+        train, valid, test = build_on(provider, monkeypatch, rank, tp=2, pp=2, dp=2)
         assert isinstance(train, MicrobatchIterator) and valid is None and test is None
         assert (train.step, train.microbatch) == (5, 0)
         if train.fetches:
@@ -114,9 +115,20 @@ def test_provider_is_distributed_and_only_fetching_ranks_pull(monkeypatch: pytes
     assert len(FakeSource.built) == len(fetching)
 
 
+def test_providers_keep_their_own_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two services, two providers: each call uses its own provider's settings (no module state)."""
+    early = configure(ProviderConfig(namespace="a", num_microbatches=3, start_step=2))
+    late = configure(ProviderConfig(namespace="b", num_microbatches=2, start_step=7))
+    assert (build_on(early, monkeypatch, 0, tp=1, pp=1, dp=2)[0].step,
+            build_on(late, monkeypatch, 0, tp=1, pp=1, dp=2)[0].step) == (2, 7)
+    assert [t.namespace for t in FakeSource.built] == ["a", "b"]
+    with pytest.raises(ConfigError, match=prov.ENV_NAMESPACE):  # the default reads the (empty) environment
+        build_on(prov.train_valid_test_datasets_provider, monkeypatch, 0, tp=1, pp=1, dp=2)
+
+
 def test_iterator_yields_step_microbatch_order_in_megatron_shapes(monkeypatch: pytest.MonkeyPatch) -> None:
-    configure(ProviderConfig(namespace="ns", num_microbatches=3, start_step=5))
-    train, _, _ = build_on(monkeypatch, 2, tp=2, pp=1, dp=2)
+    provider = configure(ProviderConfig(namespace="ns", num_microbatches=3, start_step=5))
+    train, _, _ = build_on(provider, monkeypatch, 2, tp=2, pp=1, dp=2)
     got = [next(train) for _ in range(7)]
     assert [tuple(b["tokens"][0].tolist()) for b in got] == [
         (5, 0, 2), (5, 1, 2), (5, 2, 2), (6, 0, 2), (6, 1, 2), (6, 2, 2), (7, 0, 2)]
@@ -166,8 +178,8 @@ def test_environment_configuration(monkeypatch: pytest.MonkeyPatch) -> None:
         seen.append(config)
         return FakeSource(topology, config)
 
-    prov.configure(None, source_factory=factory, topology_factory=own_topology)  # reads os.environ
-    train, _, _ = build_on(monkeypatch, 0, tp=1, pp=1, dp=2)
+    provider = prov.configure(None, source_factory=factory, topology_factory=own_topology)  # reads os.environ
+    train, _, _ = build_on(provider, monkeypatch, 0, tp=1, pp=1, dp=2)
     assert seen[0].namespace == "job7" and [next(train)["tokens"][0, 1].item() for _ in range(3)] == [0, 1, 0]
     with pytest.raises(ConfigError) as err:
         ProviderConfig.from_env({prov.ENV_NUM_MICROBATCHES: "zero", prov.ENV_START_STEP: "-1"})
@@ -180,7 +192,7 @@ def test_configure_from_service_handles() -> None:
 
     topo = own_topology(ClientPlaceTree.from_sizes(dp=2), ProviderConfig(namespace="svc"))
     handles = ServiceHandles(address="auto", topology=topo)
-    cfg = prov.configure(handles, num_microbatches=5, start_step=9)
+    cfg = prov.configure(handles, num_microbatches=5, start_step=9).config
     assert cfg == ProviderConfig(namespace="svc", address="auto", num_microbatches=5, start_step=9, topology=topo)
     with pytest.raises(ConfigError, match="got int"):
         prov.configure(3)
@@ -188,20 +200,21 @@ def test_configure_from_service_handles() -> None:
 
 def test_a_service_planned_for_another_layout_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     other = own_topology(ClientPlaceTree.from_sizes(dp=4), ProviderConfig(namespace="svc"))
-    prov.configure(ProviderConfig(namespace="svc", num_microbatches=2, topology=other), source_factory=FakeSource)
+    provider = prov.configure(ProviderConfig(namespace="svc", num_microbatches=2, topology=other),
+                              source_factory=FakeSource)
     with pytest.raises(ConfigError, match="start the service with this job's parallel layout"):
-        build_on(monkeypatch, 0, tp=1, pp=1, dp=2)
+        build_on(provider, monkeypatch, 0, tp=1, pp=1, dp=2)
 
 
 def test_provider_refuses_unknown_microbatches(monkeypatch: pytest.MonkeyPatch) -> None:
-    configure(ProviderConfig(namespace="ns"))
+    provider = configure(ProviderConfig(namespace="ns"))
     with pytest.raises(ConfigError, match=prov.ENV_NUM_MICROBATCHES):
-        build_on(monkeypatch, 0, tp=1, pp=1, dp=2)
+        build_on(provider, monkeypatch, 0, tp=1, pp=1, dp=2)
     ps = fake_parallel_state(0, tp=1, pp=1, dp=2)
     ps.model_parallel_is_initialized = lambda: False
     monkeypatch.setitem(sys.modules, "megatron.core.parallel_state", ps)
     with pytest.raises(ParallelLayoutError, match="not initialised"):
-        prov.train_valid_test_datasets_provider([1, 0, 0])
+        provider([1, 0, 0])
 
 
 def test_cp_batches_arrive_sliced_and_megatron_does_not_slice_again(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -220,9 +233,9 @@ def test_cp_batches_arrive_sliced_and_megatron_does_not_slice_again(monkeypatch:
     pretrain_gpt.get_thd_batch_on_this_cp_rank = mutils.get_thd_batch_on_this_cp_rank
     monkeypatch.setitem(sys.modules, "fake_pretrain_gpt", pretrain_gpt)
     original = mutils.get_thd_batch_on_this_cp_rank
-    configure(ProviderConfig(namespace="ns", num_microbatches=2))
+    provider = configure(ProviderConfig(namespace="ns", num_microbatches=2))
     try:
-        train, _, _ = build_on(monkeypatch, 0, tp=1, pp=1, dp=2, cp=2)
+        train, _, _ = build_on(provider, monkeypatch, 0, tp=1, pp=1, dp=2, cp=2)
         assert isinstance(train, prov.MicrobatchIterator)
         assert pretrain_gpt.get_thd_batch_on_this_cp_rank is not original
         pack = pack_microbatch([{"tokens": np.arange(3, 8)}, {"tokens": np.arange(20, 23)}], seq_length=8, pad_id=0)
@@ -240,11 +253,12 @@ def test_cp_batches_arrive_sliced_and_megatron_does_not_slice_again(monkeypatch:
 
 
 def test_interleaved_pipeline_only_first_and_last_virtual_chunk_fetch(monkeypatch: pytest.MonkeyPatch) -> None:
-    configure(ProviderConfig(namespace="ns", num_microbatches=2), valid_factory=lambda vp: f"valid{vp}")
+    provider = configure(ProviderConfig(namespace="ns", num_microbatches=2), valid_factory=lambda vp: f"valid{vp}")
     layout = dict(tp=1, pp=2, dp=1, vpp=2)
-    fetch = {(rank, vp): build_on(monkeypatch, rank, vp, **layout)[0].fetches for rank in (0, 1) for vp in (0, 1)}
+    fetch = {(rank, vp): build_on(provider, monkeypatch, rank, vp, **layout)[0].fetches
+             for rank in (0, 1) for vp in (0, 1)}
     assert fetch == {(0, 0): True, (0, 1): False, (1, 0): False, (1, 1): True}
-    assert build_on(monkeypatch, 0, 1, **layout)[1] == "valid1"
+    assert build_on(provider, monkeypatch, 0, 1, **layout)[1] == "valid1"
 
 
 def test_megatron_view_fills_fields_another_stage_owns() -> None:
@@ -267,6 +281,7 @@ def test_megatrons_rerun_wrapper_drives_the_iterator() -> None:
 def test_a_service_broadcasting_other_than_over_tp_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     """Megatron-LM's get_batch broadcasts over TP itself: the service must fetch at TP rank 0 only."""
     everyone = own_topology(ClientPlaceTree.from_sizes(tp=2, dp=2).with_broadcast(()), ProviderConfig(namespace="s"))
-    prov.configure(ProviderConfig(namespace="s", num_microbatches=2, topology=everyone), source_factory=FakeSource)
+    provider = prov.configure(ProviderConfig(namespace="s", num_microbatches=2, topology=everyone),
+                              source_factory=FakeSource)
     with pytest.raises(ConfigError, match=r"broadcasts along \[\], but Megatron-LM's get_batch broadcasts over TP"):
-        build_on(monkeypatch, 0, tp=2, pp=1, dp=2)
+        build_on(provider, monkeypatch, 0, tp=2, pp=1, dp=2)
