@@ -138,6 +138,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--step-seconds", type=float, default=0.5, help="simulated compute per step (default 0.5)")
     parser.add_argument("--client-prefetch", type=int, default=4)
     parser.add_argument("--no-shadows", action="store_true", help="loaders recover by restart only")
+    parser.add_argument("--autoscale", action="store_true",
+                        help="autoscaled loader groups (the main job's default) instead of one loader per source")
     parser.add_argument("--num-cpus", type=int, default=2)
     parser.add_argument("--json", type=Path, help="write the rows as JSON here")
 
@@ -146,7 +148,7 @@ def run(args: argparse.Namespace) -> int:
     import ray
 
     from megascale_data_ext.dataplane.placetree import ClientPlaceTree
-    from megascale_data_ext.runtime.config import RayConfig, ServiceConfig
+    from megascale_data_ext.runtime.config import AutoscaleConfig, RayConfig, ServiceConfig
     from megascale_data_ext.runtime.fault_tolerance import FaultToleranceConfig
     from megascale_data_ext.runtime.service import DataService
     from megascale_data_ext.sources.demo_data import make_demo_data
@@ -163,7 +165,8 @@ def run(args: argparse.Namespace) -> int:
     def one(component: str, faults: str) -> FaultRun:
         cfg = ServiceConfig(sources=specs, seed=11, samples_per_step=4 * args.dp, num_microbatches=2, seq_length=1024,
                             strategy="llm_balance", strategy_args={"model": "gpt-tiny"}, buffer_size=64,
-                            ray=RayConfig(namespace=f"faults-{component}"))
+                            ray=RayConfig(namespace=f"faults-{component}"),
+                            autoscale=AutoscaleConfig(enabled=args.autoscale))
         svc = DataService(cfg, tree, fault_tolerance=ft, progress=None)
         handles = svc.start()
         try:
@@ -187,6 +190,9 @@ def run(args: argparse.Namespace) -> int:
                   baseline_wall_s=round(baseline.wall_s, 2), ettr=round(baseline.wall_s / got.wall_s, 3))
         rows.append(row)
         print(json.dumps(asdict(row)))
+        if args.step_seconds > 0:
+            print(f"{component}: worst stall {row.max_stall_s:.3f} s = {row.max_stall_s / args.step_seconds:.2f} "
+                  f"steps of {args.step_seconds:g} s")
         if component == "loader":
             mem = memory = got.memory
             ratio = (mem["loaders_rss"] + mem["shadows_rss"]) / max(mem["loaders_rss"], 1)
@@ -197,6 +203,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"steps": args.steps, "step_seconds": args.step_seconds,
+                                         "autoscale": args.autoscale,
                                          "client_prefetch": args.client_prefetch, "shadows": not args.no_shadows,
                                          "memory": memory, "rows": [asdict(r) for r in rows]}, indent=1))
     return 0 if all(r.lost == 0 and r.duplicated == 0 for r in rows) else 1
