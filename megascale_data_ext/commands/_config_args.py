@@ -1,8 +1,10 @@
-"""The config arguments the data commands share (info, lint, heatmap, plan).
+"""The config and layout arguments the data commands share (info, lint, heatmap, plan, serve).
 
 A user names a config the way the examples take it: a YAML file and/or Hydra overrides
 (``sources=demo_text data.data_root=demo_data``), with ``--config-dir/--config-name`` for
-their own Hydra config directory.
+their own Hydra config directory. A trainer layout is spelled one way in every command:
+``--world-size N [--tp --pp --cp --vpp]``, each size defaulting to the config's ``parallel``
+node (what the trainer will run), DP derived as Megatron derives it.
 """
 
 from __future__ import annotations
@@ -11,6 +13,10 @@ import argparse
 import sys
 from pathlib import Path
 from typing import Any
+
+LAYOUT_FLAGS = {"tp": "tensor_model_parallel_size", "pp": "pipeline_model_parallel_size",
+                "cp": "context_parallel_size", "vpp": "virtual_pipeline_model_parallel_size"}
+
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("config", nargs="*", metavar="CONFIG.yaml|OVERRIDE",
@@ -54,3 +60,42 @@ def load_data_config(args: argparse.Namespace, *, check_paths: bool = True, cont
 def fail(exc: Exception) -> int:
     print(f"error: {exc}", file=sys.stderr)
     return 2
+
+
+def add_layout_arguments(parser: argparse.ArgumentParser, *, default_dp: int | None = None) -> None:
+    """``--world-size`` (required unless `default_dp` makes it tp·pp·cp × default_dp) and
+    ``--tp/--pp/--cp/--vpp``."""
+    parser.add_argument("--world-size", type=int, required=default_dp is None, default=None,
+                        help="trainer ranks (dp = world / (tp*pp*cp))"
+                             + ("" if default_dp is None else f"; default tp*pp*cp*{default_dp} (DP {default_dp})"))
+    parser.set_defaults(default_dp=default_dp)
+    for flag, key in LAYOUT_FLAGS.items():
+        parser.add_argument(f"--{flag}", type=int, default=None, help=f"default: the config's parallel.{key}, else "
+                                                                      f"{'none' if flag == 'vpp' else 1}")
+
+
+def layout_sizes(cfg: Any, args: argparse.Namespace) -> dict[str, int | None]:
+    """tp/pp/cp/vpp: the flags, else the composed config's ``parallel`` node, else 1 (vpp: None)."""
+    par = (cfg.get("parallel") if hasattr(cfg, "get") else None) or {}
+    return {flag: getattr(args, flag) if getattr(args, flag) is not None
+            else par.get(key, None if flag == "vpp" else 1) for flag, key in LAYOUT_FLAGS.items()}
+
+
+def layout_tree(cfg: Any, args: argparse.Namespace, *, what: str) -> tuple[Any, dict[str, int | None]]:
+    """(ClientPlaceTree, sizes) of the layout arguments; ParallelLayoutError names every problem
+    (`what` says what cannot be done with it: "serve", "plan", ...)."""
+    from megascale_data_ext.dataplane.placetree import ClientPlaceTree
+    from megascale_data_ext.errors import ParallelLayoutError
+    from megascale_data_ext.megatron.preflight import layout_problems
+
+    sizes = layout_sizes(cfg, args)
+    if args.world_size is None:
+        args.world_size = int(sizes["tp"]) * int(sizes["pp"]) * int(sizes["cp"]) * args.default_dp
+    problems = layout_problems({"parallel": {key: sizes[f] for f, key in LAYOUT_FLAGS.items()}}, args.world_size)
+    if args.world_size < 1:
+        problems.insert(0, f"--world-size must be >= 1, got {args.world_size}")
+    if problems:
+        raise ParallelLayoutError(f"cannot {what} this layout: " + "; ".join(problems))
+    tree = ClientPlaceTree.from_sizes(tp=sizes["tp"], pp=sizes["pp"], cp=sizes["cp"], vpp=sizes["vpp"],
+                                      world_size=args.world_size)
+    return tree, sizes

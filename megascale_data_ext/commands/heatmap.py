@@ -2,7 +2,8 @@
 
 Builds the real service in one process (`InProcessService`: the Source Loaders open the
 sources, the Planner mixes and balances them with the configured strategy), plans ``--steps``
-steps for the ``--layout`` (tp,pp,dp), and draws two heatmaps side by side — steps down, the
+steps for the layout ``--world-size N [--tp --pp --cp]`` (default: the config's ``parallel``
+sizes at DP 4), and draws two heatmaps side by side — steps down, the
 strategy's buckets (DP ranks for ``llm_balance``) across, colour = a bucket's cost / the step's
 mean bucket cost — for the same samples split Megatron-style (contiguous, equal count:
 `StepPlan.vanilla_imbalance`'s split) and as the plan balanced them (`StepPlan.bucket_costs`).
@@ -19,7 +20,13 @@ from typing import Any
 
 import numpy as np
 
-from megascale_data_ext.commands._config_args import add_config_arguments, fail, load_data_config
+from megascale_data_ext.commands._config_args import (
+    add_config_arguments,
+    add_layout_arguments,
+    compose_from_args,
+    fail,
+    layout_tree,
+)
 from megascale_data_ext.commands._plotting import pyplot
 from megascale_data_ext.errors import MegascaleDataError
 
@@ -29,38 +36,18 @@ HELP = "Plot per-step per-DP-rank plan cost, vanilla vs balanced, of a data conf
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_config_arguments(parser)
-    parser.add_argument("--layout", default="1,1,4", metavar="TP,PP,DP",
-                        help="parallel sizes tp,pp,dp (or tp=2,cp=1,pp=2,dp=4); default 1,1,4")
+    add_layout_arguments(parser, default_dp=4)
     parser.add_argument("--steps", type=int, default=32, help="steps to plan (32)")
     parser.add_argument("--out", type=Path, required=True, metavar="F.png", help="the PNG to write")
     parser.add_argument("--json", type=Path, help="also write the per-step bucket costs here")
 
 
-def parse_layout(text: str) -> dict[str, int]:
-    """``"2,2,4"`` (tp,pp,dp) or ``"tp=2,cp=2,pp=1,dp=4"`` -> sizes for `ClientPlaceTree.from_sizes`."""
-    from megascale_data_ext.errors import ConfigError
+def plan_costs(service_config: Any, tree: Any, steps: int) -> dict[str, Any]:
+    """Per-step bucket costs of the real Planner on `tree`: ``vanilla`` and ``balanced`` [steps, buckets]."""
+    from megascale_data_ext import InProcessService
 
-    usage = f"--layout {text!r}: give tp,pp,dp (e.g. 2,2,4) or tp=..,cp=..,pp=..,dp=.."
-    parts = [p.strip() for p in text.split(",") if p.strip()]
-    named = all("=" in p for p in parts)
-    if not parts or (not named and len(parts) != 3):
-        raise ConfigError(usage)
-    pairs = [p.split("=", 1) for p in parts] if named else list(zip(("tp", "pp", "dp"), parts, strict=True))
-    try:
-        sizes = {k.strip(): int(v) for k, v in pairs}
-    except ValueError as exc:
-        raise ConfigError(f"{usage} ({exc})") from None
-    unknown = sorted(set(sizes) - {"tp", "cp", "pp", "dp"})
-    if unknown:
-        raise ConfigError(f"--layout {text!r}: unknown sizes {unknown}; use tp, cp, pp, dp")
-    return sizes
-
-
-def plan_costs(service_config: Any, sizes: dict[str, int], steps: int) -> dict[str, Any]:
-    """Per-step bucket costs of the real Planner: ``vanilla`` and ``balanced`` [steps, buckets]."""
-    from megascale_data_ext import ClientPlaceTree, InProcessService
-
-    service = InProcessService(service_config, ClientPlaceTree.from_sizes(**sizes))
+    service = InProcessService(service_config, tree)
+    sizes = {"tp": tree.tp, "cp": tree.cp, "pp": tree.pp, "dp": tree.dp}
     vanilla, balanced, samples, summaries = [], [], [], []
     try:
         for step in range(steps):
@@ -134,9 +121,12 @@ def run(args: argparse.Namespace) -> int:
     if args.steps < 1:
         return fail(ValueError(f"--steps must be >= 1, got {args.steps}"))
     try:
-        sizes = parse_layout(args.layout)
-        service_config = load_data_config(args, context_parallel_size=sizes.get("cp", 1)).to_service_config()
-        data = plan_costs(service_config, sizes, args.steps)
+        from megascale_data_ext.config import load_config
+
+        cfg = compose_from_args(args)
+        tree, sizes = layout_tree(cfg, args, what="plan")
+        service_config = load_config(cfg, context_parallel_size=int(sizes["cp"])).to_service_config()
+        data = plan_costs(service_config, tree, args.steps)
     except MegascaleDataError as exc:
         return fail(exc)
     plot_heatmaps(data, args.out)

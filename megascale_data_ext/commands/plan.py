@@ -2,8 +2,8 @@
 
 The training config (``conf/train_gpt.yaml`` with overrides by default, a YAML file, or
 ``--config-dir/--config-name``; see `commands._config_args`) gives the data node and the
-parallel layout; ``--world-size`` gives the number of ranks. A
-service started with ``data.replay_dir=DIR`` then serves exactly these plans without planning.
+parallel layout (``--tp/--pp/--cp/--vpp`` override it); ``--world-size`` gives the number of
+ranks. A service started with ``data.replay_dir=DIR`` then serves exactly these plans without planning.
 """
 
 from __future__ import annotations
@@ -13,7 +13,13 @@ import sys
 import time
 from pathlib import Path
 
-from megascale_data_ext.commands._config_args import add_config_arguments, compose_from_args, fail
+from megascale_data_ext.commands._config_args import (
+    add_config_arguments,
+    add_layout_arguments,
+    compose_from_args,
+    fail,
+    layout_tree,
+)
 from megascale_data_ext.errors import MegascaleDataError
 
 NAME = "plan"
@@ -24,14 +30,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_config_arguments(parser)
     parser.add_argument("--steps", type=int, required=True, help="steps to plan (0 .. steps-1)")
     parser.add_argument("--out", type=Path, required=True, help="directory for manifest.json and step_*.npz")
-    parser.add_argument("--world-size", type=int, required=True, help="trainer ranks (dp = world / (tp*cp*pp))")
+    add_layout_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from megascale_data_ext.config import load_config
-    from megascale_data_ext.dataplane.placetree import ClientPlaceTree
     from megascale_data_ext.dataplane.plan_store import PlanStore
     from megascale_data_ext.runtime.inprocess import InProcessService
 
@@ -39,13 +44,10 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("--steps must be >= 1")
     try:
         cfg = compose_from_args(args)
+        tree, sizes = layout_tree(cfg, args, what="plan")
+        service_cfg = load_config(cfg.data, context_parallel_size=int(sizes["cp"])).to_service_config()
     except MegascaleDataError as exc:
         return fail(exc)
-    par = cfg.parallel
-    tp, pp = int(par.tensor_model_parallel_size), int(par.pipeline_model_parallel_size)
-    cp, vpp = int(par.get("context_parallel_size", 1)), par.get("virtual_pipeline_model_parallel_size")
-    tree = ClientPlaceTree.from_sizes(tp=tp, pp=pp, cp=cp, vpp=vpp, world_size=args.world_size)
-    service_cfg = load_config(cfg.data, context_parallel_size=cp).to_service_config()
     if service_cfg.replay_dir is not None:
         raise SystemExit("data.replay_dir is set: plan from the live configuration (drop the override)")
     t0 = time.perf_counter()

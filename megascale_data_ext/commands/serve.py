@@ -23,14 +23,18 @@ import time
 from pathlib import Path
 from typing import Any
 
-from megascale_data_ext.commands._config_args import add_config_arguments, compose_from_args, fail
+from megascale_data_ext.commands._config_args import (
+    add_config_arguments,
+    add_layout_arguments,
+    compose_from_args,
+    fail,
+    layout_tree,
+)
 from megascale_data_ext.errors import ConfigError, MegascaleDataError
 
 NAME = "serve"
 HELP = "start the data service for a Megatron-LM job (pretrain_gpt.py --dataloader-type external) until Ctrl-C"
 
-_LAYOUT_FLAGS = {"tp": "tensor_model_parallel_size", "pp": "pipeline_model_parallel_size",
-                 "cp": "context_parallel_size", "vpp": "virtual_pipeline_model_parallel_size"}
 
 
 class ServiceExistsError(ConfigError):
@@ -39,24 +43,11 @@ class ServiceExistsError(ConfigError):
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_config_arguments(parser)
-    parser.add_argument("--world-size", type=int, required=True, help="trainer ranks (dp = world / (tp*pp*cp))")
-    for flag, key in _LAYOUT_FLAGS.items():
-        parser.add_argument(f"--{flag}", type=int, default=None, help=f"default: the config's parallel.{key}, else "
-                                                                      f"{'none' if flag == 'vpp' else 1}")
+    add_layout_arguments(parser)
     parser.add_argument("--status-every", type=float, default=30.0, metavar="SECONDS",
                         help="seconds between status lines (default 30; 0 = none)")
     parser.add_argument("--env-file", type=Path, default=None, metavar="PATH",
                         help="also write the ranks' environment there as `export` lines (`source PATH`)")
-
-
-def layout(cfg: Any, args: argparse.Namespace) -> dict[str, int | None]:
-    """tp/pp/cp/vpp: the flags, else the config's ``parallel`` node, else 1 (vpp: None)."""
-    par = cfg.get("parallel") or {}
-    sizes = {}
-    for flag, key in _LAYOUT_FLAGS.items():
-        value = getattr(args, flag)
-        sizes[flag] = value if value is not None else par.get(key, None if flag == "vpp" else 1)
-    return sizes
 
 
 def build(args: argparse.Namespace) -> tuple[Any, Any, dict[str, int | None]]:
@@ -64,23 +55,13 @@ def build(args: argparse.Namespace) -> tuple[Any, Any, dict[str, int | None]]:
     name every problem before Ray starts."""
     from megascale_data_ext.config import load_config
     from megascale_data_ext.config.run import load_run_config
-    from megascale_data_ext.dataplane.placetree import ClientPlaceTree
-    from megascale_data_ext.errors import ParallelLayoutError
-    from megascale_data_ext.megatron.preflight import layout_problems
 
     cfg = compose_from_args(args)
     load_run_config(cfg)  # the same overrides go to the trainer: a typo in model/train/parallel fails here too
-    sizes = layout(cfg, args)
-    problems = layout_problems({"parallel": {key: sizes[f] for f, key in _LAYOUT_FLAGS.items()}}, args.world_size)
-    if args.world_size < 1:
-        problems.insert(0, f"--world-size must be >= 1, got {args.world_size}")
-    if problems:
-        raise ParallelLayoutError("cannot serve this layout: " + "; ".join(problems))
+    tree, sizes = layout_tree(cfg, args, what="serve")
     if "data" not in cfg:
         raise ConfigError("the composed config has no `data` node; add `data: megascale` to its defaults list")
     service_cfg = load_config(cfg.data, context_parallel_size=int(sizes["cp"])).to_service_config()
-    tree = ClientPlaceTree.from_sizes(tp=sizes["tp"], pp=sizes["pp"], cp=sizes["cp"], vpp=sizes["vpp"],
-                                      world_size=args.world_size)
     return service_cfg, tree, sizes
 
 

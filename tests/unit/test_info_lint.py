@@ -164,25 +164,28 @@ def test_lint_names_bad_files_rows_and_stale_cost_columns(tmp_path, capsys):
 def test_heatmap_writes_a_png_of_the_real_plans(root, tmp_path, capsys):
     png, data = tmp_path / "img" / "heat.png", tmp_path / "heat.json"
     assert main(["heatmap", "sources=demo_text", f"data.data_root={root}", "data.samples_per_step=16",
-                 "--layout", "1,1,2", "--steps", "3", "--out", str(png), "--json", str(data)]) == 0
+                 "--world-size", "2", "--tp", "1", "--pp", "1", "--steps", "3", "--out", str(png), "--json", str(data)]) == 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     got = json.loads(data.read_text())
-    assert got["layout"] == {"tp": 1, "pp": 1, "dp": 2} and got["axis"] == "DP" and got["strategy"] == "llm_balance"
+    assert got["layout"] == {"tp": 1, "cp": 1, "pp": 1, "dp": 2} and got["axis"] == "DP" and got["strategy"] == "llm_balance"
     vanilla, balanced = np.asarray(got["vanilla"]), np.asarray(got["balanced"])
     assert vanilla.shape == balanced.shape == (3, 2)
     np.testing.assert_allclose(vanilla.sum(axis=1), balanced.sum(axis=1))  # the same samples, split two ways
     out = capsys.readouterr().out
     assert out.startswith("step  samples  vanilla max/mean  balanced max/mean")
-    assert main(["heatmap", "--layout", "2,2", "--out", str(png)]) == 2
+    assert main(["heatmap", "--world-size", "3", "--tp", "2", "--out", str(png)]) == 2
 
 
-def test_heatmap_layout_argument_is_parsed_or_named_as_wrong():
-    from megascale_data_ext.commands.heatmap import parse_layout
-    from megascale_data_ext.errors import ConfigError
-
-    assert parse_layout("2,2,4") == {"tp": 2, "pp": 2, "dp": 4}
-    assert parse_layout("tp=2, cp=2, dp=2") == {"tp": 2, "cp": 2, "dp": 2}
-    for bad, why in (("2,x,4", "invalid literal"), ("2,2", "give tp,pp,dp"), ("tp=2,zz=1", "unknown sizes"),
-                     ("", "give tp,pp,dp")):
-        with pytest.raises(ConfigError, match=why):
-            parse_layout(bad)
+def test_every_command_spells_the_layout_the_same_way(root, tmp_path, capsys):
+    """--world-size with --tp/--pp/--cp, sizes defaulting to the config's `parallel` node, in plan,
+    heatmap and serve; a layout that does not divide is one error naming the keys."""
+    base = ["sources=demo_text", f"data.data_root={root}"]
+    for argv in (["plan", *base, "--steps", "1", "--out", str(tmp_path / "p"), "--world-size", "6"],
+                 ["heatmap", *base, "--world-size", "6", "--out", str(tmp_path / "h.png")],
+                 ["serve", *base, "--world-size", "6"]):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert "world size 6 is not divisible by tp*pp*cp = 2*2*1 = 4" in err, (argv[0], err)  # train_gpt's parallel
+    assert main(["heatmap", *base, "parallel.tensor_model_parallel_size=1", "parallel.pipeline_model_parallel_size=1",
+                 "--steps", "1", "--out", str(tmp_path / "h.png"), "--json", str(tmp_path / "h.json")]) == 0
+    assert json.loads((tmp_path / "h.json").read_text())["layout"] == {"tp": 1, "cp": 1, "pp": 1, "dp": 4}
