@@ -179,7 +179,8 @@ class DGraph(_GraphBase):
 
     def __init__(self, summary: BufferSummary, tree: Any, *, step: int):
         self.summary = summary
-        parts = summary.sources
+        sources = summary.sources
+        parts = [p for p in sources if len(p)]  # a step's graph at 1,000+ sources holds rows of few
         offs = [p.image_offsets for p in parts]
         img_counts = [p.image_patch_counts for p in parts]
         # Re-base each source's ragged image offsets onto the concatenated patch array.
@@ -206,7 +207,7 @@ class DGraph(_GraphBase):
         self.selected: np.ndarray | None = None
         self.broadcast_dims: tuple[str, ...] = ()
         self.encoder: ImageDGraph | None = None
-        self._record(f"buffer({len(self)} samples from {len(parts)} sources)")
+        self._record(f"buffer({len(self)} samples from {len(sources)} sources)")
 
     @classmethod
     def from_summary(cls, summary: BufferSummary, tree: Any, *, step: int) -> DGraph:

@@ -54,8 +54,16 @@ class SourceSummary:
         return int(self.positions.shape[0])
 
     def image_patches_total(self) -> np.ndarray:
+        """Patches per sample (all its images together)."""
+        if not len(self.image_patch_counts):
+            return np.zeros(len(self), dtype=np.int64)
         csum = np.concatenate([[0], np.cumsum(self.image_patch_counts)])
         return csum[self.image_offsets[1:]] - csum[self.image_offsets[:-1]]
+
+    def seq_lengths(self) -> np.ndarray:
+        """Sequence length per sample: text tokens plus image patches (the text column itself
+        when the source has no images: no copy)."""
+        return self.text_tokens + self.image_patches_total() if len(self.image_patch_counts) else self.text_tokens
 
     def head(self, n: int) -> SourceSummary:
         """The first `n` samples (stream order): what a FIFO buffer serves next."""

@@ -25,6 +25,7 @@ recomputed from it.
 from __future__ import annotations
 
 import copy
+import pickle
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -89,6 +90,7 @@ class Planner:
         self.tree = topology.tree
         self.summarize_many = summarize_many
         self._summaries: dict[int, SourceSummary] = {}  # per source, a window of its (pure) stream metadata
+        self._windows: dict[int, tuple] = {}  # per source, ((start, count), summary, its window) last sliced
         self.keep = keep
         self.strategy = make_strategy(config)
         names = config.source_names
@@ -127,8 +129,10 @@ class Planner:
 
     def _snapshot(self) -> tuple[dict[str, Any], int]:
         """The state before the next step, without its reports, and the last report step applied."""
+        # plain data (lists, dicts, numbers): a pickle round trip copies it ~10x faster than deepcopy,
+        # which at 1,000+ sources cost ~20 ms a step
         state = {"step": self.next_step, "cursors": self.cursors.tolist(),
-                 "mixer": copy.deepcopy(self.mixer.state_dict()), "carry": copy.deepcopy(self.carry)}
+                 "mixer": _copied(self.mixer.state_dict()), "carry": _copied(self.carry)}
         return state, self.reports.applied_through()
 
     def _stamp(self, snapshot: tuple[dict[str, Any], int]) -> dict[str, Any]:
@@ -224,8 +228,13 @@ class Planner:
                                     f"position {int(summ.positions[0]) if len(summ) else None}; a loader must "
                                     "return exactly the positions asked for")
                 self._summaries[s] = summ
-        return [self._summaries[s].window(start - int(self._summaries[s].positions[0]), count)
-                for s, start in enumerate(starts)]
+        out = []
+        for s, start in enumerate(starts):  # a source whose cursor did not move keeps its window
+            summ, known = self._summaries[s], self._windows.get(s)
+            if known is None or known[0] != (start, count) or known[1] is not summ:
+                known = self._windows[s] = ((start, count), summ, summ.window(start - int(summ.positions[0]), count))
+            out.append(known[2])
+        return out
 
     def _fit(self, buffer: BufferSummary, mixed: DGraph, step: int) -> StepPlan:
         """Plan the longest prefix of the step's mixed order that fits its microbatches.
@@ -310,7 +319,13 @@ class Planner:
             if self.budget is not None:
                 self.budget.carry = copy.deepcopy(list(fields["carry"]))
             self._summaries.clear()
+            self._windows.clear()
             self.plans.clear()
             self._states.clear()
             if self._floors is not None:  # no constructor builds a step before the one resumed at
                 self._floors = {k: max(v, self.next_step) for k, v in self._floors.items()}
+
+
+def _copied(plain: Any) -> Any:
+    """A deep copy of plain data (what a state holds)."""
+    return pickle.loads(pickle.dumps(plain, protocol=pickle.HIGHEST_PROTOCOL))

@@ -49,6 +49,9 @@ class TokenBudget:
                               f"x seq_length {config.seq_length} = {capacity}; lower it or raise the batch shape")
         self.config, self.strategy, self.tree, self.mixer = config, strategy, tree, mixer
         self.carry: list[list] = []  # [source, position, index, start, length, [patches]] not placed yet
+        z = np.zeros(0, dtype=np.int64)
+        self._empties = [SourceSummary(source=s, name=name, positions=z, indices=z, text_tokens=z)
+                         for s, name in enumerate(config.source_names)]
 
     def plan(self, step: int, summaries: list[SourceSummary]) -> tuple[StepPlan, np.ndarray]:
         """Plan `step` to its token budget: carry + fresh draws -> balanced prefix -> filled rooms.
@@ -59,7 +62,7 @@ class TokenBudget:
         cfg, m = self.config, self.config.num_microbatches
         target, length = int(cfg.tokens_per_step), cfg.seq_length
         carry = Pool.of(self.carry)
-        seq = [s.text_tokens + s.image_patches_total() for s in summaries]
+        seq = [s.seq_lengths() for s in summaries]
         # Slack beyond the budget gives the room filling documents to choose from.
         need = target + SLACK_MICROBATCHES * length - int(carry.seq_len.sum())
         n = draw_size(lambda b: self.mixer.preview(step, b), seq, need)
@@ -110,15 +113,16 @@ class TokenBudget:
 
     def _graph(self, pool: Pool, k: int, step: int) -> DGraph:
         """A DGraph of the first `k` pool rows, selected back in pool order."""
-        parts = []
-        for s, name in enumerate(self.config.source_names):
+        parts = list(self._empties)  # a source without rows in the prefix: most of 1,000+ in a step
+        for s in np.unique(pool.source[:k]).tolist():
+            name = self.config.source_names[s]
             sel = np.flatnonzero(pool.source[:k] == s)
             patches = [pool.patches[i] for i in sel.tolist()]
-            parts.append(SourceSummary(
+            parts[s] = SourceSummary(
                 source=s, name=name, positions=pool.position[sel], indices=pool.index[sel],
                 text_tokens=pool.length[sel],
                 image_offsets=np.concatenate([[0], np.cumsum([len(p) for p in patches])]).astype(np.int64),
-                image_patch_counts=np.asarray([x for p in patches for x in p], dtype=np.int64)))
+                image_patch_counts=np.asarray([x for p in patches for x in p], dtype=np.int64))
         by_source = np.argsort(pool.source[:k], kind="stable")  # graph row j is pool row by_source[j]
         rows = np.empty(k, dtype=np.int64)
         rows[by_source] = np.arange(k)
@@ -136,6 +140,8 @@ def _fresh(summaries: list[SourceSummary], counts: np.ndarray, order: np.ndarray
     cols = {k: np.empty(len(src), dtype=np.int64) for k in ("position", "index", "length")}
     patches: list[tuple[int, ...]] = [()] * len(src)
     for s, c in enumerate(np.asarray(counts).tolist()):
+        if not c:
+            continue
         sel, summ = np.flatnonzero(src == s), summaries[s]
         cols["position"][sel], cols["index"][sel] = summ.positions[:c], summ.indices[:c]
         cols["length"][sel] = summ.text_tokens[:c]

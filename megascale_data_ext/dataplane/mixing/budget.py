@@ -118,9 +118,13 @@ def draw_size(preview: Callable[[int], np.ndarray], lengths: Sequence[np.ndarray
     """
     if need <= 0:
         return 0
-    csum = [np.concatenate([[0], np.cumsum(x)]) for x in lengths]
+    def tokens(counts: np.ndarray) -> int:  # what the first counts[s] samples of every source bring
+        return sum(int(lengths[s][:c].sum()) for s, c in enumerate(counts.tolist()) if c)
+
     total = sum(len(x) for x in lengths)
-    mean = max(float(np.mean(np.concatenate(lengths))) if total else 1.0, 1.0)
+    # the starting estimate only (the search below finds the smallest n whatever it is): a sample
+    # of every source's next lengths, not all of them (a step at 1,000+ sources draws few of each)
+    mean = max(float(np.mean(np.concatenate([x[:64] for x in lengths]))) if total else 1.0, 1.0)
     n, lo = max(1, int(np.ceil(need / mean))), 0
     while True:
         counts = preview(n)
@@ -128,7 +132,7 @@ def draw_size(preview: Callable[[int], np.ndarray], lengths: Sequence[np.ndarray
         if short:
             raise PlanError(f"a token-budget step needs {need} tokens but source(s) {short} buffer only "
                             f"{[len(lengths[s]) for s in short]} samples for the mixture: raise `buffer_size`")
-        got = sum(int(c[k]) for c, k in zip(csum, counts.tolist(), strict=True))
+        got = tokens(counts)
         if got >= need:
             break
         lo = n
@@ -136,7 +140,7 @@ def draw_size(preview: Callable[[int], np.ndarray], lengths: Sequence[np.ndarray
     while n - lo > 1:  # the estimate may overshoot: the smallest n that reaches `need`
         mid = (lo + n) // 2
         counts = preview(mid)
-        if sum(int(c[k]) for c, k in zip(csum, counts.tolist(), strict=True)) >= need:
+        if tokens(counts) >= need:
             n = mid
         else:
             lo = mid
