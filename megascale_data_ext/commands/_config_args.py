@@ -19,21 +19,64 @@ LAYOUT_FLAGS = {"tp": "tensor_model_parallel_size", "pp": "pipeline_model_parall
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("config", nargs="*", metavar="CONFIG.yaml|OVERRIDE",
+    parser.add_argument("config", nargs="*", metavar="CONFIG.yaml|OVERRIDE|DATASET",
                         help="a config YAML file and/or Hydra overrides (key=value, group=option), e.g. "
-                             "sources=demo_text data.data_root=demo_data")
+                             "sources=demo_text data.data_root=demo_data; or dataset paths (a Parquet or JSONL "
+                             "file or directory, a Megatron .bin/.idx prefix), one source each")
     parser.add_argument("--config-dir", default=None, metavar="DIR",
                         help="Hydra config directory (default: the package's conf/)")
     parser.add_argument("--config-name", default=None, metavar="NAME", help="config to compose (default: train_gpt)")
 
 
+_FORMATS = {".parquet": "parquet", ".jsonl": "jsonl", ".bin": "megatron", ".idx": "megatron"}
+
+
+def dataset_source(item: str) -> dict[str, Any] | None:
+    """A source entry for a dataset path on the command line (None: not one).
+
+    A ``.parquet`` / ``.jsonl`` file or a directory holding them, or a Megatron prefix (its
+    ``.bin``/``.idx`` or the prefix itself): one source named after the path.
+    """
+    if "=" in item or item.endswith((".yaml", ".yml")):
+        return None
+    path = Path(item)
+    if path.suffix in (".bin", ".idx"):
+        path = path.with_suffix("")
+    if Path(f"{path}.idx").is_file():
+        return {"name": path.name, "format": "megatron", "paths": [str(path)]}
+    if path.is_file() and path.suffix in _FORMATS:
+        return {"name": path.stem, "format": _FORMATS[path.suffix], "paths": [str(path)]}
+    if path.is_dir():
+        kinds = sorted({_FORMATS[p.suffix] for p in path.rglob("*") if p.suffix in (".parquet", ".jsonl")})
+        if len(kinds) == 1:
+            return {"name": path.name, "format": kinds[0], "paths": [str(path)]}
+        if not kinds and any(path.rglob("*.idx")):
+            prefixes = sorted(str(p.with_suffix("")) for p in path.rglob("*.idx"))
+            return {"name": path.name, "format": "megatron", "paths": prefixes}
+    return None
+
+
 def compose_from_args(args: argparse.Namespace) -> Any:
-    """The composed (not yet validated) config the arguments name."""
+    """The composed (not yet validated) config the arguments name. Dataset paths among them
+    replace the config's sources (one source each, equal weights), so `info` / `lint` run on
+    data without a training config."""
     from omegaconf import OmegaConf
 
     from megascale_data_ext.config import compose_config, conf_dir
     from megascale_data_ext.errors import ConfigError
 
+    datasets = [d for d in map(dataset_source, args.config) if d is not None]
+    if datasets:
+        names = [d["name"] for d in datasets]
+        for i, d in enumerate(datasets):  # unique names, as the config requires
+            if names.count(d["name"]) > 1:
+                d["name"] = f"{d['name']}-{i}"
+        rest = [c for c in args.config if dataset_source(c) is None]
+        cfg = compose_from_args(argparse.Namespace(**{**vars(args), "config": rest}))
+        cfg.data.sources = datasets
+        if "data_root" in cfg.data:
+            cfg.data.data_root = None
+        return cfg
     items = list(args.config)
     if items and "=" not in items[0] and items[0].endswith((".yaml", ".yml")):
         path = Path(items.pop(0))

@@ -189,3 +189,16 @@ def test_every_command_spells_the_layout_the_same_way(root, tmp_path, capsys):
     assert main(["heatmap", *base, "parallel.tensor_model_parallel_size=1", "parallel.pipeline_model_parallel_size=1",
                  "--steps", "1", "--out", str(tmp_path / "h.png"), "--json", str(tmp_path / "h.json")]) == 0
     assert json.loads((tmp_path / "h.json").read_text())["layout"] == {"tp": 1, "cp": 1, "pp": 1, "dp": 4}
+
+
+def test_info_and_lint_take_dataset_paths_without_a_training_config(root, capsys):
+    """A Parquet directory and a Megatron prefix (given by its .idx) become one source each."""
+    prefix = next((root / "megatron-text").glob("*.idx"))
+    assert main(["info", str(root / "text-0"), str(prefix), "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    rows = {s["name"]: s for s in got["sources"]}
+    assert set(rows) == {"text-0", prefix.stem} and rows["text-0"]["format"] == "parquet"
+    assert rows[prefix.stem]["format"] == "megatron" and rows["text-0"]["rows"] == ROWS
+    assert main(["lint", str(root / "coyo-0"), "--no-progress"]) == 0
+    assert "coyo-0" in capsys.readouterr().out
+    assert main(["info", str(root / "no-such-dir")]) == 2  # not a dataset: an override Hydra refuses, named
