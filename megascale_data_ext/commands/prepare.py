@@ -33,6 +33,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--row-group-rows", type=int, default=1024, help="rows per Parquet row group")
     parser.add_argument("--rows-per-file", type=int, default=100_000, help="rows per Parquet file")
     parser.add_argument("--split-lines", action="store_true", help="one document per line of .txt inputs")
+    parser.add_argument("--json-keys", nargs="+", default=["text"], metavar="KEY",
+                        help="JSONL fields holding the text (Megatron's --json-keys; several are joined by a "
+                             "blank line; default: text)")
+    parser.add_argument("--image-key", default="image", metavar="KEY",
+                        help="JSONL field with image path(s) for --kind image-text (default: image)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -52,6 +57,8 @@ def run(args: argparse.Namespace) -> int:
             row_group_rows=args.row_group_rows,
             rows_per_file=args.rows_per_file,
             split_lines=args.split_lines,
+            json_keys=args.json_keys,
+            image_key=args.image_key,
             progress=not args.no_progress,
         )
     except MegascaleDataError as exc:

@@ -175,3 +175,22 @@ def test_prepare_with_no_usable_row_names_the_first_skipped(tmp_path, capsys):
     assert "no rows written" in err and "(2 rows skipped, first: " in err
     assert f'{tmp_path / "bad.jsonl"}:1: expected an object with a string "text" field' in err
     assert f"{tmp_path / 'bad.jsonl'}:2: invalid JSON" in err and "give inputs with usable text" in err
+
+
+def test_prepare_json_keys_and_the_manifest(tmp_path, capsys):
+    """--json-keys picks (and joins) the text fields, as Megatron's preprocess_data does; manifest.json
+    records the shards, totals, settings and the source entry, which then reads the directory."""
+    src = tmp_path / "docs.jsonl"
+    src.write_text("\n".join(json.dumps({"title": f"t{i}", "body": "x" * (10 + i), "text": "ignored"})
+                             for i in range(7)) + "\n" + json.dumps({"title": "no body"}) + "\n")
+    out = tmp_path / "prepared"
+    assert main(["prepare", "--input", str(src), "--output", str(out), "--json-keys", "title", "body",
+                 "--no-progress"]) == 0
+    assert f"manifest: {out / 'manifest.json'}" in capsys.readouterr().out
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["totals"]["rows"] == 7 and manifest["skipped_rows"] == 1
+    assert manifest["settings"]["json_keys"] == ["title", "body"] and manifest["inputs"] == [str(src)]
+    assert [f["name"] for f in manifest["files"]] == [p.name for p in sorted(out.glob("*.parquet"))]
+    _, rows = _read_all(out)
+    assert rows[0]["text"] == "t0\n\n" + "x" * 10 and rows[6]["num_tokens"] == len("t6\n\n") + 16 + 1  # + EOD
+    assert len(open_source(SourceSpec(**manifest["source"]))) == 7  # the entry reads what was written
