@@ -28,13 +28,13 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config-name", default=None, metavar="NAME", help="config to compose (default: train_gpt)")
 
 
-_FORMATS = {".parquet": "parquet", ".jsonl": "jsonl", ".bin": "megatron", ".idx": "megatron"}
+_FORMATS = {".parquet": "parquet", ".jsonl": "jsonl", ".tar": "webdataset", ".bin": "megatron", ".idx": "megatron"}
 
 
 def dataset_source(item: str) -> dict[str, Any] | None:
     """A source entry for a dataset path on the command line (None: not one).
 
-    A ``.parquet`` / ``.jsonl`` file or a directory holding them, or a Megatron prefix (its
+    A ``.parquet`` / ``.jsonl`` / WebDataset ``.tar`` file or a directory holding them, or a Megatron prefix (its
     ``.bin``/``.idx`` or the prefix itself): one source named after the path.
     """
     if "=" in item or item.endswith((".yaml", ".yml")):
@@ -47,7 +47,7 @@ def dataset_source(item: str) -> dict[str, Any] | None:
     if path.is_file() and path.suffix in _FORMATS:
         return {"name": path.stem, "format": _FORMATS[path.suffix], "paths": [str(path)]}
     if path.is_dir():
-        kinds = sorted({_FORMATS[p.suffix] for p in path.rglob("*") if p.suffix in (".parquet", ".jsonl")})
+        kinds = sorted({_FORMATS[p.suffix] for p in path.rglob("*") if p.suffix in (".parquet", ".jsonl", ".tar")})
         if len(kinds) == 1:
             return {"name": path.name, "format": kinds[0], "paths": [str(path)]}
         if not kinds and any(path.rglob("*.idx")):

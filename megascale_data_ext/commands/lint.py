@@ -38,7 +38,7 @@ from megascale_data_ext.errors import MegascaleDataError
 NAME = "lint"
 HELP = "Check every file and row of a data config's sources (schema, cost columns, bad rows); exit 1 on problems."
 
-SUFFIXES = {"parquet": (".parquet", ".pq"), "jsonl": (".jsonl", ".json")}
+SUFFIXES = {"parquet": (".parquet", ".pq"), "jsonl": (".jsonl", ".json"), "webdataset": (".tar",)}
 
 
 @dataclass(slots=True, kw_only=True)

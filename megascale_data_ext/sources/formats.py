@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Literal, get_args
 
 #: The formats this package reads; ``registry`` registers a reader for each.
-SourceFormat = Literal["parquet", "megatron", "jsonl"]
+SourceFormat = Literal["parquet", "megatron", "jsonl", "webdataset"]
 
 _PLUGGED: set[str] = set()
 

@@ -16,6 +16,7 @@ from megascale_data_ext.sources.jsonl import JsonlSource
 from megascale_data_ext.sources.megatron_indexed import MegatronIndexedSource
 from megascale_data_ext.sources.parquet import ParquetSource
 from megascale_data_ext.sources.tokenizer import Tokenizer
+from megascale_data_ext.sources.webdataset import WebDatasetSource
 
 __all__ = ["SourceFactory", "open_source", "register_source_format", "source_formats"]
 
@@ -53,3 +54,4 @@ def open_source(spec: SourceSpec, *, tokenizer: Tokenizer | None = None) -> Sour
 register_source_format("parquet", ParquetSource)
 register_source_format("megatron", MegatronIndexedSource)
 register_source_format("jsonl", JsonlSource)
+register_source_format("webdataset", WebDatasetSource)

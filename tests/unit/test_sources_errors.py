@@ -166,7 +166,7 @@ def test_corrupt_row_group_data_is_source_error(tmp_path):
 
 
 def test_unknown_format_and_plugin(monkeypatch):
-    with pytest.raises(ConfigError, match=r"must be one of \['jsonl', 'megatron', 'parquet'\], got 'csv'"):
+    with pytest.raises(ConfigError, match=r"must be one of \['jsonl', 'megatron', 'parquet', 'webdataset'\], got 'csv'"):
         SourceSpec(name="s", format="csv", paths=["x"])
     monkeypatch.setattr(registry, "_FACTORIES", dict(registry._FACTORIES))  # keep the global registry clean
     monkeypatch.setattr(formats, "_PLUGGED", set())
@@ -180,7 +180,7 @@ def test_spec_problems_are_structured():
     values = {f.name: f.default for f in dataclasses.fields(SourceSpec)}
     values.update(name="s", format="csv", paths=["x"], weight=-1.0, row_group_cache=0)
     assert SourceSpec.field_problems(values) == [
-        ("format", "must be one of ['jsonl', 'megatron', 'parquet'], got 'csv'"),
+        ("format", "must be one of ['jsonl', 'megatron', 'parquet', 'webdataset'], got 'csv'"),
         ("weight", "must be >= 0, got -1.0"),
         ("row_group_cache", "must be >= 1, got 0"),
     ]
