@@ -101,7 +101,6 @@ class Planner:
         self.cursors = np.zeros(len(names), dtype=np.int64)
         self.plans: dict[int, StepPlan] = {}
         self._floors: dict[int, int] | None = None if constructors is None else dict.fromkeys(range(constructors), 0)
-        self.report_timeout_s = report_timeout_s
         self.on_planned = on_planned
         self.reports = LossReports(self.mixer, names, timeout_s=report_timeout_s, keep=keep)
         self.replay = PlanStore(config.replay_dir) if config.replay_dir else None
@@ -116,6 +115,15 @@ class Planner:
     def carry(self) -> list[list]:
         """Token mode: ``[source, position, index, start, length, [patches]]`` not placed yet."""
         return self.budget.carry if self.budget is not None else []
+
+    @property
+    def report_timeout_s(self) -> float:
+        """Longest wait for a loss report a feedback schedule needs (`LossReports.timeout_s`)."""
+        return self.reports.timeout_s
+
+    @report_timeout_s.setter
+    def report_timeout_s(self, seconds: float) -> None:
+        self.reports.timeout_s = seconds
 
     @property
     def report_delay(self) -> int | None:

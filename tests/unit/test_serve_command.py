@@ -8,6 +8,7 @@ import pytest
 
 from megascale_data_ext.cli import main
 from megascale_data_ext.commands import serve
+from megascale_data_ext.commands._config_args import layout_sizes
 from megascale_data_ext.dataplane.placetree import ClientPlaceTree
 
 
@@ -32,8 +33,8 @@ def test_stray_flags_are_still_refused(capsys: pytest.CaptureFixture[str]) -> No
 def test_layout_flags_override_the_config_parallel_node() -> None:
     cfg = {"parallel": {"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2}}
     args = SimpleNamespace(tp=None, pp=1, cp=None, vpp=None)
-    assert serve.layout(cfg, args) == {"tp": 2, "pp": 1, "cp": 1, "vpp": None}
-    assert serve.layout({}, args) == {"tp": 1, "pp": 1, "cp": 1, "vpp": None}
+    assert layout_sizes(cfg, args) == {"tp": 2, "pp": 1, "cp": 1, "vpp": None}
+    assert layout_sizes({}, args) == {"tp": 1, "pp": 1, "cp": 1, "vpp": None}
 
 
 def test_ranks_are_told_env_and_matching_megatron_flags() -> None:
