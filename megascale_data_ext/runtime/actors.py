@@ -11,7 +11,7 @@ too: with loss-driven mixing, planning a step waits for a trainer's `report_loss
 be served meanwhile (the Planner's lock serialises planning itself). The Planner never
 waits on a constructor, so the call graph has no cycle that can exhaust the thread pools.
 
-Failures (`runtime.fault_injection`, paper Sec. 6): every actor may be restarted by Ray. The Planner
+Failures (`runtime.fault_tolerance`, paper Sec. 6): every actor may be restarted by Ray. The Planner
 writes its state after each planned step and a restarted one restores it (re-planning older
 steps from their saved states on demand); its calls are idempotent, so Ray re-runs calls in
 flight. Loaders and constructors are called through `RoutedFetch` (with shadows,
@@ -81,7 +81,7 @@ class PlannerActor:
     of the plan).
     """
 
-    RAY_OPTIONS = {"num_cpus": 0, "max_concurrency": ACTOR_CONCURRENCY}  # `runtime.wiring.actor` adds the rest
+    RAY_OPTIONS = {"num_cpus": 0, "max_concurrency": ACTOR_CONCURRENCY}  # `runtime.ray_actor.actor` adds the rest
 
     def __init__(self, config: ServiceConfig, topology: ServiceTopology, loaders: AutoscalePlan,
                  ft: FaultToleranceConfig | None = None, checkpoint_dir: str | None = None):

@@ -48,7 +48,7 @@ class DataConstructorActor:
     presents a ``job`` other than this service's (`ServiceTopology.job`) is refused by name.
     """
 
-    RAY_OPTIONS = {"num_cpus": 0, "max_concurrency": ACTOR_CONCURRENCY}  # `runtime.wiring.actor` adds the rest
+    RAY_OPTIONS = {"num_cpus": 0, "max_concurrency": ACTOR_CONCURRENCY}  # `runtime.ray_actor.actor` adds the rest
 
     def __init__(self, buckets: list[int], config: ServiceConfig, topology: ServiceTopology, planner: Any,
                  pad_id: int, image_token_id: int | None, start_step: int = 0, ft: FaultToleranceConfig | None = None):

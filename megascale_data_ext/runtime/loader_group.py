@@ -237,7 +237,7 @@ class LoaderGroupActor:
     (`LoaderGroup.fetch` reads again what the dead instance had handed out).
     """
 
-    RAY_OPTIONS = {"num_cpus": 0, "max_concurrency": GROUP_CONCURRENCY}  # `runtime.wiring.actor` adds the rest
+    RAY_OPTIONS = {"num_cpus": 0, "max_concurrency": GROUP_CONCURRENCY}  # `runtime.ray_actor.actor` adds the rest
 
     def __init__(self, members: list[tuple[ShardRef, SourceSpec]], seed: int, shuffle: bool, workers: int = 1,
                  planner: Any = None, direct: bool = False):
