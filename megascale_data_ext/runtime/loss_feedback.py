@@ -9,8 +9,8 @@ from the planning lock. Plain Python: no Ray or torch.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
 import threading
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from megascale_data_ext.errors import PlanError
