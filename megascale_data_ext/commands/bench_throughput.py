@@ -276,7 +276,7 @@ def start_ray(config: Any) -> float:
     if not ray.is_initialized():
         _progress("ray.init ...")
         t0 = time.perf_counter()
-        ray.init(**config.ray.init_kwargs(), include_dashboard=False, log_to_driver=False, configure_logging=False)
+        ray.init(**config.ray.init_kwargs(), log_to_driver=False, configure_logging=False)
         _RAY_INIT_S[:] = [time.perf_counter() - t0]
         _progress(f"ray.init took {_RAY_INIT_S[0]:.1f} s")
     return _RAY_INIT_S[0] if _RAY_INIT_S else 0.0

@@ -161,7 +161,7 @@ def join_ray(ray_cfg: Any) -> None:
 
     check_reachable(ray_cfg.address)
     try:
-        ray.init(**ray_cfg.init_kwargs(), include_dashboard=False, log_to_driver=True, configure_logging=False)
+        ray.init(**ray_cfg.init_kwargs(), log_to_driver=True, configure_logging=False)
     except ConnectionError as exc:
         cause = str(exc.__cause__ or exc).strip().splitlines()[0]
         raise ConfigError(f"`data.ray.address` {ray_cfg.address!r}: cannot join the Ray cluster there ({cause}); "

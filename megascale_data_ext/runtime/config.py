@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import enum
 import hashlib
+import importlib.util
 import json
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
@@ -66,12 +67,20 @@ class RayConfig:
         namespace: Ray namespace of the named actors.
         num_cpus: CPUs of an embedded Ray (None = all cores); a cluster owns its CPUs.
         resources: Custom resources of an embedded Ray.
+        dashboard: Start the Ray dashboard with an embedded Ray (needs the ``metrics`` extra,
+            ``ray[default]``); a cluster's is its head's (``ray start --head --dashboard-port``).
+        dashboard_port: Its port (None = Ray's 8265, the next free one if taken).
+        metrics_export_port: Port of the Prometheus metrics an embedded Ray exports (the
+            service's ``megascale_*`` series, `runtime.metrics`); None = a free port Ray picks.
     """
 
     address: str | None = None
     namespace: str = "megascale"
     num_cpus: int | None = None
     resources: dict[str, float] = field(default_factory=dict)
+    dashboard: bool = False
+    dashboard_port: int | None = None
+    metrics_export_port: int | None = None
 
     def init_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for ``ray.init`` (``num_cpus``/``resources`` only for an embedded Ray).
@@ -79,9 +88,12 @@ class RayConfig:
         An embedded Ray is ``address="local"``: a new instance, never the latest ``ray start``
         cluster on the machine (which ``address=None`` would join, refusing ``num_cpus``).
         """
-        local = {"num_cpus": self.num_cpus, "resources": dict(self.resources) or None} if self.address is None else {}
+        if self.address is not None:
+            return {"address": self.address, "namespace": self.namespace}
+        local = {"num_cpus": self.num_cpus, "resources": dict(self.resources) or None,
+                 "dashboard_port": self.dashboard_port, "_metrics_export_port": self.metrics_export_port}
         embedded = {k: v for k, v in local.items() if v is not None}
-        return {"address": self.address or "local", "namespace": self.namespace, **embedded}
+        return {"address": "local", "namespace": self.namespace, "include_dashboard": self.dashboard, **embedded}
 
     def problems(self) -> list[FieldProblem]:
         """What is wrong with the fields, as ``(field, message)``."""
@@ -89,6 +101,18 @@ class RayConfig:
         if self.num_cpus is not None and (not _is_int(self.num_cpus) or self.num_cpus < 1):
             out.append(("num_cpus", f"must be an integer >= 1 or null, got {self.num_cpus!r}"))
         out += [(f"resources.{k}", f"must be >= 0, got {a!r}") for k, a in self.resources.items() if not a >= 0]
+        for key in ("dashboard_port", "metrics_export_port"):
+            port = getattr(self, key)
+            if port is not None and (not _is_int(port) or not 1 <= port <= 65535):
+                out.append((key, f"must be a port in 1..65535 or null, got {port!r}"))
+        if self.address is not None:  # ray.init ignores them when it joins a cluster: refuse, not ignore
+            out += [(key, f"applies to an embedded Ray only (data.ray.address=null); a cluster's is set by "
+                          f"`ray start --head --{key.replace('_', '-')}`, so drop data.ray.{key}")
+                    for key in ("dashboard", "dashboard_port", "metrics_export_port")
+                    if getattr(self, key) not in (None, False)]
+        elif self.dashboard and importlib.util.find_spec("aiohttp") is None:
+            out.append(("dashboard", "needs Ray's dashboard packages: pip install 'megascale-data-ext[metrics]' "
+                                     "(ray[default]), or set data.ray.dashboard=false"))
         return out
 
 

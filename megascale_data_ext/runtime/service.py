@@ -156,7 +156,7 @@ class DataService:
             quiet_token_auth_notice()
             if cfg.ray.address is None:  # the Ray we start inherits it: flat memory in every actor
                 cap_arenas_for_embedded_ray()
-            ray.init(**cfg.ray.init_kwargs(), include_dashboard=False, log_to_driver=True, configure_logging=False)
+            ray.init(**cfg.ray.init_kwargs(), log_to_driver=True, configure_logging=False)
             self._owns_ray = True
         _check_namespace_free(topo.namespace)
         check_sources(cfg.sources)

@@ -113,7 +113,8 @@ def test_default_train_gpt_maps_target_back_to_registered_name() -> None:
 
 def test_ray_cluster_group_and_init_kwargs() -> None:
     local = load_config(compose_config(["data.ray.num_cpus=2", "+data.ray.resources.loader=1"]), check_paths=False)
-    want = {"address": "local", "namespace": "megascale", "num_cpus": 2, "resources": {"loader": 1.0}}
+    want = {"address": "local", "namespace": "megascale", "include_dashboard": False, "num_cpus": 2,
+            "resources": {"loader": 1.0}}
     assert local.ray.init_kwargs() == local.to_service_config().ray.init_kwargs() == want
     cluster = load_config(compose_config(["ray=cluster", "data.ray.num_cpus=2"]), check_paths=False)
     assert cluster.ray.init_kwargs() == {"address": "auto", "namespace": "megascale"}  # cluster owns its CPUs
@@ -122,10 +123,23 @@ def test_ray_cluster_group_and_init_kwargs() -> None:
 
 def test_ray_init_kwargs_embedded_or_cluster() -> None:
     # embedded = a new local instance, never a `ray start` cluster someone left running on the machine
-    assert RayConfig(num_cpus=2).init_kwargs() == {"address": "local", "namespace": "megascale", "num_cpus": 2}
-    assert RayConfig().init_kwargs() == {"address": "local", "namespace": "megascale"}
+    base = {"address": "local", "namespace": "megascale", "include_dashboard": False}
+    assert RayConfig(num_cpus=2).init_kwargs() == {**base, "num_cpus": 2}
+    assert RayConfig().init_kwargs() == base
     joined = RayConfig(address="ray://head:10001", namespace="exp", num_cpus=2, resources={"gpu_host": 1.0})
     assert joined.init_kwargs() == {"address": "ray://head:10001", "namespace": "exp"}
+
+
+def test_dashboard_and_metrics_port_are_honoured_embedded_and_refused_for_a_cluster() -> None:
+    ports = RayConfig(dashboard=True, dashboard_port=8300, metrics_export_port=9400)
+    assert ports.problems() == []
+    assert ports.init_kwargs() == {"address": "local", "namespace": "megascale", "include_dashboard": True,
+                                   "dashboard_port": 8300, "_metrics_export_port": 9400}
+    with pytest.raises(ConfigError, match=r"data.ray.dashboard_port.*applies to an embedded Ray only .*ray start "
+                                          r"--head --dashboard-port"):
+        load_config(compose_config(["ray=cluster", "data.ray.dashboard_port=8300"]), check_paths=False)
+    with pytest.raises(ConfigError, match=r"data.ray.metrics_export_port.*must be a port in 1\.\.65535"):
+        load_config(compose_config(["data.ray.metrics_export_port=70000"]), check_paths=False)
 
 
 @pytest.mark.parametrize(
