@@ -8,7 +8,13 @@ SIGKILL the actor sends itself) and compared with a run without faults in the sa
 
 * ``lost`` / ``duplicated``: documents of the fault-free run missing from / extra in the
   faulted run, as multisets of the *delivered token sequences* (split at ``cu_seqlens``), not
-  the service's own counters;
+  the service's own counters; the sources are distinct files, so a lost document and a
+  duplicated one cannot cancel out;
+* ``order_mismatches``: microbatches (step, rank, index) whose documents differ from the
+  fault-free run's, in content or order;
+* ``confirmed_deaths`` / ``pids_changed``: restarts Ray counted for the killed kind's actors
+  during the run, and how many of them run under another process id than before it (an
+  injection is only a request; these confirm it happened);
 * ``max_stall_s``: per kill, the worst wait for a step in the steps after it, minus the
   fault-free run's median wait (what the trainer would see; 0 when prefetch hid it);
 * ``ettr``: fault-free wall time / faulted wall time (the paper's effective training time ratio).
@@ -50,12 +56,15 @@ class FaultRun:
     """What one consumption run delivered and how long each step waited."""
 
     docs: Counter = field(repr=False)
+    order: dict[tuple[int, int, int], int] = field(repr=False)  # (step, rank, microbatch) -> hash of its documents
     step_wait_s: list[float]
     kill_steps: list[tuple[str, int, int]]  # (component, index, step)
     wall_s: float
     recoveries: list[dict[str, Any]]
     stats: dict[str, Any] = field(repr=False)
     memory: dict[str, int] = field(default_factory=dict)
+    actors_before: list[dict[str, Any]] = field(default_factory=list, repr=False)
+    actors_after: list[dict[str, Any]] = field(default_factory=list, repr=False)
 
 
 def consume(service: Any, handles: Any, steps: int, *, faults: str = "", step_seconds: float = 0.0) -> FaultRun:
@@ -69,7 +78,9 @@ def consume(service: Any, handles: Any, steps: int, *, faults: str = "", step_se
     client = RemoteConstructors(topo, fault_tolerance=ft)
     injector = FaultInjector(parse_faults(faults), actor_crasher(topo))
     docs: Counter = Counter()
+    order: dict[tuple[int, int, int], int] = {}
     waits = []
+    before = service.actors()
     t_start = time.perf_counter()
     for step in range(steps):
         injector.on_step(step)
@@ -77,18 +88,38 @@ def consume(service: Any, handles: Any, steps: int, *, faults: str = "", step_se
         for rank in topo.fetch_ranks():
             for j in range(service.config.num_microbatches):
                 batch, _info = client.get(step, j, rank)
-                docs.update(documents(batch, pad_id))
+                got = documents(batch, pad_id)
+                docs.update(got)
+                order[(step, rank, j)] = hash(tuple(got))
         waits.append(time.perf_counter() - t0)
         time.sleep(step_seconds)  # the trainer's compute, which prefetch overlaps
     wall = time.perf_counter() - t_start
-    return FaultRun(docs=docs, step_wait_s=waits, wall_s=wall, recoveries=client.recoveries,
+    return FaultRun(docs=docs, order=order, step_wait_s=waits, wall_s=wall, recoveries=client.recoveries,
                     kill_steps=[(e.component, e.index, e.step) for e in injector.events], stats=service.stats(),
-                    memory=service.memory())
+                    memory=service.memory(), actors_before=before, actors_after=service.actors())
 
 
 def compare(reference: Counter, got: Counter) -> tuple[int, int]:
     """(lost, duplicated) documents of `got` against `reference`."""
     return sum((reference - got).values()), sum((got - reference).values())
+
+
+def confirmed_deaths(run: FaultRun, component: str) -> tuple[int, int]:
+    """(restarts Ray counted, actors now under another pid) of `component`'s actors during `run`;
+    actors are matched by id, which a restart keeps."""
+    before = {r["actor_id"]: r for r in run.actors_before if r["role"].split("/")[0] == component}
+    restarts = changed = 0
+    for row in run.actors_after:
+        old = before.get(row["actor_id"])
+        if old is not None:
+            restarts += max(0, (row["restarts"] or 0) - (old["restarts"] or 0))
+            changed += row["pid"] != old["pid"]
+    return restarts, changed
+
+
+def order_mismatches(run: FaultRun, baseline: FaultRun) -> int:
+    """Microbatches whose documents differ (in content or order) from the fault-free run's."""
+    return sum(run.order.get(key) != want for key, want in baseline.order.items())
 
 
 def stalls(run: FaultRun, baseline: FaultRun, window: int) -> list[float]:
@@ -118,8 +149,11 @@ class Row:
     component: str
     schedule: str
     kills: int
+    confirmed_deaths: int
+    pids_changed: int
     lost: int
     duplicated: int
+    order_mismatches: int
     max_stall_s: float
     median_stall_s: float
     steps_completed: int
@@ -154,8 +188,8 @@ def run(args: argparse.Namespace) -> int:
     from megascale_data_ext.sources.demo_data import make_demo_data
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-faults-"))
-    base = make_demo_data(tmp, seed=7, rows=400, text_sources=1, image_sources=0, megatron_source=False)[0]
-    specs = [dataclasses.replace(base, name=f"text-{i}", truncate=True) for i in range(args.sources)]
+    specs = [dataclasses.replace(s, truncate=True) for s in  # distinct files: a loss and a duplicate cannot cancel
+             make_demo_data(tmp, seed=7, rows=400, text_sources=args.sources, image_sources=0, megatron_source=False)]
     tree = ClientPlaceTree.from_sizes(dp=args.dp, pp=args.pp)
     ft = FaultToleranceConfig(shadow_loaders=not args.no_shadows, client_prefetch=args.client_prefetch)
     ray.init(address="local", num_cpus=args.num_cpus, include_dashboard=False, configure_logging=False,
@@ -184,7 +218,9 @@ def run(args: argparse.Namespace) -> int:
         got = one(component, faults)
         lost, dup = compare(baseline.docs, got.docs)
         per_kill = stalls(got, baseline, args.client_prefetch + 2) or [0.0]
-        row = Row(component=component, schedule=faults, kills=len(got.kill_steps), lost=lost, duplicated=dup,
+        deaths, pids = confirmed_deaths(got, component)
+        row = Row(component=component, schedule=faults, kills=len(got.kill_steps), confirmed_deaths=deaths,
+                  pids_changed=pids, lost=lost, duplicated=dup, order_mismatches=order_mismatches(got, baseline),
                   max_stall_s=round(max(per_kill), 3), median_stall_s=round(float(np.median(per_kill)), 3),
                   steps_completed=len(got.step_wait_s), wall_s=round(got.wall_s, 2),
                   baseline_wall_s=round(baseline.wall_s, 2), ettr=round(baseline.wall_s / got.wall_s, 3))
@@ -206,4 +242,5 @@ def run(args: argparse.Namespace) -> int:
                                          "autoscale": args.autoscale,
                                          "client_prefetch": args.client_prefetch, "shadows": not args.no_shadows,
                                          "memory": memory, "rows": [asdict(r) for r in rows]}, indent=1))
-    return 0 if all(r.lost == 0 and r.duplicated == 0 for r in rows) else 1
+    return 0 if all(r.lost == 0 and r.duplicated == 0 and r.order_mismatches == 0 and r.confirmed_deaths > 0
+                    for r in rows) else 1
