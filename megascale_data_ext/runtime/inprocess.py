@@ -1,10 +1,10 @@
 """InProcessService: the same Source Loaders, Planner and Data Constructors wired in one process.
 
-No Ray: every call is a direct method call. It exists for unit tests, debugging a strategy
-against real files, and simulating a large world's plans on one machine; the Ray façades in
-`runtime.actors` wire exactly these classes from the same `ServiceTopology`, so behaviour is
-the same apart from concurrency. It is also a `MicrobatchSource`, so a trainer-side `Client`
-can be driven by it without Ray.
+No Ray: every call is a direct method call (`runtime.wiring.in_process_parts`). It exists for
+unit tests, debugging a strategy against real files, and simulating a large world's plans on one
+machine; the Ray façades in `runtime.actors` wrap exactly these classes from the same
+`ServiceTopology` (`runtime.wiring`), so behaviour is the same apart from concurrency. It is
+also a `MicrobatchSource`, so a trainer-side `Client` can be driven by it without Ray.
 """
 
 from __future__ import annotations
@@ -15,12 +15,9 @@ import numpy as np
 
 from megascale_data_ext.dataplane.placetree import ClientPlaceTree
 from megascale_data_ext.runtime.config import ServiceConfig
-from megascale_data_ext.runtime.constructor import DataConstructor, EncoderImages, encoder_rows, merge_encoder_images
-from megascale_data_ext.runtime.loader import SourceLoader
-from megascale_data_ext.runtime.metrics import record_plan
-from megascale_data_ext.runtime.planner import Planner
+from megascale_data_ext.runtime.constructor import DataConstructor, EncoderImages, merge_encoder_images
 from megascale_data_ext.runtime.topology import ServiceTopology
-from megascale_data_ext.runtime.wiring import constructor_tokens
+from megascale_data_ext.runtime.wiring import in_process_parts
 
 
 class InProcessService:
@@ -42,24 +39,8 @@ class InProcessService:
         self.config = config
         self.topology = topo = ServiceTopology.of(config, tree)
         self.tree = topo.tree
-        self.loaders = [SourceLoader(i, s, seed=config.seed, shuffle=config.shuffle) for i, s in enumerate(config.sources)]
-        self.planner = Planner(config, topo, lambda s, start, n: self.loaders[s].summary_buffer(start, n),
-                               on_planned=record_plan, constructors=topo.num_constructors)
-        for ld in self.loaders:
-            ld.get_plan = self.planner.loader_plan
-        pad_id, image_id = constructor_tokens(config)  # as on Ray (`runtime.wiring`)
-        self.constructors = [
-            DataConstructor(
-                list(buckets), config, topo,
-                get_plan=lambda step, b: self.planner.plan(step).constructor_do_plan(b),
-                fetch=lambda step, ss, bs: {s: self.loaders[s].fetch(step, bs) for s in ss},
-                pad_id=pad_id, image_token_id=image_id,
-                get_encoder_plan=lambda step, bs: encoder_rows(self.planner.plan(step), bs),
-                max_lead=max_lead, wait_timeout_s=wait_timeout_s,
-                on_floor=lambda step, j=j: self.planner.constructor_floor(j, step),
-            )
-            for j, buckets in enumerate(topo.constructor_groups)
-        ]
+        self.loaders, self.planner, self.constructors = in_process_parts(config, topo, max_lead=max_lead,
+                                                                         wait_timeout_s=wait_timeout_s)
 
     def constructor_of(self, rank: int) -> DataConstructor:
         return self.constructors[self.topology.constructor_of_rank(rank)]

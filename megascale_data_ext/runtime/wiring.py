@@ -6,6 +6,7 @@
   from the first source's tokenizer the same way on Ray and in-process.
 * `start_planner` / `start_constructors`: the Planner actor (which starts the loaders it owns)
   and the Data Constructor actors of a topology, as `DataService` and the benchmarks start them.
+* `in_process_parts`: the same plain classes wired by direct calls (`InProcessService`).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Any
 
 from megascale_data_ext.runtime.ray_actor import actor
 
-__all__ = ["constructor_tokens", "start_constructors", "start_planner"]
+__all__ = ["constructor_tokens", "in_process_parts", "start_constructors", "start_planner"]
 
 
 def constructor_tokens(config: Any) -> tuple[int, int | None]:
@@ -57,3 +58,33 @@ def start_constructors(config: Any, topology: Any, planner: Any, ft: Any, *, sta
                          **(placement.constructor(sidecar[j]) if sidecar else {})).remote(
             buckets, config, topology, planner, pad_id, image_id, start_step, ft))
     return out
+
+
+def in_process_parts(config: Any, topology: Any, *, max_lead: int | None = None,
+                     wait_timeout_s: float = 60.0) -> tuple[list[Any], Any, list[Any]]:
+    """``(loaders, planner, constructors)``: one `SourceLoader` per source, the `Planner`, and one
+    `DataConstructor` per constructor group, calling each other directly (no Ray)."""
+    from megascale_data_ext.runtime.constructor import DataConstructor, encoder_rows
+    from megascale_data_ext.runtime.loader import SourceLoader
+    from megascale_data_ext.runtime.metrics import record_plan
+    from megascale_data_ext.runtime.planner import Planner
+
+    loaders = [SourceLoader(i, s, seed=config.seed, shuffle=config.shuffle) for i, s in enumerate(config.sources)]
+    planner = Planner(config, topology, lambda s, start, n: loaders[s].summary_buffer(start, n),
+                      on_planned=record_plan, constructors=topology.num_constructors)
+    for loader in loaders:
+        loader.get_plan = planner.loader_plan
+    pad_id, image_id = constructor_tokens(config)
+    constructors = [
+        DataConstructor(
+            list(buckets), config, topology,
+            get_plan=lambda step, b: planner.plan(step).constructor_do_plan(b),
+            fetch=lambda step, ss, bs: {s: loaders[s].fetch(step, bs) for s in ss},
+            pad_id=pad_id, image_token_id=image_id,
+            get_encoder_plan=lambda step, bs: encoder_rows(planner.plan(step), bs),
+            max_lead=max_lead, wait_timeout_s=wait_timeout_s,
+            on_floor=lambda step, j=j: planner.constructor_floor(j, step),
+        )
+        for j, buckets in enumerate(topology.constructor_groups)
+    ]
+    return loaders, planner, constructors
