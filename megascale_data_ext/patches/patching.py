@@ -10,6 +10,7 @@ remembers each original and restores them in reverse order. A replacement carrie
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from collections.abc import Iterable
 from typing import Any
@@ -43,10 +44,8 @@ class Patches:
 
     def everywhere(self, original: Any, value: Any, attrs: Iterable[str]) -> list[str]:
         """Replace `original` under any of `attrs` in every loaded module; returns ``module.attr`` of each."""
-        try:
+        with contextlib.suppress(AttributeError):  # a builtin or slotted object takes no mark
             setattr(value, ORIGINAL, original)
-        except AttributeError:  # a builtin or slotted object: nothing to mark
-            pass
         done = []
         for mod_name, mod in list(sys.modules.items()):
             for attr in attrs:
