@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import pkgutil
+import shlex
 import sys
 from collections.abc import Sequence
 
@@ -51,7 +52,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     # Overrides may follow flags (`serve --world-size 4 data.seq_length=2048`): argparse leaves
     # positionals after an option unparsed, and its intermixed parsing refuses subcommands.
+    argv = list(sys.argv[1:] if argv is None else argv)
     args, extra = parser.parse_known_args(argv)
+    args._command_line = "megascale-data " + shlex.join(argv)  # results files name the command that made them
     stray = [a for a in extra if a.startswith("-")]
     if extra and (stray or not isinstance(getattr(args, "config", None), list)):
         parser.error(f"unrecognized arguments: {' '.join(extra)}")

@@ -75,6 +75,12 @@ def device_name(device: str) -> str:
     return "CPU"
 
 
+def torch_version() -> str:
+    import torch
+
+    return torch.__version__
+
+
 def cuda_available() -> bool:
     import torch
 
@@ -141,7 +147,13 @@ def single_process_megatron(seed: int = 1234, *, device: str = "cpu") -> Iterato
     with tempfile.TemporaryDirectory(prefix="megascale-profile-") as tmp:
         own_pg = not dist.is_initialized()
         if own_pg:
-            dist.init_process_group("gloo", init_method=f"file://{tmp}/pg", rank=0, world_size=1)
+            # NCCL for CUDA tensors: with gloo alone megatron's cross-entropy all-reduces would copy
+            # to the host inside the timed window
+            cuda = device.startswith("cuda")
+            if cuda:
+                torch.cuda.set_device(torch.device(device).index or 0)
+            dist.init_process_group("cpu:gloo,cuda:nccl" if cuda else "gloo", init_method=f"file://{tmp}/pg",
+                                    rank=0, world_size=1)
         own_mp = not parallel_state.model_parallel_is_initialized()
         if own_mp:
             parallel_state.initialize_model_parallel()

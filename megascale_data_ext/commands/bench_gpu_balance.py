@@ -34,7 +34,7 @@ import statistics
 import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -180,8 +180,10 @@ def _measure(timer: pm.ModelTimer, ranks: dict[str, list[Rank]], repeats: int
     return out
 
 
-def _memory_rows(shape: pm.ModelShape, tokens: int) -> list[dict[str, Any]]:
-    """Peak memory of one `tokens`-token pack of 32 documents, per-document vs dense (CUDA only)."""
+def _memory_rows(shape: pm.ModelShape, tokens: int, on_row: Callable[[list[dict[str, Any]]], None] = lambda _: None
+                 ) -> list[dict[str, Any]]:
+    """Peak memory of one `tokens`-token pack of 32 documents, per-document vs dense (CUDA only);
+    `on_row` sees the rows so far after each (the dense one may run out of memory)."""
     docs = max(1, min(32, tokens))
     pack = [tokens // docs + (1 if i < tokens % docs else 0) for i in range(docs)]
     per_doc = pm.per_document_backend(shape.device)
@@ -197,12 +199,17 @@ def _memory_rows(shape: pm.ModelShape, tokens: int) -> list[dict[str, Any]]:
     rows = [] if per_doc else [unmeasured("per-document", "not measured: trainer/model.py offers no per-document "
                                                           "attention")]
     for kind in kinds[0 if per_doc else 1:]:
-        timer = pm.ModelTimer(pm.ModelShape(**{**asdict(shape), "attention": kind, "seq": max(shape.seq, tokens)}))
-        timer.time_rank([pack])  # warm-up
-        timer.reset_peak_memory()
-        ms = timer.time_rank([pack])[0] * 1e3
-        rows.append({"attention": kind, "tokens": tokens, "docs": docs, "peak_mem_gb": timer.peak_memory_gb(),
-                     "ms": ms, "note": "torch.cuda.max_memory_allocated over one forward+backward"})
+        timer = None
+        try:
+            timer = pm.ModelTimer(pm.ModelShape(**{**asdict(shape), "attention": kind, "seq": max(shape.seq, tokens)}))
+            timer.time_rank([pack])  # warm-up
+            timer.reset_peak_memory()
+            ms = timer.time_rank([pack])[0] * 1e3
+            rows.append({"attention": kind, "tokens": tokens, "docs": docs, "peak_mem_gb": timer.peak_memory_gb(),
+                         "ms": ms, "note": "torch.cuda.max_memory_allocated over one forward+backward"})
+        except torch.cuda.OutOfMemoryError as exc:  # the dense S×S mask at long packs: a result, not a crash
+            rows.append(unmeasured(kind, f"out of GPU memory: {str(exc).splitlines()[0][:200]}"))
+        on_row(rows)
         del timer
         gc.collect()
         torch.cuda.empty_cache()
@@ -268,6 +275,13 @@ def run(args: argparse.Namespace) -> int:
           f"balancer {args.method} interleaved, {repeats} timed run(s) per rank, "
           f"{'CUDA events' if cuda else 'time.perf_counter, 1 torch thread'}")
     rows: list[Row] = []
+    results = JsonReport(args.json, {
+        "device": shape.device, "device_name": pm.device_name(shape.device), "smoke": not cuda,
+        "torch": pm.torch_version(), "command": getattr(args, "_command_line", NAME),
+        "shape": asdict(shape), "timing": "cuda events" if cuda else "time.perf_counter",
+        "peak_mem_source": "torch.cuda.max_memory_allocated" if cuda else "null: not measured on CPU",
+        "fill": args.fill, "seed": args.seed, "method": args.method, "repeats": repeats,
+        "calibration": str(args.calibration) if args.calibration else None})
     with pm.single_process_megatron(device=shape.device):
         timer = pm.ModelTimer(shape)
         if calibration is None:
@@ -300,9 +314,13 @@ def run(args: argparse.Namespace) -> int:
                 max_microbatch_tokens_balanced=max(sum(mb) for rank in ranks["balanced"] for mb in rank),
                 peak_mem_gb=peak, _ranks=ranks, _mb_seconds={v: measured[v][1] for v in measured},
             ))
+            results.header["calibration_used"] = calibration.to_dict()
+            results.write(rows)
         del timer
         self_fit = _self_fit(rows, shape)
-        memory = _memory_rows(shape, args.memory_pack) if args.memory_pack > 0 else []
+        results.write(rows, self_fit=self_fit)
+        memory = _memory_rows(shape, args.memory_pack, on_row=lambda done: results.write(
+            rows, self_fit=self_fit, memory=done)) if args.memory_pack > 0 else []
     print(f"predicted (calibrated) by {predicted_by}\n" + format_table(rows))
     if self_fit and "report" in self_fit:
         rep, co = self_fit["report"], self_fit["coefficients"]
@@ -312,15 +330,24 @@ def run(args: argparse.Namespace) -> int:
     for mem in memory:
         gb = mem["note"] if mem["peak_mem_gb"] is None else f"{mem['peak_mem_gb']:.2f} GB, {mem['ms']:.1f} ms"
         print(f"peak memory, {mem['tokens']}-token pack of {mem['docs']} documents, {mem['attention']}: {gb}")
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({
-            "device": shape.device, "device_name": pm.device_name(shape.device), "smoke": not cuda,
-            "shape": asdict(shape), "timing": "cuda events" if cuda else "time.perf_counter",
-            "peak_mem_source": "torch.cuda.max_memory_allocated" if cuda else "null: not measured on CPU",
-            "fill": args.fill, "seed": args.seed, "method": args.method, "repeats": repeats,
-            "calibration": str(args.calibration) if args.calibration else None,
-            "calibration_used": calibration.to_dict(),
-            "rows": [r.public() for r in rows], "self_fit": self_fit, "memory": memory,
-        }, indent=1))
+    results.write(rows, self_fit=self_fit, memory=memory, complete=True)
     return 0
+
+
+@dataclass(slots=True)
+class JsonReport:
+    """The run's JSON, rewritten after every row and stage: one OOM or timeout late in the run
+    (the dense memory row is last) must not lose the rows already measured."""
+
+    path: Path | None
+    header: dict[str, Any]
+
+    def write(self, rows: list[Row], *, self_fit: dict[str, Any] | None = None,
+              memory: list[dict[str, Any]] | None = None, complete: bool = False) -> None:
+        if self.path is None:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_suffix(self.path.suffix + ".tmp")
+        tmp.write_text(json.dumps({**self.header, "complete": complete, "rows": [r.public() for r in rows],
+                                   "self_fit": self_fit, "memory": memory or []}, indent=1))
+        tmp.replace(self.path)

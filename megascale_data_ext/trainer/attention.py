@@ -62,8 +62,12 @@ def te_available() -> bool:
     return importlib.util.find_spec("transformer_engine") is not None
 
 
-def resolve_attention(choice: str, *, cp: int = 1, cuda: bool | None = None) -> Literal["te", "flex", "dense"]:
+def resolve_attention(choice: str, *, cp: int = 1, cuda: bool | None = None,
+                      half: bool = True) -> Literal["te", "flex", "dense"]:
     """The backend that runs for ``choice`` (`ATTENTION_BACKENDS`), or a named error.
+
+    ``auto`` picks Transformer Engine only for half-precision runs (``half``): TE's packed
+    (THD) attention has no fp32 kernel, so an fp32 run gets this project's ``flex``.
 
     Raises:
         ConfigError: an unknown choice, or ``te`` without Transformer Engine / CUDA.
@@ -73,7 +77,7 @@ def resolve_attention(choice: str, *, cp: int = 1, cuda: bool | None = None) -> 
     if choice not in ATTENTION_BACKENDS:
         raise ConfigError(f"`model.attention` must be one of {list(ATTENTION_BACKENDS)}, got {choice!r}")
     if choice == "auto":
-        return "te" if cuda and te_available() else "flex"
+        return "te" if cuda and half and te_available() else "flex"
     if choice == "te" and not (cuda and te_available()):
         why = "transformer_engine is not installed" if cuda else "there is no CUDA device"
         raise ConfigError(f"`model.attention`=te but {why}; use attention=flex (per-document attention of "
@@ -115,7 +119,8 @@ def packed_seq_params(batch: Mapping[str, Any], device: torch.device | str) -> P
     bounds = cu if padded is None else padded
     max_seqlen = batch.get("max_seqlen")
     longest = int(torch.diff(bounds).max()) if bounds.numel() > 1 else 0
-    m = max(longest, int(np.asarray(max_seqlen).max())) if max_seqlen is not None else longest
+    # torch.as_tensor, not np.asarray: a batch moved to the GPU carries max_seqlen as a CUDA tensor
+    m = max(longest, int(torch.as_tensor(max_seqlen).max())) if max_seqlen is not None else longest
     return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=padded,
                            cu_seqlens_kv_padded=padded, max_seqlen_q=m, max_seqlen_kv=m)
 

@@ -216,7 +216,7 @@ def build_gpt_model(cfg: GPTModelConfig, *, pre_process: bool, post_process: boo
             hooks such as ``no_sync_func`` from the first chunk's config); built if None.
     """
     config = transformer_config or cfg.to_transformer_config()
-    backend = resolve_attention(cfg.attention, cp=cfg.cp)
+    backend = resolve_attention(cfg.attention, cp=cfg.cp, half=cfg.bf16)
     model = GPTModel(config=config, transformer_layer_spec=gpt_layer_spec(backend), vocab_size=cfg.vocab_size,
                      max_sequence_length=cfg.seq_length, pre_process=pre_process, post_process=post_process,
                      share_embeddings_and_output_weights=False, position_embedding_type=cfg.position_embedding_type,
@@ -378,8 +378,9 @@ def forward_step(data_iterator: Iterator[Mapping[str, Any]] | None, model: torch
     attention_mask = None
     if packed is None:
         attention_mask = tensors.get("attention_mask")
-        if attention_mask is None and batch.get("cu_seqlens") is not None:
-            attention_mask = dense_document_mask(batch["cu_seqlens"], int(np.asarray(batch["cu_seqlens"])[-1]), where)
+        cu = batch.get("cu_seqlens")
+        if attention_mask is None and cu is not None:  # a host array, or a tensor already on the GPU
+            attention_mask = dense_document_mask(cu, int(torch.as_tensor(cu).reshape(-1)[-1]), where)
         if attention_mask is not None:
             attention_mask = attention_mask.to(torch.bool)
     labels = tensors["labels"].long() if post_process else None

@@ -162,3 +162,21 @@ def test_backend_choice_is_honoured_or_refused():
     spec = gpt_layer_spec("flex")
     assert spec.submodules.self_attention.submodules.core_attention is DocumentAttention
     assert gpt_layer_spec("dense").submodules.self_attention.submodules.core_attention is not DocumentAttention
+
+
+def test_auto_picks_transformer_engine_only_in_half_precision(monkeypatch):
+    """TE's packed (THD) attention has no fp32 kernel: an fp32 run with TE installed gets flex."""
+    import megascale_data_ext.trainer.attention as attention
+
+    monkeypatch.setattr(attention, "te_available", lambda: True)
+    assert resolve_attention("auto", cuda=True) == "te"
+    assert resolve_attention("auto", cuda=True, half=False) == "flex"
+
+
+def test_packed_seq_params_takes_batch_tensors_as_well_as_arrays():
+    """A batch moved to the device carries cu_seqlens and max_seqlen as tensors (CUDA ones on a GPU)."""
+    cu = np.concatenate([[0], np.cumsum(LENS)]).astype(np.int32)
+    from_arrays = packed_seq_params({"cu_seqlens": cu, "max_seqlen": np.array([8], np.int32)}, "cpu")
+    from_tensors = packed_seq_params({"cu_seqlens": torch.as_tensor(cu), "max_seqlen": torch.tensor([11])}, "cpu")
+    assert from_arrays.max_seqlen_q == 8 and from_tensors.max_seqlen_q == 11
+    torch.testing.assert_close(from_arrays.cu_seqlens_q, from_tensors.cu_seqlens_q)

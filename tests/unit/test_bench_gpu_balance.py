@@ -65,6 +65,22 @@ def test_cpu_smoke_writes_every_row_field(smoke, capsys) -> None:
     assert [m["attention"] for m in data["memory"]] == [pm.per_document_backend("cpu") or "per-document", "dense"]
     assert all(m["peak_mem_gb"] is None and "not measured" in m["note"] for m in data["memory"])
     assert data["self_fit"]["report"]["observations"] >= 4
+    assert data["complete"] is True and data["torch"] and data["command"].startswith("megascale-data bench gpu-balance")
+
+
+def test_json_report_keeps_the_rows_measured_before_a_failure(tmp_path) -> None:
+    """The file is rewritten after every row: an OOM in the late dense memory row loses nothing."""
+    path = tmp_path / "rows.json"
+    report = gb.JsonReport(path, {"device": "cpu"})
+    row = gb.Row(workload="navit", dp=2, cap=128, microbatches=2, samples=3, tokens=100, speedup_measured=1.1,
+                 speedup_predicted=1.2, predicted_by="x", speedup_predicted_flops=1.3, max_over_mean_measured=1.0,
+                 vanilla_max_over_mean_measured=1.2, rank_ms_vanilla=[1.0, 2.0], rank_ms_balanced=[1.5, 1.5],
+                 max_microbatch_tokens_vanilla=90, max_microbatch_tokens_balanced=64, peak_mem_gb=None)
+    report.write([row])
+    partial = json.loads(path.read_text())
+    assert partial["complete"] is False and [r["workload"] for r in partial["rows"]] == ["navit"]
+    report.write([row], memory=[{"attention": "dense", "peak_mem_gb": None}], complete=True)
+    assert json.loads(path.read_text())["complete"] is True and not list(tmp_path.glob("*.tmp"))
 
 
 def test_flops_prediction_matches_the_cost_model_on_the_planned_split() -> None:
