@@ -10,7 +10,7 @@ e.g. `strategy=vanilla`, `data.seq_length=2048`, `data.ray.address=auto`, `train
 train.save_interval=2`, `train.load=ckpt`; `--config-dir DIR --config-name NAME` composes your own
 config, which can use the package's groups (megascale_data_ext/trainer/app.py has the flags).
 Runs on CPU (gloo + the shims in megascale_data_ext/patches/cpu.py) or, where CUDA is present, on
-the rank's GPU (cpu:gloo,cuda:nccl; `train.bf16=true` for bf16; not yet run on a GPU by this project).
+the rank's GPU (cpu:gloo,cuda:nccl; `train.bf16=true` for bf16; run on an H100: docs/benchmarks.md).
 """
 
 from __future__ import annotations

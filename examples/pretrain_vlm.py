@@ -8,7 +8,7 @@ Images are balanced over WORLD and encoded by a frozen megatron ViT on every ran
 are balanced over DP for the GPT backbone, whose first stage embeds the projected image
 features. Arguments are Hydra overrides of conf/train_vlm.yaml; `--config-dir DIR --config-name
 NAME` composes your own config (megascale_data_ext/trainer/app.py has the flags). Runs on CPU
-(gloo + shims) or on the rank's GPU where CUDA is present (not yet run on a GPU by this project).
+(gloo + shims) or on the rank's GPU where CUDA is present (run on an H100 in bf16: docs/benchmarks.md).
 """
 
 from __future__ import annotations

@@ -49,6 +49,8 @@ def kernels(out_path: str) -> int:
     out: dict[str, Any] = {**provenance(), "checks": []}
     if cuda:
         a = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
+        for _ in range(3):  # cuBLAS initialisation and clocks out of the timed window
+            a @ a
         torch.cuda.synchronize()
         t = time.perf_counter()
         for _ in range(10):
@@ -160,8 +162,9 @@ def train_row(work: str, run: str) -> dict[str, Any]:
 
 
 def train_rows(out_path: str, work: str, *runs: str) -> int:
-    rows = [train_row(work, r) for r in runs if Path(f"{work}/{r}.meta.json").exists()]
-    Path(out_path).write_text(json.dumps({**provenance(), "rows": rows}, indent=1))
+    where = provenance()
+    rows = [{**train_row(work, r), "device": where["device"]} for r in runs if Path(f"{work}/{r}.meta.json").exists()]
+    Path(out_path).write_text(json.dumps({**where, "rows": rows}, indent=1))
     for r in rows:
         print(json.dumps({k: v for k, v in r.items() if k != "losses"}))
     return 0

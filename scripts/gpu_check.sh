@@ -12,7 +12,7 @@
 #      step 1 (its losses and delivery counts are the result, not its timings)
 # Every JSON names the device, torch version and command. runbook.log has everything printed.
 # Overrides for a CPU dry run of the plumbing: GPT_SHAPE, VLM_SHAPE, SEQ, TRAIN_ITERS, BENCH_ARGS, KC_LENS,
-# BF16=false, DEMO_ROWS.
+# BF16=false, DEMO_ROWS. GPU_CHECK_STEPS picks steps (default "kernels bench train"; 4 runs whenever MLM_DIR is set).
 set -uo pipefail
 OUT=${OUT:-$PWD/gpu_check_out}
 mkdir -p "$OUT"
@@ -48,22 +48,25 @@ run_timed demo_data 60 "${MSD[@]}" demo-data --out "$W/demo_data" --rows "${DEMO
 MLM_PID=
 if [ -n "${MLM_DIR:-}" ]; then
   step "4. (background) Megatron-LM pretrain_gpt.py fed by the service: $MLM_DIR"
-  ( DATA_ROOT=$W/demo_data OUT=$OUT timeout --kill-after=10 "$(budget ${MLM_SECONDS:-240})" \
+  ( DATA_ROOT=$W/demo_data OUT=$W/mlm timeout --kill-after=10 "$(budget ${MLM_SECONDS:-240})" \
       bash "$HERE/megatron_lm_check.sh" > "$W/megatron_lm.log" 2>&1; echo "exit $?" >> "$W/megatron_lm.log" ) &
   MLM_PID=$!
 fi
 
-step "1. CUDA sanity + per-document attention kernels vs a dense reference"
-run_timed kernels 120 python3 "$HERE/gpu_check.py" kernels "$OUT/kernels.json"
+STEPS=" ${GPU_CHECK_STEPS:-kernels bench train} "
+want() { [[ "$STEPS" == *" $1 "* ]]; }
+
+want kernels && step "1. CUDA sanity + per-document attention kernels vs a dense reference"
+want kernels && run_timed kernels 120 python3 "$HERE/gpu_check.py" kernels "$OUT/kernels.json"
 
 if [ -n "$MLM_PID" ]; then
   step "4. waiting for the Megatron-LM run (timings below must not overlap it)"
-  wait "$MLM_PID"; tail -25 "$W/megatron_lm.log"; cp "$W/megatron_lm.log" "$OUT/megatron_lm.log"
+  wait "$MLM_PID"; tail -25 "$W/megatron_lm.log"; cp "$W/mlm/megatron_lm.json" "$OUT/" 2>/dev/null
 fi
 
-step "2. bench gpu-balance, caps 8192 and 4096"
+want bench && step "2. bench gpu-balance, caps 8192 and 4096"
 read -r -a BENCH_ARGS <<< "${BENCH_ARGS:---caps 8192 4096}"
-run_timed bench 200 "${MSD[@]}" bench gpu-balance --json "$OUT/gpu_balance.json" "${BENCH_ARGS[@]}"
+want bench && run_timed bench 200 "${MSD[@]}" bench gpu-balance --json "$OUT/gpu_balance.json" "${BENCH_ARGS[@]}"
 
 SEQ=${SEQ:-4096}
 read -r -a GPT_SHAPE <<< "${GPT_SHAPE:-model.hidden_size=2048 model.num_layers=8 model.num_attention_heads=16}"
@@ -89,13 +92,15 @@ json.dump({"example": example, "attention": attention, "dtype": "bf16" if bf16 =
           open(path, "w"))
 PY
 }
-train_run gpt_flex pretrain_gpt.py flex 110 "${GPT_SHAPE[@]}"
-train_run gpt_dense pretrain_gpt.py dense 80 "${GPT_SHAPE[@]}"
-train_run vlm_flex pretrain_vlm.py flex 100 "${VLM_SHAPE[@]}"
-train_run vlm_dense pretrain_vlm.py dense 80 "${VLM_SHAPE[@]}"
+if want train; then
+  train_run gpt_flex pretrain_gpt.py flex 110 "${GPT_SHAPE[@]}"
+  train_run gpt_dense pretrain_gpt.py dense 80 "${GPT_SHAPE[@]}"
+  train_run vlm_flex pretrain_vlm.py flex 100 "${VLM_SHAPE[@]}"
+  train_run vlm_dense pretrain_vlm.py dense 80 "${VLM_SHAPE[@]}"
+fi
 
 step "5. summary"
-timeout 60 python3 "$HERE/gpu_check.py" train-rows "$OUT/gpu_train.json" "$W" gpt_flex gpt_dense vlm_flex vlm_dense
+want train && timeout 60 python3 "$HERE/gpu_check.py" train-rows "$OUT/gpu_train.json" "$W" gpt_flex gpt_dense vlm_flex vlm_dense
 args=(); for k in "${!RC[@]}"; do args+=("$k=${RC[$k]}/${SECS[$k]}s"); done
 tar -czf "$OUT/logs.tar.gz" -C "$W" --exclude demo_data --exclude inductor . 2>/dev/null || true
 echo "=== done in $(( $(now) - T0 ))s; exit codes (code/seconds): ${args[*]}"

@@ -16,8 +16,9 @@ synchronous DP the slowest rank sets the step, so
 given by `--calibration` (written by `megascale-data profile --model`), else one this run
 fits first on the profile step's packs (one long to many short documents, out of sample for
 the rows); `speedup_predicted_flops` from the FLOPs model of the timed shape alone. The
-balancer costs samples with `--calibration` when given, else with the FLOPs model, as a
-strategy configured either way would. Every microbatch timed in the rows is also a
+balancer costs samples with the same calibration (`balanced_by`): on an H100 the FLOPs model
+overweights long documents under flash attention and left balanced ranks 2–5% apart where the
+calibrated split is within 0.3–3.5% (docs/benchmarks.md). Every microbatch timed in the rows is also a
 calibration observation: the run ends by fitting one to them (in-sample, `self_fit`).
 
 With no CUDA device the command runs a tiny CPU shape as a smoke test and says so; peak
@@ -67,6 +68,8 @@ class Row:
     predicted_by: str
     speedup_predicted_flops: float
     max_over_mean_measured: float
+    max_over_mean_predicted: float
+    balanced_by: str
     vanilla_max_over_mean_measured: float
     rank_ms_vanilla: list[float]
     rank_ms_balanced: list[float]
@@ -260,14 +263,18 @@ def run(args: argparse.Namespace) -> int:
     flops = TransformerCost(shape.cost_config())
     cost = calibration or flops
     predicted_by = f"calibrated:{args.calibration}" if calibration else "calibrated:profile step of this run"
+    balanced_by = predicted_by if calibration else "flops"
     if calibration is not None:
         for problem in calibration.mismatches(device=shape.device, hidden=shape.hidden, layers=shape.layers,
                                               attention=shape.attention, dtype=shape.dtype):
             print(f"warning: --calibration {args.calibration}: {problem}", file=sys.stderr)
 
-    plans = [(name, cap, *plan_row(name, dp=args.dp, m=args.microbatches, cap=cap, fill=args.fill, seed=args.seed,
-                                   method=args.method, cost=cost))
-             for name in workloads for cap in caps]
+    def plan_rows(cost: CalibratedCost | TransformerCost) -> list[tuple[str, int, dict[str, list[Rank]], int, int]]:
+        return [(name, cap, *plan_row(name, dp=args.dp, m=args.microbatches, cap=cap, fill=args.fill, seed=args.seed,
+                                      method=args.method, cost=cost))
+                for name in workloads for cap in caps]
+
+    plans = plan_rows(cost)  # the vanilla split (Megatron's order) does not depend on the cost model
     longest = max(sum(mb) for _, _, ranks, _, _ in plans for v in ranks.values() for rank in v for mb in rank)
     shape.seq = max(shape.seq, longest)  # vanilla microbatches are uncapped
     kind = "" if cuda else " — CPU smoke test (tiny shape; not a GPU measurement)"
@@ -281,7 +288,9 @@ def run(args: argparse.Namespace) -> int:
         "shape": asdict(shape), "timing": "cuda events" if cuda else "time.perf_counter",
         "peak_mem_source": "torch.cuda.max_memory_allocated" if cuda else "null: not measured on CPU",
         "fill": args.fill, "seed": args.seed, "method": args.method, "repeats": repeats,
-        "calibration": str(args.calibration) if args.calibration else None})
+        "calibration": str(args.calibration) if args.calibration else None,
+        # every timed microbatch as [document lengths, seconds]: refit a cost model offline
+        "observations": {"profile": [], "rows": []}})
     with pm.single_process_megatron(device=shape.device):
         timer = pm.ModelTimer(shape)
         if calibration is None:
@@ -292,6 +301,12 @@ def run(args: argparse.Namespace) -> int:
                   + pm.fit_report_lines(calibration, report, shape, packs) + "\n")
             if args.calibration_out:
                 calibration.save(args.calibration_out)
+            # balance with what was measured (fixed per-microbatch time, the kernel's real attention
+            # cost), not the FLOPs model the plans above used
+            plans = plan_rows(calibration)
+            balanced_by = "calibrated:profile step of this run"
+            results.header["observations"]["profile"] = [[[int(d) for d in p], s] for p, s in zip(packs, seconds,
+                                                                                                   strict=True)]
         else:
             timer.time_rank([[min(longest, max(caps))]])  # warm-up: kernels, allocator
         for name, cap, ranks, samples, tokens in plans:
@@ -299,6 +314,10 @@ def run(args: argparse.Namespace) -> int:
             measured = _measure(timer, ranks, repeats)
             peak = timer.peak_memory_gb()
             van, bal = measured["vanilla"][0], measured["balanced"][0]
+            predicted_bal = _predicted(ranks["balanced"], calibration)
+            results.header["observations"]["rows"] += [
+                [name, cap, v, r, mb, measured[v][1][r][j]] for v in ranks for r, rank in enumerate(ranks[v])
+                for j, mb in enumerate(rank)]
             rows.append(Row(
                 workload=name, dp=args.dp, cap=cap, microbatches=args.microbatches, samples=samples, tokens=tokens,
                 speedup_measured=speedup(van, bal),
@@ -308,6 +327,7 @@ def run(args: argparse.Namespace) -> int:
                 speedup_predicted_flops=speedup(flops_per_rank(ranks["vanilla"], flops),
                                                  flops_per_rank(ranks["balanced"], flops)),
                 max_over_mean_measured=float(bal.max() / bal.mean()),
+                max_over_mean_predicted=float(predicted_bal.max() / predicted_bal.mean()), balanced_by=balanced_by,
                 vanilla_max_over_mean_measured=float(van.max() / van.mean()),
                 rank_ms_vanilla=(van * 1e3).round(3).tolist(), rank_ms_balanced=(bal * 1e3).round(3).tolist(),
                 max_microbatch_tokens_vanilla=max(sum(mb) for rank in ranks["vanilla"] for mb in rank),
@@ -348,6 +368,6 @@ class JsonReport:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_suffix(self.path.suffix + ".tmp")
-        tmp.write_text(json.dumps({**self.header, "complete": complete, "rows": [r.public() for r in rows],
+        tmp.write_text(json.dumps({**self.header, "complete": complete, "rows": [{**r.public(), "device": self.header.get("device_name")} for r in rows],
                                    "self_fit": self_fit, "memory": memory or []}, indent=1))
         tmp.replace(self.path)

@@ -17,6 +17,13 @@ then asked of its Planner:
   ``get_num_microbatches()`` (it must equal the service's ``num_microbatches``).
 * ``MEGASCALE_START_STEP``: first step to fetch; default Megatron's ``args.iteration`` (the
   iteration of the loaded checkpoint), so a resumed job asks for the steps it has not trained.
+* ``MEGASCALE_DELIVERY_LOG`` (opt-in): a path; fetching ranks append one JSON line per delivered
+  microbatch (rank, step, microbatch, its samples as ``[source, position, index]``), so a run of
+  Megatron-LM's own loop can be checked for samples delivered twice or lost.
+* ``MEGASCALE_PACKED_SEQ=0``: yield no ``cu_seqlens``/``max_seqlen``, so `get_batch` builds no
+  PackedSeqParams; for ``--transformer-impl local``, whose DotProductAttention refuses packed
+  sequences. Documents of a microbatch then attend across their boundaries (causal over the whole
+  pack), as in Megatron's own GPTDataset without ``--reset-attention-mask``.
 
 Contract with Megatron's `get_batch` (pretrain_gpt.py at core_v0.16.1): only TP rank 0 of the
 first and last pipeline stage calls `next()`; it then broadcasts the microbatch to its TP group
@@ -34,6 +41,7 @@ would yield them (see `megatron_view`).
 from __future__ import annotations
 
 import importlib
+import json
 import os
 import sys
 from collections.abc import Callable, Iterator, Mapping
@@ -52,6 +60,8 @@ ENV_RAY_ADDRESS = "MEGASCALE_RAY_ADDRESS"
 ENV_NAMESPACE = "MEGASCALE_NAMESPACE"
 ENV_NUM_MICROBATCHES = "MEGASCALE_NUM_MICROBATCHES"
 ENV_START_STEP = "MEGASCALE_START_STEP"
+ENV_DELIVERY_LOG = "MEGASCALE_DELIVERY_LOG"
+ENV_PACKED_SEQ = "MEGASCALE_PACKED_SEQ"
 
 MEGATRON_REQUIRED_FIELDS: tuple[str, ...] = ("tokens", "labels", "loss_mask", "position_ids")
 """Keys Megatron's `get_batch_on_this_tp_rank` indexes unconditionally on TP rank 0."""
@@ -175,15 +185,21 @@ class MicrobatchIterator(Iterator[dict[str, torch.Tensor] | None]):
     Args:
         client: The rank's client, built with ``broadcast=False``.
         reads: False for a virtual-pipeline chunk that reads no data (it yields None).
+        delivery_log: Append one JSON line per delivered microbatch there (``MEGASCALE_DELIVERY_LOG``):
+            Megatron's loop keeps no record of what it consumed, this is the exactly-once evidence.
+        packed: False drops the document boundaries (``MEGASCALE_PACKED_SEQ=0``, see the module doc).
     """
 
-    __slots__ = ("client", "reads")
+    __slots__ = ("client", "reads", "delivery_log", "packed")
 
-    def __init__(self, client: Client, *, reads: bool = True) -> None:
+    def __init__(self, client: Client, *, reads: bool = True, delivery_log: str | None = None,
+                 packed: bool = True) -> None:
         if client.broadcast:
             raise ConfigError("the provider's client must not broadcast over TP (Megatron's get_batch does)")
         self.client = client
         self.reads = reads
+        self.delivery_log = delivery_log
+        self.packed = packed
 
     @property
     def step(self) -> int:
@@ -207,8 +223,26 @@ class MicrobatchIterator(Iterator[dict[str, torch.Tensor] | None]):
         if not self.reads:
             self.client.skip()
             return None
+        step, microbatch = self.client.step, self.client.microbatch
         batch = self.client.next_microbatch()
-        return None if batch is None else megatron_view(batch)
+        if batch is None:
+            return None
+        if self.delivery_log:
+            self._log_delivery(step, microbatch)
+        out = megatron_view(batch)
+        if not self.packed:
+            for key in ("cu_seqlens", "max_seqlen"):
+                out.pop(key, None)
+        return out
+
+    def _log_delivery(self, step: int, microbatch: int) -> None:
+        info = self.client.last_info or {}
+        samples = info.get("samples")
+        record = {"rank": self.client.rank, "step": step, "microbatch": microbatch,
+                  "samples": [] if samples is None else [[int(x) for x in row] for row in samples],
+                  "tokens": info.get("tokens")}
+        with open(self.delivery_log, "a", encoding="utf-8") as f:  # one short line per append: ranks may share it
+            f.write(json.dumps(record) + "\n")
 
     def state_dict(self) -> dict[str, Any]:
         return self.client.state_dict()
@@ -288,7 +322,8 @@ class DatasetProvider:
         source = self.source_factory(topology, config) if fetches else None
         client = Client(topology, rank, source=source, num_microbatches=num_microbatches, broadcast=False)
         client.seek(start)
-        train = MicrobatchIterator(client, reads=reads)
+        train = MicrobatchIterator(client, reads=reads, delivery_log=os.environ.get(ENV_DELIVERY_LOG) or None,
+                                   packed=os.environ.get(ENV_PACKED_SEQ, "1").strip() != "0")
         valid = self.valid_factory(vp_stage) if self.valid_factory else None
         test = self.test_factory(vp_stage) if self.test_factory else None
         return train, valid, test

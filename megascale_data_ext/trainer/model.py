@@ -378,8 +378,7 @@ def forward_step(data_iterator: Iterator[Mapping[str, Any]] | None, model: torch
     attention_mask = None
     if packed is None:
         attention_mask = tensors.get("attention_mask")
-        cu = batch.get("cu_seqlens")
-        if attention_mask is None and cu is not None:  # a host array, or a tensor already on the GPU
+        if attention_mask is None and (cu := batch.get("cu_seqlens")) is not None:  # host array or device tensor
             attention_mask = dense_document_mask(cu, int(torch.as_tensor(cu).reshape(-1)[-1]), where)
         if attention_mask is not None:
             attention_mask = attention_mask.to(torch.bool)

@@ -21,7 +21,7 @@ from megascale_data_ext.errors import ConfigError
 
 ROW_FIELDS = {"workload", "dp", "cap", "speedup_measured", "speedup_predicted", "max_over_mean_measured",
               "peak_mem_gb", "speedup_predicted_flops", "speedup_predicted_fitted", "rank_ms_vanilla",
-              "rank_ms_balanced", "predicted_by"}
+              "rank_ms_balanced", "predicted_by", "max_over_mean_predicted", "balanced_by"}
 pytestmark = pytest.mark.skipif(pm.cuda_available(), reason="the CPU smoke shape; a GPU runs the full bench")
 
 
@@ -65,6 +65,14 @@ def test_cpu_smoke_writes_every_row_field(smoke, capsys) -> None:
     assert [m["attention"] for m in data["memory"]] == [pm.per_document_backend("cpu") or "per-document", "dense"]
     assert all(m["peak_mem_gb"] is None and "not measured" in m["note"] for m in data["memory"])
     assert data["self_fit"]["report"]["observations"] >= 4
+    assert all(row["balanced_by"] == f"calibrated:{calibration}" for row in data["rows"])
+    timed = data["observations"]["rows"]  # every timed microbatch, for an offline refit
+    assert timed and all(len(t) == 6 and t[5] > 0 and sum(t[4]) > 0 for t in timed)
+    for row in data["rows"]:  # a rank's time is the sum of its timed microbatches
+        for variant in ("vanilla", "balanced"):
+            for r, ms in enumerate(row[f"rank_ms_{variant}"]):
+                mine = [t[5] for t in timed if t[:4] == [row["workload"], row["cap"], variant, r]]
+                assert sum(mine) * 1e3 == pytest.approx(ms, abs=1e-2)
     assert data["complete"] is True and data["torch"] and data["command"].startswith("megascale-data bench gpu-balance")
 
 
@@ -74,7 +82,7 @@ def test_json_report_keeps_the_rows_measured_before_a_failure(tmp_path) -> None:
     report = gb.JsonReport(path, {"device": "cpu"})
     row = gb.Row(workload="navit", dp=2, cap=128, microbatches=2, samples=3, tokens=100, speedup_measured=1.1,
                  speedup_predicted=1.2, predicted_by="x", speedup_predicted_flops=1.3, max_over_mean_measured=1.0,
-                 vanilla_max_over_mean_measured=1.2, rank_ms_vanilla=[1.0, 2.0], rank_ms_balanced=[1.5, 1.5],
+                 vanilla_max_over_mean_measured=1.2, max_over_mean_predicted=1.0, balanced_by="flops", rank_ms_vanilla=[1.0, 2.0], rank_ms_balanced=[1.5, 1.5],
                  max_microbatch_tokens_vanilla=90, max_microbatch_tokens_balanced=64, peak_mem_gb=None)
     report.write([row])
     partial = json.loads(path.read_text())

@@ -285,3 +285,36 @@ def test_a_service_broadcasting_other_than_over_tp_is_refused(monkeypatch: pytes
                               source_factory=FakeSource)
     with pytest.raises(ConfigError, match=r"broadcasts along \[\], but Megatron-LM's get_batch broadcasts over TP"):
         build_on(provider, monkeypatch, 0, tp=2, pp=1, dp=2)
+
+
+def test_delivery_log_records_each_delivered_microbatch_once(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    """MEGASCALE_DELIVERY_LOG: one JSON line per microbatch a fetching rank delivered, with its samples."""
+    import json
+
+    class WithSamples(FakeSource):
+        def get(self, step: int, microbatch: int, rank: int):
+            batch, info = super().get(step, microbatch, rank)
+            return batch, {**info, "samples": np.asarray([[0, 10 * step + microbatch, 7]], np.int64), "tokens": 3}
+
+    log = tmp_path / "delivered.jsonl"
+    monkeypatch.setenv(prov.ENV_DELIVERY_LOG, str(log))
+    provider = prov.configure(ProviderConfig(namespace="ns", num_microbatches=2, start_step=1),
+                              source_factory=WithSamples, topology_factory=own_topology)
+    train, _, _ = build_on(provider, monkeypatch, 0, tp=2, pp=1, dp=1)
+    idle, _, _ = build_on(provider, monkeypatch, 1, tp=2, pp=1, dp=1)  # TP rank 1: yields None, logs nothing
+    for _ in range(3):
+        next(train), next(idle)
+    lines = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [(r["rank"], r["step"], r["microbatch"]) for r in lines] == [(0, 1, 0), (0, 1, 1), (0, 2, 0)]
+    assert [r["samples"] for r in lines] == [[[0, 10, 7]], [[0, 11, 7]], [[0, 20, 7]]] and lines[0]["tokens"] == 3
+    monkeypatch.delenv(prov.ENV_DELIVERY_LOG)
+    assert build_on(provider, monkeypatch, 0, tp=2, pp=1, dp=1)[0].delivery_log is None  # off by default
+
+
+def test_packed_seq_off_yields_no_document_boundaries(monkeypatch: pytest.MonkeyPatch) -> None:
+    """MEGASCALE_PACKED_SEQ=0 (--transformer-impl local): get_batch then builds no PackedSeqParams."""
+    provider = configure(ProviderConfig(namespace="ns", num_microbatches=2))
+    assert "cu_seqlens" in next(build_on(provider, monkeypatch, 0, tp=1, pp=1, dp=1)[0])
+    monkeypatch.setenv(prov.ENV_PACKED_SEQ, "0")
+    batch = next(build_on(provider, monkeypatch, 0, tp=1, pp=1, dp=1)[0])
+    assert "cu_seqlens" not in batch and "max_seqlen" not in batch and batch["tokens"].shape == (1, 3)
