@@ -7,7 +7,10 @@ The stream of a source is a sequence of positions: position p is sample
 (`summary_buffer`); constructors ask for the payloads of a planned step (`fetch`).
 
 Thread contract: `fetch` may be called concurrently by several constructors (the actor runs
-with max_concurrency > 1); one lock per step makes a step's plan execute exactly once.
+with max_concurrency > 1); one lock per step makes a step's plan execute exactly once, and one
+read lock lets a single step at a time read the source: a Parquet reader and its row-group cache
+are not thread-safe (two steps reading one `ParquetFile` at once crashed a loader in pyarrow's
+`read_row_group` with a segmentation fault).
 
 Checkpoint (`StateSchema` "source_loader", version 1): fingerprint = (name, size, seed,
 shuffle), so a resume over changed files or another shuffle is refused; fields
@@ -82,6 +85,7 @@ class SourceLoader:
         self._step_locks: dict[int, threading.Lock] = {}
         self._finished: set[int] = set()  # steps fully handed out (kept short: see _finish)
         self._lock = threading.Lock()
+        self._read_lock = threading.Lock()  # the source's file handles and cache: one reader at a time
         self.samples_read = 0
         self.skipped_total = 0
         self.next_position = 0
@@ -134,7 +138,8 @@ class SourceLoader:
                 f"source {self.spec.name!r}: plan for step {plan.step} disagrees with this loader's stream "
                 f"(seed/shuffle/source size changed?)"
             )
-        result = self.source.read_report(plan.indices.tolist())
+        with self._read_lock:
+            result = self.source.read_report(plan.indices.tolist())
         staged = _StagedStep()
         by_index = {s.index: s for s in result.samples}
         bad = {s.index: s for s in result.skipped}

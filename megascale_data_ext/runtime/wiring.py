@@ -47,8 +47,13 @@ def start_constructors(config: Any, topology: Any, planner: Any, ft: Any, *, sta
     with the concurrency its buckets need and, with `placement`, on its trainer node."""
     from megascale_data_ext.runtime.constructor_actor import DataConstructorActor, constructor_concurrency
 
+    from megascale_data_ext.runtime.ray_actor import ActorName
+    from megascale_data_ext.runtime.topology import PLANNER_NAME
+
     pad_id, image_id = constructor_tokens(config)
     sidecar = placement.constructor_ranks(topology) if placement is not None else None
+    # the Planner by name where it has one: no actor handle among restartable actors' arguments
+    planner_arg = ActorName(PLANNER_NAME, topology.namespace) if _is_named(planner, topology) else planner
     out = []
     for j in range(topology.num_constructors) if groups is None else groups:
         buckets = list(topology.constructor_groups[j])
@@ -56,8 +61,20 @@ def start_constructors(config: Any, topology: Any, planner: Any, ft: Any, *, sta
         out.append(actor(DataConstructorActor, **names, **ft.actor_options(retry_tasks=False),
                          max_concurrency=constructor_concurrency(topology, buckets, ft, image_id is not None),
                          **(placement.constructor(sidecar[j]) if sidecar else {})).remote(
-            buckets, config, topology, planner, pad_id, image_id, start_step, ft))
+            buckets, config, topology, planner_arg, pad_id, image_id, start_step, ft))
     return out
+
+
+def _is_named(planner: Any, topology: Any) -> bool:
+    """Whether `planner` is the actor registered under the topology's Planner name."""
+    import ray
+
+    from megascale_data_ext.runtime.topology import PLANNER_NAME
+
+    try:
+        return ray.get_actor(PLANNER_NAME, namespace=topology.namespace)._actor_id == planner._actor_id
+    except (ValueError, AttributeError):
+        return False
 
 
 def in_process_parts(config: Any, topology: Any, *, max_lead: int | None = None,
