@@ -76,7 +76,7 @@ def read_buckets(loader: SourceLoader, plan: LoaderPlan, buckets: Sequence[int])
     out: dict[str, list] = {"samples": [], "skipped": []}
     if not len(indices):
         return out
-    result = loader.source.read_report(indices.tolist())
+    result = loader.read(indices.tolist())
     good = {s.index: s for s in result.samples}
     bad = {s.index: s for s in result.skipped}
     for pos, idx, b in zip(positions.tolist(), indices.tolist(), bucket.tolist(), strict=True):

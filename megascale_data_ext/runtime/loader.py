@@ -130,6 +130,12 @@ class SourceLoader:
         )
 
     # -- plans ---------------------------------------------------------------------
+    def read(self, indices: list[int]) -> Any:
+        """The source's `read_report` of `indices`, one caller at a time (see the thread contract):
+        every payload read of this loader goes through here, staged steps and direct reads alike."""
+        with self._read_lock:
+            return self.source.read_report(indices)
+
     def execute(self, plan: LoaderPlan) -> None:
         """Read and transform the planned samples of one step and stage them per bucket."""
         expect = self.indices_at(plan.positions)
@@ -138,8 +144,7 @@ class SourceLoader:
                 f"source {self.spec.name!r}: plan for step {plan.step} disagrees with this loader's stream "
                 f"(seed/shuffle/source size changed?)"
             )
-        with self._read_lock:
-            result = self.source.read_report(plan.indices.tolist())
+        result = self.read(plan.indices.tolist())
         staged = _StagedStep()
         by_index = {s.index: s for s in result.samples}
         bad = {s.index: s for s in result.skipped}

@@ -15,6 +15,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from megascale_data_ext.dataplane.plan import LoaderPlan
+from megascale_data_ext.runtime.failover import read_buckets
 from megascale_data_ext.runtime.loader import SourceLoader
 from megascale_data_ext.sources import SourceSpec
 
@@ -47,8 +48,15 @@ def test_concurrent_steps_never_read_the_source_at_once(tmp_path) -> None:
     def fetch(step: int) -> None:
         got[step] = [s.index for _, _, s in loader.fetch(step, [0])["samples"]]
 
+    direct: list[int] = []
+
+    def read_direct(step: int) -> None:  # a shadow's or a re-read's path (`failover.read_buckets`)
+        out = read_buckets(loader, loader.get_plan(step, 0), [0])
+        direct.extend(s.index for _, _, s in out["samples"])
+
     threads = [threading.Thread(target=fetch, args=(step,)) for step in range(8)]
     threads += [threading.Thread(target=loader.read_ahead, args=(step,)) for step in range(8)]
+    threads += [threading.Thread(target=read_direct, args=(step,)) for step in range(8)]
     for t in threads:
         t.start()
     for t in threads:
@@ -56,3 +64,4 @@ def test_concurrent_steps_never_read_the_source_at_once(tmp_path) -> None:
     assert most[0] == 1  # one step at a time inside the source
     delivered = [i for step in range(8) for i in got[step]]
     assert sorted(delivered) == sorted(loader.indices_at(np.arange(64)).tolist())  # every sample once
+    assert sorted(direct) == sorted(delivered)
