@@ -27,6 +27,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any
 
@@ -119,6 +120,7 @@ class DataService:
         self.planner: Any = None
         self.constructors: list[Any] = []
         self.startup_seconds = 0.0
+        self.ray_init_seconds = 0.0
         self.phases: dict[str, float] = {}
         self.checkpoint_dir: str | None = None
         self._owns_ray = False
@@ -150,7 +152,23 @@ class DataService:
                 `runtime.elastic`); the trainer resumes at ``state["step"]``.
         """
         t0 = time.perf_counter()
-        cfg, topo, ft = self.config, self.topology, self.ft
+        self._init_ray()
+        return self._start_actors(t0, state, reshard)
+
+    def start_in_background(self, *, state: dict | None = None, reshard: bool = False) -> Future:
+        """`start` with the actors started on a thread, so the caller builds its model meanwhile:
+        a `Future` of the `ServiceHandles` (its exception is `start`'s). Ray is joined or started
+        here, on the calling thread, which must outlive the service (Ray's driver state is
+        tied to the thread that ran ``ray.init``)."""
+        t0 = time.perf_counter()
+        self._init_ray()
+        pool = ThreadPoolExecutor(1, thread_name_prefix="megascale-service-start")
+        future = pool.submit(self._start_actors, t0, state, reshard)
+        pool.shutdown(wait=False)
+        return future
+
+    def _init_ray(self) -> None:
+        cfg, t0 = self.config, time.perf_counter()
         if not ray.is_initialized():
             check_reachable(cfg.ray.address)  # a named error in seconds, not ray.init retrying for minutes
             quiet_token_auth_notice()
@@ -158,6 +176,10 @@ class DataService:
                 cap_arenas_for_embedded_ray()
             ray.init(**cfg.ray.init_kwargs(), log_to_driver=True, configure_logging=False)
             self._owns_ray = True
+        self.ray_init_seconds = time.perf_counter() - t0
+
+    def _start_actors(self, t0: float, state: dict | None, reshard: bool) -> ServiceHandles:
+        cfg, topo, ft = self.config, self.topology, self.ft
         _check_namespace_free(topo.namespace)
         check_sources(cfg.sources)
         ckpt = self._prepare_checkpoint_dir()

@@ -36,15 +36,29 @@ from megascale_data_ext.errors import ConfigError, ResumeError, root_cause
 CHECKPOINT_VERSION = 1
 
 
-def serve(service_config: Any, tree: Any, *, state: dict | None):
-    """Start the service on rank 0 and tell every rank where it is. Returns (service|None, handles)."""
-    service, payload, failure = None, [None], None
-    if dist.get_rank() == 0:
-        from megascale_data_ext.runtime.service import DataService
+def begin_serve(service_config: Any, tree: Any, *, state: dict | None) -> tuple[Any, Any]:
+    """Rank 0 starts the service in the background (the model is built meanwhile): ``(service,
+    future | exception)``; ``(None, None)`` on the other ranks. `finish_serve` completes it."""
+    if dist.get_rank() != 0:
+        return None, None
+    from megascale_data_ext.runtime.service import DataService
 
-        service = DataService(service_config, tree)
+    service = DataService(service_config, tree)
+    try:
+        return service, service.start_in_background(state=state)
+    except Exception as exc:  # Ray could not start: every rank learns it in finish_serve
+        return service, exc
+
+
+def finish_serve(pending: Any) -> tuple[Any, float]:
+    """Wait for rank 0's service and tell every rank where it is: ``(handles, waited_s)``, the
+    seconds this rank waited for it after its own start-up work."""
+    t0, payload, failure = time.perf_counter(), [None], None
+    if dist.get_rank() == 0:
         try:
-            payload[0] = service.start(state=state)
+            if isinstance(pending, Exception):
+                raise pending
+            payload[0] = pending.result()
         except Exception as exc:  # every rank must learn about it, not hang in the broadcast
             # Ray's wrapper of an actor's error does not pickle and repeats the remote traceback
             # in its message: the other ranks get the actor's own error, rank 0 keeps the chain.
@@ -54,7 +68,7 @@ def serve(service_config: Any, tree: Any, *, state: dict | None):
         if failure is not None and payload[0] is not failure:
             raise payload[0] from failure
         raise payload[0]
-    return service, payload[0]
+    return payload[0], time.perf_counter() - t0
 
 
 def _ckpt_dir(root: str | Path, step: int) -> Path:
@@ -218,17 +232,16 @@ def gpt_model_config(cfg: Any, service_cfg: Any, vocab: int) -> Any:
 class TrainingSession:
     """What every pretrain loop shares: parallel state, the service, the client, hooks, checkpoints.
 
-    `__init__` initialises gloo/NCCL + Megatron's parallel state, builds the `ClientPlaceTree`,
-    starts (rank 0) or joins the service — from the checkpoint's data state when
-    ``train.load`` is set — and creates the rank's `Client`. `run()` installs the schedule
-    hooks and drives the steps; loop-specific work goes in its callbacks.
+    `__init__` initialises gloo/NCCL + Megatron's parallel state, builds the `ClientPlaceTree`
+    and has rank 0 start the service in the background — from the checkpoint's data state when
+    ``train.load`` is set; `connect()` (after the model is built, so the service's start-up is
+    hidden behind it) waits for it and creates the rank's `Client`. `run()` installs the
+    schedule hooks and drives the steps; loop-specific work goes in its callbacks.
     """
 
     def __init__(self, cfg: Any, service_cfg: Any, model_cfg: Any) -> None:
         from megascale_data_ext.dataplane.placetree import ClientPlaceTree
-        from megascale_data_ext.megatron.groups import broadcast_group
         from megascale_data_ext.trainer.model import initialize_parallel
-        from megascale_data_ext.runtime.client import Client
 
         self.cfg, self.service_cfg = cfg, service_cfg
         initialize_parallel(model_cfg)
@@ -239,16 +252,35 @@ class TrainingSession:
         if self.load_dir:
             self.start = latest_step(self.load_dir)
             state = load_data_state(self.load_dir, self.start) if self.rank == 0 else None
-        self.service, self.handles = serve(service_cfg, self.tree, state=state)
-        self.client = Client.connect(self.handles, self.rank, num_microbatches=service_cfg.num_microbatches,
-                                     broadcast_group=broadcast_group(self.handles.topology),
-                                     record_digests=bool(cfg.train.get("record_digests", False)))
-        self.planner = None
+        self.service, self._pending = begin_serve(service_cfg, self.tree, state=state)
+        self.started = time.perf_counter()  # Ray is up (rank 0): the actors start while the model is built
+        self.client = self.planner = self.handles = None
         self._summary: tuple[int, dict] | None = None
+
+    def connect(self) -> Any:
+        """This rank's `Client`, once the service rank 0 started in the background is up (call it
+        after building the model: the service's start-up runs behind that). Says on rank 0 how
+        much of the start-up the trainer still waited for."""
+        if self.client is not None:
+            return self.client
+        from megascale_data_ext.megatron.groups import broadcast_group
+        from megascale_data_ext.runtime.client import Client
+
+        self.handles, waited = finish_serve(self._pending)
+        self._pending = None
+        self.client = Client.connect(self.handles, self.rank, num_microbatches=self.service_cfg.num_microbatches,
+                                     broadcast_group=broadcast_group(self.handles.topology),
+                                     record_digests=bool(self.cfg.train.get("record_digests", False)))
         if self.rank == 0:
             from megascale_data_ext.runtime.remote import find_planner
 
             self.planner = find_planner(self.handles.namespace)
+            svc = self.service
+            built = time.perf_counter() - self.started - waited
+            print(f"[megascale-data] start-up: Ray {svc.ray_init_seconds:.2f} s, then the service's actors "
+                  f"({svc.startup_seconds - svc.ray_init_seconds:.2f} s) beside {built:.2f} s of model construction: "
+                  f"the trainer waited {waited:.2f} s for the service", flush=True)
+        return self.client
 
     def plan(self, step: int) -> Any:
         """The step's StepPlan (rank 0 only: it holds the planner handle)."""
@@ -292,7 +324,7 @@ class TrainingSession:
         from megascale_data_ext.megatron.hooks import install
         from megascale_data_ext.trainer.model import train_step
 
-        client, tcfg, m = self.client, self.cfg.train, self.service_cfg.num_microbatches
+        client, tcfg, m = self.connect(), self.cfg.train, self.service_cfg.num_microbatches
         hooks = install(client, num_model_chunks=len(chunks), start_step=self.start, transform=transform,
                         report_loss=self.service_cfg.feedback_mixing)
         if self.load_dir:

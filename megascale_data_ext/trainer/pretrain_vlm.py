@@ -68,14 +68,14 @@ def pretrain_vlm(cfg: Any) -> list[dict]:
     vit_cfg = ViTConfig(patch_dim=int(vcfg.patch_dim), hidden_size=int(vcfg.hidden_size),
                         num_layers=int(vcfg.num_layers), num_attention_heads=int(vcfg.num_attention_heads),
                         seed=int(vcfg.get("seed", 4321)))
-    session = TrainingSession(cfg, service_cfg, model_cfg)
-    client = session.client
+    session = TrainingSession(cfg, service_cfg, model_cfg)  # the service starts while the models are built
     vit = FrozenViT(vit_cfg)
     chunks = build_vlm_chunks(model_cfg, vision_hidden=vit_cfg.hidden_size, image_token_id=tok.image_id)
     first = next((get_attr_wrapped_model(c, "projector", return_model_obj=True) for c in chunks
                   if get_attr_wrapped_model(c, "pre_process")), None)
     feed = VLMFeed(first, vision_hidden=vit_cfg.hidden_size)
     optimizer, scheduler = build_optimizer(chunks, cfg.train, bf16=model_cfg.bf16)
+    client = session.connect()
 
     def encode(step: int) -> dict:
         """Encode this rank's WORLD-balanced images and share the features (frozen ViT)."""
