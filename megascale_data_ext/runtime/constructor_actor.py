@@ -21,7 +21,7 @@ from megascale_data_ext.runtime.fault_injection import crash_self
 from megascale_data_ext.runtime.fault_tolerance import FaultToleranceConfig
 from megascale_data_ext.runtime.metrics import service_metrics
 from megascale_data_ext.runtime.prefetcher import Prefetcher
-from megascale_data_ext.runtime.ray_actor import resolve
+from megascale_data_ext.runtime.remote import PlannerIn
 from megascale_data_ext.runtime.routing import RoutedFetch
 from megascale_data_ext.runtime.topology import ServiceTopology
 
@@ -55,7 +55,7 @@ class DataConstructorActor:
                  pad_id: int, image_token_id: int | None, start_step: int = 0, ft: FaultToleranceConfig | None = None):
         self.ft = ft or NO_FAULT_TOLERANCE
         self.calls = calls = CallCounter()
-        planner = resolve(planner)  # an ActorName from `runtime.wiring`, or a handle
+        planner = planner.resolve() if isinstance(planner, PlannerIn) else planner  # see `runtime.wiring`
 
         def ask(method: str, *args: Any) -> Any:  # a counted call to the Planner, waiting for its answer
             calls.add(f"constructor>planner {method}")

@@ -17,6 +17,7 @@ request carries the topology's ``job``; a constructor of another service refuses
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -62,12 +63,26 @@ def find_planner(namespace: str) -> Any:
     """The Planner of the service running in `namespace` of the joined Ray (ValueError: none runs).
 
     With `find_constructor`, the one place a process finds the service's actors by name: a process
-    that joins a running service has only its namespace (the Planner) and topology (constructors);
-    everything else is handed over as handles.
+    that joins a running service has only its namespace (the Planner) and topology (constructors),
+    and the restartable constructors are handed `PlannerIn`; everything else is handed over as
+    handles.
     """
     import ray
 
     return ray.get_actor(PLANNER_NAME, namespace=namespace)
+
+
+@dataclass(frozen=True, slots=True)
+class PlannerIn:
+    """The Planner of a namespace, handed to the restartable constructors instead of its handle:
+    an actor handle among a restartable actor's constructor arguments makes Ray log an error line
+    per actor on every healthy start (ray-project/ray#53727); a restarted constructor finds the
+    Planner again through `find_planner`."""
+
+    namespace: str
+
+    def resolve(self) -> Any:
+        return find_planner(self.namespace)
 
 
 def find_constructor(topology: ServiceTopology, index: int) -> Any:

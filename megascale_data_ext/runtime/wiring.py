@@ -47,13 +47,13 @@ def start_constructors(config: Any, topology: Any, planner: Any, ft: Any, *, sta
     with the concurrency its buckets need and, with `placement`, on its trainer node."""
     from megascale_data_ext.runtime.constructor_actor import DataConstructorActor, constructor_concurrency
 
-    from megascale_data_ext.runtime.ray_actor import ActorName
-    from megascale_data_ext.runtime.topology import PLANNER_NAME
+    from megascale_data_ext.runtime.remote import PlannerIn
 
     pad_id, image_id = constructor_tokens(config)
     sidecar = placement.constructor_ranks(topology) if placement is not None else None
-    # the Planner by name where it has one: no actor handle among restartable actors' arguments
-    planner_arg = ActorName(PLANNER_NAME, topology.namespace) if _is_named(planner, topology) else planner
+    # the Planner by its namespace where it is the named one: no actor handle among restartable
+    # actors' arguments (`PlannerIn`)
+    planner_arg = PlannerIn(topology.namespace) if _is_named(planner, topology) else planner
     out = []
     for j in range(topology.num_constructors) if groups is None else groups:
         buckets = list(topology.constructor_groups[j])
@@ -67,12 +67,10 @@ def start_constructors(config: Any, topology: Any, planner: Any, ft: Any, *, sta
 
 def _is_named(planner: Any, topology: Any) -> bool:
     """Whether `planner` is the actor registered under the topology's Planner name."""
-    import ray
-
-    from megascale_data_ext.runtime.topology import PLANNER_NAME
+    from megascale_data_ext.runtime.remote import find_planner
 
     try:
-        return ray.get_actor(PLANNER_NAME, namespace=topology.namespace)._actor_id == planner._actor_id
+        return find_planner(topology.namespace)._actor_id == planner._actor_id
     except (ValueError, AttributeError):
         return False
 

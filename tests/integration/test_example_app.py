@@ -204,7 +204,7 @@ def test_bad_config_value_exits_nonzero_with_one_line_per_rank(tmp_path):
 
 RAY_ELINE = "has constructor arguments in the object store and max_restarts > 0"
 """Ray's core_worker E-line (ray-project/ray#53727) for restartable actors with an actor handle among
-their constructor arguments; the constructors now get the Planner by name (`ray_actor.ActorName`)."""
+their constructor arguments; the constructors now get the Planner by namespace (`runtime.remote.PlannerIn`)."""
 
 
 def warning_lines(output: str) -> list[str]:
