@@ -1,15 +1,21 @@
 """`megascale-data bench gpu-balance`: does cost balancing buy measured step time on a GPU?
 
 `bench balance` predicts speedups from a cost model; this command measures them. For each
-workload (long-short, navit, coyo) and token cap, one global batch filling `--fill` of
-DP × m × cap tokens is split over `--dp` simulated DP ranks twice: vanilla (Megatron's
-order, contiguous equal-count slices, no cap) and balanced (`--method` at the interleaved
-level under the cap, as `LLMBalance`). Every rank's microbatches then run forward + backward
-serially on the one local device through the project's own GPT (`trainer/model.py`), timed
-with CUDA events on a GPU (bf16 autocast) and `time.perf_counter` on CPU (fp32). With
-synchronous DP the slowest rank sets the step, so
+workload (long-short, navit, coyo) and token cap, one stream of documents feeds `--dp`
+simulated DP ranks twice: vanilla is what Megatron-LM trains on (GPTDataset's fixed windows:
+the documents concatenated and cut every cap tokens, a document split at a window edge; m
+windows per rank, window j·DP + r to rank r; `dataplane.workloads.megatron_windows`), balanced
+is the stream's first documents filling `--fill` of DP × m × cap tokens, whole, split by
+`--method` at the interleaved level under the cap, as `LLMBalance` (what does not fit waits
+for the next step). Every rank's microbatches then run forward + backward serially on the one
+local device through the project's own GPT (`trainer/model.py`), timed with CUDA events on a
+GPU (bf16 autocast) and `time.perf_counter` on CPU (fp32). Vanilla's attention is Megatron's
+default, one causal sequence per window (`--vanilla-attention window`), or per document piece as
+with Megatron's ``--reset-attention-mask`` (`document`). With synchronous DP the
+slowest rank sets the step, and the variants carry different token counts, so the speedup is
+one of tokens per second of the step:
 
-    speedup_measured  = max vanilla rank time / max balanced rank time
+    speedup_measured  = (tokens balanced / max balanced rank time) / (tokens vanilla / max vanilla rank time)
     speedup_predicted = the same ratio of the cost model's rank predictions
 
 `speedup_predicted` comes from a calibrated model with its fixed per-microbatch term: the fit
@@ -43,7 +49,7 @@ from megascale_data_ext.commands import _profile_model as pm
 from megascale_data_ext.dataplane.balancers import BalanceResult, balance_step, balancer_names
 from megascale_data_ext.dataplane.calibration import CalibratedCost, fit_calibration, load_calibration
 from megascale_data_ext.dataplane.costs import TransformerCost
-from megascale_data_ext.dataplane.workloads import fill_workload, workload_names
+from megascale_data_ext.dataplane.workloads import fill_workload, megatron_windows, workload_names
 from megascale_data_ext.errors import ConfigError
 
 NAME = "bench gpu-balance"
@@ -63,6 +69,7 @@ class Row:
     microbatches: int
     samples: int
     tokens: int
+    tokens_vanilla: int
     speedup_measured: float
     speedup_predicted: float
     predicted_by: str
@@ -94,6 +101,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--microbatches", type=int, default=4, help="microbatches per rank m (default 4)")
     parser.add_argument("--fill", type=float, default=0.9, help="fraction of DP×m×cap the batch fills (0.9)")
     parser.add_argument("--method", default="kk", choices=balancer_names(), help="balancer (default kk)")
+    parser.add_argument("--vanilla-attention", choices=("window", "document"), default="window",
+                        help="vanilla's attention: one causal sequence per fixed window (Megatron's default) or "
+                             "per document piece (Megatron's --reset-attention-mask)")
     parser.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
     parser.add_argument("--repeats", type=int, default=None, help="timed runs per rank, median kept "
                                                                     "(default 3 on CUDA, 1 on CPU)")
@@ -142,22 +152,31 @@ def _predicted(ranks: list[Rank], model: CalibratedCost | TransformerCost) -> np
     return flops_per_rank(ranks, model)
 
 
-def speedup(vanilla: np.ndarray, balanced: np.ndarray) -> float:
-    """Step-time speedup of balancing: the slowest vanilla rank over the slowest balanced one."""
-    return float(vanilla.max() / balanced.max()) if balanced.max() > 0 else float("nan")
+def speedup(vanilla: np.ndarray, balanced: np.ndarray, token_ratio: float = 1.0) -> float:
+    """Step throughput of balancing over vanilla: the slowest vanilla rank over the slowest
+    balanced one, times balanced tokens / vanilla tokens (the steps carry different amounts)."""
+    return float(vanilla.max() / balanced.max() * token_ratio) if balanced.max() > 0 else float("nan")
+
+
+def tokens_of(ranks: list[Rank]) -> int:
+    return int(sum(sum(mb) for rank in ranks for mb in rank))
 
 
 def plan_row(name: str, *, dp: int, m: int, cap: int, fill: float, seed: int, method: str,
-             cost: CalibratedCost | TransformerCost) -> tuple[dict[str, list[Rank]], int, int]:
-    """The vanilla and balanced splits of one global batch: ({variant: ranks}, samples, tokens)."""
-    wl = fill_workload(name, int(fill * dp * m * cap), seed=seed, context=cap)
-    lens = wl.seq_lens()
-    costs = cost(lens)
-    vanilla = balance_step(costs, tokens=lens, num_buckets=dp, num_microbatches=m, method="greedy", level="none")
-    balanced = balance_step(costs, tokens=lens, num_buckets=dp, num_microbatches=m, cap=cap, method=method,
+             cost: CalibratedCost | TransformerCost, vanilla_attention: str = "window"
+             ) -> tuple[dict[str, list[Rank]], int, int]:
+    """Megatron's windows and the balanced split of one document stream: ({variant: ranks},
+    balanced samples, balanced tokens). With ``vanilla_attention="window"`` a window is one
+    document of its length (attention across the pieces, Megatron's default)."""
+    stream = fill_workload(name, dp * m * cap + cap, seed=seed, context=cap).seq_lens()  # >= DP·m full windows
+    windows = megatron_windows(stream, cap, dp * m)
+    if vanilla_attention == "window":
+        windows = [[sum(w)] for w in windows]
+    vanilla = [[windows[j * dp + r] for j in range(m)] for r in range(dp)]  # Megatron's sampler: mb j of rank r
+    lens = stream[:int(np.searchsorted(np.cumsum(stream), int(fill * dp * m * cap), side="right"))]
+    balanced = balance_step(cost(lens), tokens=lens, num_buckets=dp, num_microbatches=m, cap=cap, method=method,
                             level="interleaved")
-    return ({"vanilla": _ranks(vanilla, lens, dp, m), "balanced": _ranks(balanced, lens, dp, m)},
-            wl.num_samples, int(lens.sum()))
+    return {"vanilla": vanilla, "balanced": _ranks(balanced, lens, dp, m)}, len(lens), int(lens.sum())
 
 
 def _measure(timer: pm.ModelTimer, ranks: dict[str, list[Rank]], repeats: int
@@ -229,19 +248,20 @@ def _self_fit(rows: list[Row], shape: pm.ModelShape) -> dict[str, Any] | None:
         return {"error": str(exc)}
     for row in rows:
         row.speedup_predicted_fitted = speedup(_predicted(row._ranks["vanilla"], model),
-                                                _predicted(row._ranks["balanced"], model))
+                                                _predicted(row._ranks["balanced"], model),
+                                                row.tokens / row.tokens_vanilla)
     return {**model.to_dict(), "report": report.to_dict()}
 
 
 def format_table(rows: list[Row]) -> str:
-    head = ["workload", "DP", "cap", "samples", "speedup measured", "predicted (calibrated)", "predicted (FLOPs)",
+    head = ["workload", "DP", "cap", "tokens (vanilla / balanced)", "speedup measured (tokens/s)", "predicted (calibrated)", "predicted (FLOPs)",
             "predicted (self-fit)", "max/mean measured (vanilla → balanced)", "max MB tokens (vanilla / balanced)",
             "peak GB"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         fitted = "n/a" if r.speedup_predicted_fitted is None else f"{r.speedup_predicted_fitted:.3f}×"
         lines.append("| " + " | ".join([
-            r.workload, str(r.dp), str(r.cap), str(r.samples), f"{r.speedup_measured:.3f}×",
+            r.workload, str(r.dp), str(r.cap), f"{r.tokens_vanilla} / {r.tokens}", f"{r.speedup_measured:.3f}×",
             f"{r.speedup_predicted:.3f}×", f"{r.speedup_predicted_flops:.3f}×", fitted,
             f"{r.vanilla_max_over_mean_measured:.3f} → {r.max_over_mean_measured:.3f}",
             f"{r.max_microbatch_tokens_vanilla} / {r.max_microbatch_tokens_balanced}",
@@ -271,7 +291,7 @@ def run(args: argparse.Namespace) -> int:
 
     def plan_rows(cost: CalibratedCost | TransformerCost) -> list[tuple[str, int, dict[str, list[Rank]], int, int]]:
         return [(name, cap, *plan_row(name, dp=args.dp, m=args.microbatches, cap=cap, fill=args.fill, seed=args.seed,
-                                      method=args.method, cost=cost))
+                                      method=args.method, cost=cost, vanilla_attention=args.vanilla_attention))
                 for name in workloads for cap in caps]
 
     plans = plan_rows(cost)  # the vanilla split (Megatron's order) does not depend on the cost model
@@ -288,6 +308,7 @@ def run(args: argparse.Namespace) -> int:
         "shape": asdict(shape), "timing": "cuda events" if cuda else "time.perf_counter",
         "peak_mem_source": "torch.cuda.max_memory_allocated" if cuda else "null: not measured on CPU",
         "fill": args.fill, "seed": args.seed, "method": args.method, "repeats": repeats,
+        "vanilla": f"Megatron's fixed windows of cap tokens, attention per {args.vanilla_attention}",
         "calibration": str(args.calibration) if args.calibration else None,
         # every timed microbatch as [document lengths, seconds]: refit a cost model offline
         "observations": {"profile": [], "rows": []}})
@@ -314,18 +335,19 @@ def run(args: argparse.Namespace) -> int:
             measured = _measure(timer, ranks, repeats)
             peak = timer.peak_memory_gb()
             van, bal = measured["vanilla"][0], measured["balanced"][0]
+            ratio = tokens / tokens_of(ranks["vanilla"])
             predicted_bal = _predicted(ranks["balanced"], calibration)
             results.header["observations"]["rows"] += [
                 [name, cap, v, r, mb, measured[v][1][r][j]] for v in ranks for r, rank in enumerate(ranks[v])
                 for j, mb in enumerate(rank)]
             rows.append(Row(
                 workload=name, dp=args.dp, cap=cap, microbatches=args.microbatches, samples=samples, tokens=tokens,
-                speedup_measured=speedup(van, bal),
+                tokens_vanilla=tokens_of(ranks["vanilla"]), speedup_measured=speedup(van, bal, ratio),
                 speedup_predicted=speedup(_predicted(ranks["vanilla"], calibration),
-                                           _predicted(ranks["balanced"], calibration)),
+                                           _predicted(ranks["balanced"], calibration), ratio),
                 predicted_by=predicted_by,
                 speedup_predicted_flops=speedup(flops_per_rank(ranks["vanilla"], flops),
-                                                 flops_per_rank(ranks["balanced"], flops)),
+                                                 flops_per_rank(ranks["balanced"], flops), ratio),
                 max_over_mean_measured=float(bal.max() / bal.mean()),
                 max_over_mean_predicted=float(predicted_bal.max() / predicted_bal.mean()), balanced_by=balanced_by,
                 vanilla_max_over_mean_measured=float(van.max() / van.mean()),

@@ -27,7 +27,7 @@ import numpy as np
 
 from megascale_data_ext.errors import ConfigError
 
-__all__ = ["Workload", "WorkloadName", "fill_workload", "generate_workload", "workload_names"]
+__all__ = ["Workload", "WorkloadName", "fill_workload", "generate_workload", "megatron_windows", "workload_names"]
 
 WorkloadName = Literal["coyo", "navit", "long-short"]
 
@@ -225,3 +225,22 @@ def fill_workload(name: WorkloadName | str, target_tokens: int, *, seed: int = 0
         if csum[-1] >= target_tokens:
             return wl.head(int(np.searchsorted(csum, target_tokens, side="right")))
         n *= 2
+
+
+def megatron_windows(lengths: np.ndarray, seq_length: int, count: int) -> list[list[int]]:
+    """What Megatron's GPTDataset trains on: the documents concatenated in order and cut every
+    `seq_length` tokens, a document split at a window edge continuing in the next window. The
+    first `count` windows, each as the lengths of the document pieces it holds (sum `seq_length`
+    while the documents last). The vanilla baseline of a balancing benchmark (issue 26)."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    if seq_length < 1 or count < 0:
+        raise ConfigError(f"megatron_windows: seq_length must be >= 1 and count >= 0, got {seq_length}, {count}")
+    ends = np.cumsum(lengths)
+    starts = ends - lengths
+    windows = []
+    for w in range(count):
+        lo, hi = w * seq_length, (w + 1) * seq_length
+        first, stop = int(np.searchsorted(ends, lo, side="right")), int(np.searchsorted(starts, hi, side="left"))
+        pieces = np.minimum(ends[first:stop], hi) - np.maximum(starts[first:stop], lo)
+        windows.append([int(p) for p in pieces if p > 0])
+    return windows

@@ -59,9 +59,12 @@ def test_cpu_smoke_writes_every_row_field(smoke, capsys) -> None:
         assert row["speedup_measured"] > 0 and row["speedup_predicted"] > 0 and row["max_over_mean_measured"] >= 1.0
         assert len(row["rank_ms_vanilla"]) == len(row["rank_ms_balanced"]) == 2
         assert row["max_microbatch_tokens_balanced"] <= 128  # balanced microbatches respect the cap
-        # Measured ratios are the recorded rank times' ratios, not a separate number.
-        assert row["speedup_measured"] == pytest.approx(max(row["rank_ms_vanilla"]) / max(row["rank_ms_balanced"]),
-                                                        rel=1e-3)
+        # Measured ratios are the recorded rank times' ratios, per token (the steps carry different amounts)
+        assert row["speedup_measured"] == pytest.approx(
+            max(row["rank_ms_vanilla"]) / max(row["rank_ms_balanced"]) * row["tokens"] / row["tokens_vanilla"], rel=1e-3)
+        # vanilla is Megatron's: DP x m full windows of cap tokens
+        assert row["tokens_vanilla"] == 2 * 2 * 128 and row["max_microbatch_tokens_vanilla"] == 128
+        assert row["tokens"] <= 0.9 * 2 * 2 * 128
     assert [m["attention"] for m in data["memory"]] == [pm.per_document_backend("cpu") or "per-document", "dense"]
     assert all(m["peak_mem_gb"] is None and "not measured" in m["note"] for m in data["memory"])
     assert data["self_fit"]["report"]["observations"] >= 4
@@ -80,7 +83,8 @@ def test_json_report_keeps_the_rows_measured_before_a_failure(tmp_path) -> None:
     """The file is rewritten after every row: an OOM in the late dense memory row loses nothing."""
     path = tmp_path / "rows.json"
     report = gb.JsonReport(path, {"device": "cpu"})
-    row = gb.Row(workload="navit", dp=2, cap=128, microbatches=2, samples=3, tokens=100, speedup_measured=1.1,
+    row = gb.Row(workload="navit", dp=2, cap=128, microbatches=2, samples=3, tokens=100, tokens_vanilla=512,
+                 speedup_measured=1.1,
                  speedup_predicted=1.2, predicted_by="x", speedup_predicted_flops=1.3, max_over_mean_measured=1.0,
                  vanilla_max_over_mean_measured=1.2, max_over_mean_predicted=1.0, balanced_by="flops", rank_ms_vanilla=[1.0, 2.0], rank_ms_balanced=[1.5, 1.5],
                  max_microbatch_tokens_vanilla=90, max_microbatch_tokens_balanced=64, peak_mem_gb=None)
@@ -95,13 +99,14 @@ def test_flops_prediction_matches_the_cost_model_on_the_planned_split() -> None:
     shape = pm.resolve_shape(hidden=None, layers=None, heads=None, vocab=None, seq=128, device="cpu")
     cost = TransformerCost(shape.cost_config())
     ranks, samples, tokens = gb.plan_row("long-short", dp=2, m=2, cap=128, fill=0.9, seed=0, method="kk", cost=cost)
-    flat = sorted(d for v in ("vanilla", "balanced") for rank in ranks[v] for mb in rank for d in mb)
-    assert len(flat) == 2 * samples and sum(flat) == 2 * tokens  # both splits hold the whole batch once
+    balanced_docs = [d for rank in ranks["balanced"] for mb in rank for d in mb]
+    assert len(balanced_docs) == samples and sum(balanced_docs) == tokens  # the balanced batch, each document once
+    assert gb.tokens_of(ranks["vanilla"]) == 2 * 2 * 128  # Megatron's DP x m full windows of the same stream
     vanilla = [sum(float(cost(np.array(mb)).sum()) for mb in rank) for rank in ranks["vanilla"]]
     balanced = [sum(float(cost(np.array(mb)).sum()) for mb in rank) for rank in ranks["balanced"]]
-    assert max(balanced) <= max(vanilla)
-    assert gb.speedup(gb.flops_per_rank(ranks["vanilla"], cost), gb.flops_per_rank(ranks["balanced"], cost)) == \
-        pytest.approx(max(vanilla) / max(balanced))
+    ratio = tokens / gb.tokens_of(ranks["vanilla"])
+    assert gb.speedup(gb.flops_per_rank(ranks["vanilla"], cost), gb.flops_per_rank(ranks["balanced"], cost),
+                      ratio) == pytest.approx(max(vanilla) / max(balanced) * ratio)
 
 
 def test_profile_saves_a_fit_of_the_timed_packs(calibration, capsys) -> None:

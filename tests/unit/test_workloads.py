@@ -78,3 +78,19 @@ def test_clip_and_fill(name: str, context: int) -> None:
 def test_unknown_workload() -> None:
     with pytest.raises(ConfigError, match=r"unknown workload 'laion'; known workloads: \['coyo', 'navit', 'long-short'\]"):
         generate_workload("laion", 10)
+
+
+def test_megatron_windows_cut_the_concatenated_stream_at_every_seq_length() -> None:
+    from megascale_data_ext.dataplane.workloads import megatron_windows
+
+    # documents 5, 3, 10, 2, 1 -> one stream of 21 tokens in windows of 4
+    assert megatron_windows([5, 3, 10, 2, 1], 4, 6) == [[4], [1, 3], [4], [4], [2, 2], [1]]
+    rng = np.random.default_rng(0)
+    lens = rng.integers(1, 3000, 400)
+    windows = megatron_windows(lens, 1024, 100)
+    assert all(sum(w) == 1024 for w in windows)  # every window full while the documents last
+    flat = np.array([p for w in windows for p in w])
+    # pieces rebuild the documents in order: a document split at an edge continues in the next window
+    ends = np.cumsum(lens)
+    cut = np.cumsum(flat)
+    assert set(ends[ends <= 100 * 1024].tolist()) <= set(cut.tolist())
