@@ -76,6 +76,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fill", type=float, default=0.9, help="fraction of DP×m×context the batch fills (0.9)")
     parser.add_argument("--plot", type=Path, help="write a Fig. 3-style per-rank/micro-batch cost plot (PNG)")
     parser.add_argument("--plot-row", default="navit:8:8192", help="workload:DP:context of the plotted row")
+    vs = parser.add_argument_group("--vs megatron (megatron-core's BalancedCPScheduler on the same batches)")
+    vs.add_argument("--vs", choices=("megatron",), help="compare the planner with megatron-core's own balancer")
+    vs.add_argument("--gpus", type=int, nargs="+", default=[8, 32, 128], help="DP x CP GPUs (default 8 32 128)")
+    vs.add_argument("--caps", type=int, nargs="+", default=[4096, 8192], help="tokens per GPU (default 4096 8192)")
+    vs.add_argument("--batches", type=int, default=20, help="global batches per setting, medians kept (default 20)")
+    vs.add_argument("--workloads", nargs="+", default=None, choices=workload_names(), help="default: all")
 
 
 def _run_row(name: str, dp: int, context: int, m: int, fill: float, seed: int, cost_fn: TransformerCost) -> tuple[
@@ -155,7 +161,28 @@ def plot_fig3(results: dict[str, BalanceResult], row: Row, path: Path) -> None:
     plt.close(fig)
 
 
+def run_vs_megatron(args: argparse.Namespace) -> int:
+    """`--vs megatron`: per workload × GPUs × cap × cost model, the slowest GPU's cost of the
+    planner, of megatron-core's hybrid-CP balancer and of Megatron's windows (`_vs_megatron`)."""
+    from megascale_data_ext.commands import _vs_megatron as vs
+
+    m = args.microbatches if args.microbatches != 8 else 4  # issue 26's setting: m = 4 unless given
+    grid = [(w, g, c, model) for w in (args.workloads or workload_names()) for g in args.gpus for c in args.caps
+            for model in vs.COST_MODELS]
+    rows = [vs.compare(w, g, c, model, m=m, batches=args.batches, fill=args.fill, seed=args.seed)
+            for w, g, c, model in tqdm(grid, desc="bench balance --vs megatron", file=sys.stderr)]
+    print(vs.format_table(rows))
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"seed": args.seed, "fill": args.fill, "microbatches": m,
+                                         "batches": args.batches, "calibrated_fit": vs.H100_FIT,
+                                         "rows": [r.public() for r in rows]}, indent=1))
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.vs == "megatron":
+        return run_vs_megatron(args)
     dps, contexts = ((8,), (4096,)) if args.quick else (DPS_FULL, CONTEXTS_FULL)
     grid = [(w, dp, ctx) for w in workload_names() for dp in dps for ctx in contexts]
     plot_key = tuple(args.plot_row.split(":"))
