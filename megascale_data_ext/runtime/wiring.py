@@ -46,7 +46,6 @@ def start_constructors(config: Any, topology: Any, planner: Any, ft: Any, *, sta
     """The Data Constructor actors of `topology` (`groups`: only these constructor indices), each
     with the concurrency its buckets need and, with `placement`, on its trainer node."""
     from megascale_data_ext.runtime.constructor_actor import DataConstructorActor, constructor_concurrency
-
     from megascale_data_ext.runtime.remote import PlannerIn
 
     pad_id, image_id = constructor_tokens(config)
