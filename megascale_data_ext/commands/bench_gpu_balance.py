@@ -254,7 +254,8 @@ def _self_fit(rows: list[Row], shape: pm.ModelShape) -> dict[str, Any] | None:
 
 
 def format_table(rows: list[Row]) -> str:
-    head = ["workload", "DP", "cap", "tokens (vanilla / balanced)", "speedup measured (tokens/s)", "predicted (calibrated)", "predicted (FLOPs)",
+    head = ["workload", "DP", "cap", "tokens (vanilla / balanced)", "speedup measured (tokens/s)",
+            "predicted (calibrated)", "predicted (FLOPs)",
             "predicted (self-fit)", "max/mean measured (vanilla → balanced)", "max MB tokens (vanilla / balanced)",
             "peak GB"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -390,6 +391,8 @@ class JsonReport:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_suffix(self.path.suffix + ".tmp")
-        tmp.write_text(json.dumps({**self.header, "complete": complete, "rows": [{**r.public(), "device": self.header.get("device_name")} for r in rows],
+        device = self.header.get("device_name")
+        tmp.write_text(json.dumps({**self.header, "complete": complete,
+                                   "rows": [{**r.public(), "device": device} for r in rows],
                                    "self_fit": self_fit, "memory": memory or []}, indent=1))
         tmp.replace(self.path)

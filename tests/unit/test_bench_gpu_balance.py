@@ -86,7 +86,8 @@ def test_json_report_keeps_the_rows_measured_before_a_failure(tmp_path) -> None:
     row = gb.Row(workload="navit", dp=2, cap=128, microbatches=2, samples=3, tokens=100, tokens_vanilla=512,
                  speedup_measured=1.1,
                  speedup_predicted=1.2, predicted_by="x", speedup_predicted_flops=1.3, max_over_mean_measured=1.0,
-                 vanilla_max_over_mean_measured=1.2, max_over_mean_predicted=1.0, balanced_by="flops", rank_ms_vanilla=[1.0, 2.0], rank_ms_balanced=[1.5, 1.5],
+                 vanilla_max_over_mean_measured=1.2, max_over_mean_predicted=1.0, balanced_by="flops",
+                 rank_ms_vanilla=[1.0, 2.0], rank_ms_balanced=[1.5, 1.5],
                  max_microbatch_tokens_vanilla=90, max_microbatch_tokens_balanced=64, peak_mem_gb=None)
     report.write([row])
     partial = json.loads(path.read_text())
