@@ -282,9 +282,8 @@ def run(args: argparse.Namespace) -> int:
     shape = pm.resolve_shape(hidden=args.hidden, layers=args.layers, heads=args.heads, vocab=args.vocab,
                              seq=max(caps), attention=args.attention, device=device)
     flops = TransformerCost(shape.cost_config())
-    cost = calibration or flops
     predicted_by = f"calibrated:{args.calibration}" if calibration else "calibrated:profile step of this run"
-    balanced_by = predicted_by if calibration else "flops"
+    balanced_by = predicted_by  # the balancer costs samples with the same calibration
     if calibration is not None:
         for problem in calibration.mismatches(device=shape.device, hidden=shape.hidden, layers=shape.layers,
                                               attention=shape.attention, dtype=shape.dtype):
@@ -295,9 +294,6 @@ def run(args: argparse.Namespace) -> int:
                                       method=args.method, cost=cost, vanilla_attention=args.vanilla_attention))
                 for name in workloads for cap in caps]
 
-    plans = plan_rows(cost)  # the vanilla split (Megatron's order) does not depend on the cost model
-    longest = max(sum(mb) for _, _, ranks, _, _ in plans for v in ranks.values() for rank in v for mb in rank)
-    shape.seq = max(shape.seq, longest)  # vanilla microbatches are uncapped
     kind = "" if cuda else " — CPU smoke test (tiny shape; not a GPU measurement)"
     print(f"bench gpu-balance on {shape.describe()}{kind}; DP {args.dp} × m {args.microbatches}, fill {args.fill}, "
           f"balancer {args.method} interleaved, {repeats} timed run(s) per rank, "
@@ -323,15 +319,13 @@ def run(args: argparse.Namespace) -> int:
                   + pm.fit_report_lines(calibration, report, shape, packs) + "\n")
             if args.calibration_out:
                 calibration.save(args.calibration_out)
-            # balance with what was measured (fixed per-microbatch time, the kernel's real attention
-            # cost), not the FLOPs model the plans above used
-            plans = plan_rows(calibration)
-            balanced_by = "calibrated:profile step of this run"
             results.header["observations"]["profile"] = [[[int(d) for d in p], s] for p, s in zip(packs, seconds,
                                                                                                    strict=True)]
         else:
-            timer.time_rank([[min(longest, max(caps))]])  # warm-up: kernels, allocator
-        for name, cap, ranks, samples, tokens in plans:
+            timer.time_rank([[max(caps)]])  # warm-up: kernels, allocator
+        # balanced with what was measured (fixed per-microbatch time, the kernel's real attention cost),
+        # never the FLOPs model; every microbatch of both variants is <= its cap (= shape.seq)
+        for name, cap, ranks, samples, tokens in plan_rows(calibration):
             timer.reset_peak_memory()
             measured = _measure(timer, ranks, repeats)
             peak = timer.peak_memory_gb()
