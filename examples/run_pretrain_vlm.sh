@@ -6,6 +6,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
-[ -d demo_data ] || "$PY" -m megascale_data_ext demo-data --out demo_data
+[ -d demo_data/valid-text ] || "$PY" -m megascale_data_ext demo-data --out demo_data
 OMP_NUM_THREADS=1 "$PY" -m torch.distributed.run --standalone --nproc_per_node "${NPROC:-4}" \
   examples/pretrain_vlm.py data.data_root="$PWD/demo_data" "$@"

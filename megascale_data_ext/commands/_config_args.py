@@ -74,6 +74,8 @@ def compose_from_args(args: argparse.Namespace) -> Any:
         rest = [c for c in args.config if dataset_source(c) is None]
         cfg = compose_from_args(argparse.Namespace(**{**vars(args), "config": rest}))
         cfg.data.sources = datasets
+        if "validation" in cfg.data:  # the config's held-out sources are not among the datasets named
+            cfg.data.validation.sources = []
         if "data_root" in cfg.data:
             cfg.data.data_root = None
         return cfg

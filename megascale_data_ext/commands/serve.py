@@ -20,6 +20,7 @@ import shlex
 import signal
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -50,19 +51,36 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="also write the ranks' environment there as `export` lines (`source PATH`)")
 
 
-def build(args: argparse.Namespace) -> tuple[Any, Any, dict[str, int | None]]:
-    """(ServiceConfig, ClientPlaceTree, layout) of the arguments; ConfigError / ParallelLayoutError
-    name every problem before Ray starts."""
+@dataclass(frozen=True, slots=True)
+class Validation:
+    """The validation service `serve` starts beside the training one (``train.eval_interval`` > 0
+    and ``data.validation.sources``), and Megatron-LM's matching ``--eval-interval`` / ``--eval-iters``."""
+
+    config: Any
+    interval: int
+    iters: int
+
+
+def build(args: argparse.Namespace) -> tuple[Any, Any, dict[str, int | None], Validation | None]:
+    """(ServiceConfig, ClientPlaceTree, layout, validation or None) of the arguments; ConfigError /
+    ParallelLayoutError name every problem before Ray starts."""
     from megascale_data_ext.config import load_config
     from megascale_data_ext.config.run import load_run_config
 
     cfg = compose_from_args(args)
-    load_run_config(cfg)  # the same overrides go to the trainer: a typo in model/train/parallel fails here too
+    run = load_run_config(cfg)  # the same overrides go to the trainer: a typo in model/train/parallel fails here too
     tree, sizes = layout_tree(cfg, args, what="serve")
     if "data" not in cfg:
         raise ConfigError("the composed config has no `data` node; add `data: megascale` to its defaults list")
-    service_cfg = load_config(cfg.data, context_parallel_size=int(sizes["cp"])).to_service_config()
-    return service_cfg, tree, sizes
+    data = load_config(cfg.data, context_parallel_size=int(sizes["cp"]))
+    validation = None
+    if run.train is not None and run.train.eval_interval > 0:
+        valid_cfg = data.validation_service_config()
+        if valid_cfg is None:
+            raise ConfigError(f"`train.eval_interval`={run.train.eval_interval} needs held-out sources: list them "
+                              "under `data.validation.sources`, or set train.eval_interval=0")
+        validation = Validation(valid_cfg, run.train.eval_interval, run.train.eval_iters)
+    return data.to_service_config(), tree, sizes, validation
 
 
 def connect_env(handles: Any, num_microbatches: int) -> dict[str, str]:
@@ -73,19 +91,26 @@ def connect_env(handles: Any, num_microbatches: int) -> dict[str, str]:
             ENV_NUM_MICROBATCHES: str(num_microbatches), **handles.ray_env}
 
 
-def megatron_flags(tree: Any, service_cfg: Any) -> list[str]:
+def megatron_flags(tree: Any, service_cfg: Any, validation: Validation | None = None) -> list[str]:
     """The ``pretrain_gpt.py`` flags that must agree with the service (micro-batch 1: one packed
-    sequence of ``seq_length`` tokens per microbatch)."""
+    sequence of ``seq_length`` tokens per microbatch), and the evaluation schedule it serves."""
     flags = ["--tensor-model-parallel-size", tree.tp, "--pipeline-model-parallel-size", tree.pp,
              "--context-parallel-size", tree.cp, "--dataloader-type", "external", "--micro-batch-size", 1,
              "--global-batch-size", tree.dp * service_cfg.num_microbatches, "--seq-length", service_cfg.seq_length]
+    if validation is not None:
+        flags += ["--eval-interval", validation.interval, "--eval-iters", validation.iters]
     return [str(f) for f in flags]
 
 
-def describe(tree: Any, service_cfg: Any, handles: Any, env: dict[str, str], pid: int) -> str:
+def describe(tree: Any, service_cfg: Any, handles: Any, env: dict[str, str], pid: int,
+             validation: Validation | None = None) -> str:
     topo = handles.topology
     exports = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items())
     vpp = f"·VPP{tree.vpp}" if tree.vpp else ""
+    held_out = [] if validation is None else [
+        f"  validation:  {len(validation.config.sources)} held-out sources "
+        f"({', '.join(s.name for s in validation.config.sources)}) in namespace {validation.config.ray.namespace!r}, "
+        f"{validation.iters} steps every {validation.interval}"]
     return "\n".join([
         f"serving TP{tree.tp}·PP{tree.pp}·CP{tree.cp}·DP{tree.dp}{vpp} = {tree.world_size} ranks: "
         f"{len(service_cfg.sources)} sources, strategy {service_cfg.strategy}, "
@@ -94,9 +119,10 @@ def describe(tree: Any, service_cfg: Any, handles: Any, env: dict[str, str], pid
         f"  namespace:   {handles.namespace}",
         f"  service:     actor 'planner' and {', '.join(topo.constructor_names()[:2])}"
         f"{', ...' if topo.num_constructors > 2 else ''} in namespace {handles.namespace!r}",
+        *held_out,
         "connect Megatron-LM (patches/pretrain_gpt.patch applied) on every node:",
         f"  export {exports}",
-        f"  torchrun --nproc_per_node ... pretrain_gpt.py {' '.join(megatron_flags(tree, service_cfg))} "
+        f"  torchrun --nproc_per_node ... pretrain_gpt.py {' '.join(megatron_flags(tree, service_cfg, validation))} "
         "<model/optimizer flags>",
         "  (own launcher: megascale_data_ext.megatron.provider.train_valid_test_datasets_provider, "
         "same environment)",
@@ -187,26 +213,30 @@ def _catch_signals() -> None:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        service_cfg, tree, _ = build(args)
+        service_cfg, tree, _, validation = build(args)
     except MegascaleDataError as exc:
         return fail(exc)
     _catch_signals()
     try:
-        return _serve(args, service_cfg, tree)
+        return _serve(args, service_cfg, tree, validation)
     except _Stop:  # a signal before the service was up: nothing of ours runs any more
         return 0
     except MegascaleDataError as exc:
         return fail(exc)
 
 
-def _serve(args: argparse.Namespace, service_cfg: Any, tree: Any) -> int:
+def _serve(args: argparse.Namespace, service_cfg: Any, tree: Any, validation: Validation | None = None) -> int:
     import ray
 
-    from megascale_data_ext.megatron.provider import ProviderConfig, service_topology
-    from megascale_data_ext.runtime.service import DataService
+    from megascale_data_ext.megatron.provider import ENV_VALID_NAMESPACE, ProviderConfig, service_topology
+    from megascale_data_ext.runtime.service import DataService, print_progress
 
     t0 = time.monotonic()
     service = DataService(service_cfg, tree)
+    services = [service]
+    if validation is not None:  # its start-up lines are labelled: both services report the same phases
+        services.append(DataService(validation.config, tree,
+                                    progress=lambda line: print_progress("validation service: " + line)))
     # Megatron's get_batch broadcasts over TP only; a service planned otherwise is refused now, not by every rank.
     service_topology(tree, ProviderConfig(namespace=service.topology.namespace, topology=service.topology))
     rc, handles = 0, None
@@ -214,12 +244,15 @@ def _serve(args: argparse.Namespace, service_cfg: Any, tree: Any) -> int:
         join_ray(service_cfg.ray)
         _catch_signals()  # again: ray.init's SIGTERM handler exits with 15 after a C++ stack dump
         address = ray.get_runtime_context().gcs_address
-        refuse_duplicate(service.topology.namespace, address)
+        for svc in services:
+            refuse_duplicate(svc.topology.namespace, address)
         handles = service.start()
         env = connect_env(handles, service_cfg.num_microbatches)
+        if validation is not None:
+            env[ENV_VALID_NAMESPACE] = services[1].start().namespace
         if args.env_file is not None:
             args.env_file.write_text("".join(f"export {k}={shlex.quote(v)}\n" for k, v in env.items()))
-        print(describe(tree, service_cfg, handles, env, os.getpid()), flush=True)
+        print(describe(tree, service_cfg, handles, env, os.getpid(), validation), flush=True)
         while True:
             if args.status_every > 0:
                 time.sleep(args.status_every)
@@ -235,13 +268,17 @@ def _serve(args: argparse.Namespace, service_cfg: Any, tree: Any) -> int:
         rc = fail(exc)
     finally:
         if ray.is_initialized():
-            topology = service.topology
-            service.stop()
-            left = actors_left(topology) if handles is not None else []  # else the names may be another's
+            namespaces = [svc.topology.namespace for svc in services]
+            left = []
+            for svc in reversed(services):  # the validation service first
+                svc.stop()
+                if handles is not None:  # else the names may be another service's
+                    left += actors_left(svc.topology)
             if left:
                 print(f"error: actors still alive after stop: {left}", file=sys.stderr)
                 rc = rc or 1
             ray.shutdown()
             if rc == 0 and handles is not None:
-                print(f"[serve] stopped; no actors left in namespace {topology.namespace!r}", flush=True)
+                print(f"[serve] stopped; no actors left in namespace {' or '.join(map(repr, namespaces))}",
+                      flush=True)
     return rc

@@ -95,12 +95,33 @@ def _missing_files(fmt: str, path: str) -> str | None:
 
 
 def check_sources(cfg: MegascaleDataConfig, path: str, problems: Problems, check_paths: bool) -> None:
-    """Paths given once, unique names, SourceSpec's field checks, max_tokens, files on disk."""
+    """The training sources, then the held-out validation sources (`check_source_list`), which
+    share no file with them."""
     where = f"{path}.sources"
     if not cfg.sources and not problems.blocked(where):
         problems.add(where, "is empty: pick a sources group (e.g. `sources=demo_text`) or list sources under it")
-    names = [source_name(s, i) for i, s in enumerate(cfg.sources)]
-    for i, s in enumerate(cfg.sources):
+    check_source_list(cfg, cfg.sources, where, path, problems, check_paths)
+    held_out = cfg.validation.sources
+    if not held_out:
+        return
+    vwhere = f"{path}.validation.sources"
+    check_source_list(cfg, held_out, vwhere, path, problems, check_paths)
+    trained = {cfg.resolve_path(p): source_name(s, i) for i, s in enumerate(cfg.sources) for p in source_paths(s)}
+    for i, s in enumerate(held_out):
+        shared = [p for p in source_paths(s) if cfg.resolve_path(p) in trained]
+        if shared:
+            problems.add(f"{vwhere}[{i}]", f"{shared[0]!r} is also read by training source "
+                                           f"{trained[cfg.resolve_path(shared[0])]!r}: validation data must be "
+                                           "held out; point it at other files")
+    if all(s.weight >= 0 for s in held_out) and sum(s.weight for s in held_out) <= 0:
+        problems.add(f"{vwhere}[*].weight", f"weights must sum to > 0, got {[s.weight for s in held_out]!r}")
+
+
+def check_source_list(cfg: MegascaleDataConfig, sources: list[Any], where: str, path: str, problems: Problems,
+                      check_paths: bool) -> None:
+    """Paths given once, unique names, SourceSpec's field checks, max_tokens, files on disk."""
+    names = [source_name(s, i) for i, s in enumerate(sources)]
+    for i, s in enumerate(sources):
         sp, paths = f"{where}[{i}]", source_paths(s)
         if s.path is not None and s.paths:
             problems.add(f"{sp}.path", f"give `path` or `paths`, not both (path={s.path!r}, paths={s.paths!r})")
@@ -112,7 +133,7 @@ def check_sources(cfg: MegascaleDataConfig, path: str, problems: Problems, check
         if s.max_tokens is not None and s.max_tokens > cfg.seq_length:
             problems.add(f"{sp}.max_tokens", f"must be <= {path}.seq_length ({cfg.seq_length}) or null, got "
                                              f"{s.max_tokens!r}: a longer sample cannot be packed; use "
-                                             f"`{path}.sources.{names[i]}.max_tokens={cfg.seq_length}` or "
+                                             f"`{where}.{names[i]}.max_tokens={cfg.seq_length}` or "
                                              f"`{path}.seq_length={-(-s.max_tokens // 64) * 64}`")
         values = {f.name: getattr(s, f.name) for f in dataclasses.fields(SourceSpec)}
         problems.extend(sp, SourceSpec.field_problems({**values, "name": names[i], "paths": paths or ["-"]}))

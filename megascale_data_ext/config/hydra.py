@@ -13,7 +13,7 @@ import re
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from megascale_data_ext.config.problems import did_you_mean
 from megascale_data_ext.config.schema import MegascaleDataConfig, source_name
@@ -115,9 +115,9 @@ def compose_config(
     named = [i for i, o in enumerate(overrides) if _source_by_name(o) is not None]
     if named:  # compose without them to learn the sources' order, then address each by index
         rest = [o for i, o in enumerate(overrides) if i not in named]
-        sources = compose_config(rest, config_name, config_dir=config_dir, search_path=search_path).get("data", {})
-        overrides = [source_override_by_index(o, (sources or {}).get("sources") or []) if i in named else o
-                     for i, o in enumerate(overrides)]
+        data = compose_config(rest, config_name, config_dir=config_dir, search_path=search_path).get("data") or {}
+        overrides = [source_override_by_index(o, _source_list(data, _source_by_name(o)["list"])) if i in named
+                     else o for i, o in enumerate(overrides)]
     d = Path(config_dir).resolve() if config_dir is not None else conf_dir()
     where = ", ".join(repr(str(p)) for p in (d, *search_path))
     try:
@@ -132,9 +132,18 @@ def compose_config(
         raise ConfigError(msg) from e
 
 
-# ``data.sources.<name>.<key>=<value>`` (any ``+`` prefix): a source addressed by its name, the
-# spelling every hint uses; Hydra addresses list items only by index.
-_BY_NAME = re.compile(r"^\+{0,2}data\.sources\.(?P<name>[^.=\[\]]+)\.(?P<rest>[^=]+)=(?P<value>.*)$", re.S)
+# ``data.sources.<name>.<key>=<value>`` (any ``+`` prefix; also ``data.validation.sources``): a
+# source addressed by its name, the spelling every hint uses; Hydra addresses list items only by index.
+_BY_NAME = re.compile(r"^\+{0,2}data\.(?P<list>(?:validation\.)?sources)\.(?P<name>[^.=\[\]]+)\.(?P<rest>[^=]+)"
+                      r"=(?P<value>.*)$", re.S)
+
+
+def _source_list(data: Any, key: str) -> Sequence:
+    """The composed ``data`` node's list at ``key`` (``sources`` or ``validation.sources``)."""
+    node = data
+    for part in key.split("."):
+        node = (node or {}).get(part)
+    return node or []
 
 
 def _source_by_name(override: str) -> re.Match[str] | None:
@@ -160,6 +169,6 @@ def source_override_by_index(override: str, sources: Sequence) -> str:
         fields = {k: s.get(k) for k in ("name", "path")} | {"paths": list(s.get("paths") or [])}
         names.append(source_name(SimpleNamespace(**fields), i))
     if m["name"] not in names:
-        raise ConfigError(f"override {override!r}: no source named {m['name']!r} in data.sources; "
+        raise ConfigError(f"override {override!r}: no source named {m['name']!r} in data.{m['list']}; "
                           f"{did_you_mean(m['name'], names)}sources: {names}")
-    return f"++data.sources.{names.index(m['name'])}.{m['rest']}={m['value']}"
+    return f"++data.{m['list']}.{names.index(m['name'])}.{m['rest']}={m['value']}"

@@ -54,7 +54,9 @@ class TrainConfig:
 
     ``train_iters`` and ``lr`` are required; ``save_interval`` > 0 needs ``save``. ``run_dir`` keeps
     the composed config and overrides (``.hydra/``) and holds relative ``save``/``log_dir``/
-    ``tensorboard_dir``; ``tensorboard_dir`` gets rank 0's scalars every ``log_interval`` steps.
+    ``tensorboard_dir``; ``tensorboard_dir`` gets rank 0's scalars every ``log_interval`` steps. Every ``eval_interval``
+    steps (0 = never) and after the last, ``eval_iters`` forward-only steps of ``data.validation``'s
+    held-out sources are evaluated (Megatron's ``--eval-interval`` / ``--eval-iters``).
     """
 
     train_iters: int | None = None
@@ -78,6 +80,8 @@ class TrainConfig:
     run_dir: str | None = None
     tensorboard_dir: str | None = None
     log_interval: int = 1
+    eval_interval: int = 0
+    eval_iters: int = 1
 
 
 RUN_NODES: dict[str, type] = {"model": ModelConfig, "train": TrainConfig, "parallel": ParallelConfig}
@@ -126,6 +130,8 @@ def check_values(run: RunConfig, problems: Problems) -> None:
             problems.add(f"train.{name}", f"is required: {what}")
     _at_least(problems, "train.train_iters", t.train_iters, 1, "steps to train")
     _at_least(problems, "train.log_interval", t.log_interval, 1, "steps between TensorBoard scalars")
+    _at_least(problems, "train.eval_interval", t.eval_interval, 0, "steps between evaluations, 0 = never")
+    _at_least(problems, "train.eval_iters", t.eval_iters, 1, "validation steps per evaluation")
     if t.lr is not None and t.lr <= 0:
         problems.add("train.lr", f"must be > 0, got {t.lr!r}")
     for name in ("lr_warmup_iters", "lr_decay_iters", "save_interval", "clip_grad", "weight_decay", "min_lr"):

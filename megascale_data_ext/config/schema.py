@@ -130,6 +130,19 @@ def locate(target: str) -> Any:
 
 
 @dataclass(slots=True, kw_only=True)
+class ValidationConfig:
+    """``data.validation``: held-out sources the trainer evaluates on every ``train.eval_interval``
+    steps, served by a second service of the same batch shape and layout (namespace
+    ``<data.ray.namespace>-valid``); mixed by their ``weight``. None of their files may be a
+    training source's (it would not be held out)."""
+
+    sources: list[SourceConfig] = field(default_factory=list)
+
+
+VALID_NAMESPACE_SUFFIX = "-valid"
+
+
+@dataclass(slots=True, kw_only=True)
 class MegascaleDataConfig(BatchConfig):
     """The ``data`` node: the batch shape (:class:`BatchConfig`), sources, mixing, strategy, Ray.
 
@@ -145,6 +158,7 @@ class MegascaleDataConfig(BatchConfig):
     fault_tolerance: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)
     autoscale: AutoscaleConfig = field(default_factory=AutoscaleConfig)
     placement: PlacementConfig = field(default_factory=PlacementConfig)
+    validation: ValidationConfig = field(default_factory=ValidationConfig)
 
     def resolve_path(self, path: str) -> str:
         """Absolute form of a config path: ``~`` expanded, relative ones under ``data_root``."""
@@ -153,10 +167,11 @@ class MegascaleDataConfig(BatchConfig):
             p = os.path.join(os.path.expanduser(self.data_root), p)
         return os.path.abspath(p)
 
-    def source_specs(self) -> list[SourceSpec]:
-        """The sources as runtime specs (absolute paths, derived names filled in)."""
+    def source_specs(self, sources: list[Any] | None = None) -> list[SourceSpec]:
+        """The sources (default: the training ones) as runtime specs (absolute paths, derived
+        names filled in)."""
         specs = []
-        for i, s in enumerate(self.sources):
+        for i, s in enumerate(self.sources if sources is None else sources):
             kwargs = {f.name: getattr(s, f.name) for f in dataclasses.fields(SourceSpec)}
             kwargs["name"] = source_name(s, i)
             kwargs["paths"] = [self.resolve_path(p) for p in source_paths(s)]
@@ -192,3 +207,18 @@ class MegascaleDataConfig(BatchConfig):
                                           else self.resolve_path(self.autoscale.profiles)),
             placement=dataclasses.replace(self.placement, trainer_nodes=list(self.placement.trainer_nodes)), **batch,
         )
+
+    def validation_service_config(self) -> ServiceConfig | None:
+        """The validation service's config: the training one with the held-out sources, mixed by
+        their weights, in its own namespace and checkpoint directory, without fault injection
+        or online loader scaling; None without ``validation.sources``."""
+        if not self.validation.sources:
+            return None
+        train = self.to_service_config()
+        ft = train.fault_tolerance
+        return dataclasses.replace(
+            train, sources=self.source_specs(self.validation.sources), mixing=None,
+            ray=dataclasses.replace(train.ray, namespace=train.ray.namespace + VALID_NAMESPACE_SUFFIX),
+            fault_tolerance=dataclasses.replace(ft, inject="", checkpoint_dir=None if ft.checkpoint_dir is None
+                                                else os.path.join(ft.checkpoint_dir, "valid")),
+            autoscale=dataclasses.replace(train.autoscale, scaling=False, profiles=None), replay_dir=None)

@@ -13,6 +13,10 @@ the returned schedule is one global step served by the service:
   when that package is present) becomes a plain ``next()``: the client already did
   ``broadcast_at("tp")``, so every TP rank holds the batch.
 
+Evaluation calls (``forward_only=True``, Megatron's ``evaluate``) are fed by ``valid_client``, the
+client of the validation service, with its own position; without one they run on the iterators
+the caller passed, untouched (the training stream never feeds an evaluation).
+
 With ``report_loss`` (feedback mixing), after each step the last pipeline stage sums the
 ``"source loss"`` entries its loss function returned (see `trainer.model.loss_func`), reduces
 them over data (and context) parallel ranks, and one rank reports the per-source mean loss to
@@ -26,6 +30,7 @@ serves the client's current step and then moves it to the next one; the installa
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import sys
 from collections.abc import Callable, Iterator
@@ -48,6 +53,20 @@ def _model_configs(model: Any) -> list[Any]:
     return out
 
 
+@contextlib.contextmanager
+def _variable_seq_lengths(model: Any) -> Iterator[None]:
+    """``config.variable_seq_lengths`` on for the call: packed microbatches differ in length."""
+    configs = _model_configs(model)
+    saved = [getattr(c, "variable_seq_lengths", False) for c in configs]
+    for c in configs:
+        c.variable_seq_lengths = True
+    try:
+        yield
+    finally:
+        for c, v in zip(configs, saved, strict=True):
+            c.variable_seq_lengths = v
+
+
 class Installation:
     """The hooks of one training run; see the module docstring. Not thread-safe (one per rank).
 
@@ -58,13 +77,15 @@ class Installation:
         transform: Optional ``(batch, info) -> batch`` applied to each microbatch as the schedule
             pulls it (e.g. `trainer.vlm.VLMFeed` attaching image features).
         report_loss: Report each step's per-source loss to the Planner (feedback mixing).
+        valid_client: The validation service's client: feeds ``forward_only`` calls.
     """
 
     def __init__(
         self, client: Any, *, num_model_chunks: int = 1, start_step: int | None = None, pp_rank: int | None = None,
         pp_size: int | None = None, transform: Callable[[Any, Any], Any] | None = None, report_loss: bool = False,
+        valid_client: Any = None,
     ) -> None:
-        self.client = client
+        self.client, self.valid_client = client, valid_client
         self.transform = transform
         self.report_loss = report_loss
         if start_step is not None:
@@ -80,10 +101,11 @@ class Installation:
         self.steps_served = 0
 
     # -- what the schedule sees ----------------------------------------------------
-    def iterators(self, step: int) -> Iterator[Any] | list[Iterator[Any] | None]:
-        it = self.client.step_iterator(step)
+    def iterators(self, step: int, client: Any = None) -> Iterator[Any] | list[Iterator[Any] | None]:
+        client = client or self.client
+        it = client.step_iterator(step)
         if self.transform is not None:
-            it = (self.transform(batch, self.client.last_info) for batch in it)
+            it = (self.transform(batch, client.last_info) for batch in it)
         if self.num_model_chunks == 1:
             return it
         # With VPP only chunk 0 of the first pipeline rank and the last chunk of the last
@@ -100,6 +122,8 @@ class Installation:
         def fed_by_service(*args: Any, **kwargs: Any) -> Any:
             if args:
                 raise ConfigError("call the pipeline schedule with keyword arguments (as megatron does)")
+            if kwargs.get("forward_only"):
+                return self._evaluate(schedule, kwargs)
             want = self.client.num_microbatches
             if kwargs.get("num_microbatches", want) != want:
                 raise ConfigError(
@@ -109,15 +133,8 @@ class Installation:
             kwargs["num_microbatches"] = want
             step = self.step
             kwargs["data_iterator"] = self.iterators(step)
-            configs = _model_configs(kwargs.get("model", []))
-            saved = [getattr(c, "variable_seq_lengths", False) for c in configs]
-            for c in configs:
-                c.variable_seq_lengths = True
-            try:
+            with _variable_seq_lengths(kwargs.get("model", [])):
                 out = schedule(**kwargs)
-            finally:
-                for c, v in zip(configs, saved, strict=True):
-                    c.variable_seq_lengths = v
             self.client.end_step(step)
             self.steps_served += 1
             if self.report_loss:
@@ -132,6 +149,19 @@ class Installation:
 
         setattr(fed_by_service, ORIGINAL, schedule)
         return fed_by_service
+
+    def _evaluate(self, schedule: Callable[..., Any], kwargs: dict[str, Any]) -> Any:
+        """One forward-only call: the validation client's next step, or the caller's iterators."""
+        client = self.valid_client
+        if client is None:
+            return schedule(**kwargs)
+        kwargs["num_microbatches"] = client.num_microbatches
+        step = client.step
+        kwargs["data_iterator"] = self.iterators(step, client)
+        with _variable_seq_lengths(kwargs.get("model", [])):
+            out = schedule(**kwargs)
+        client.end_step(step)
+        return out
 
     def _report_source_loss(self, step: int, outputs: Any) -> None:
         """Per-source mean loss of the step, from the last stage's loss reports, to the Planner."""
@@ -197,6 +227,7 @@ def _batch_already_broadcast(data_iterator: Any, *args: Any, **kwargs: Any) -> A
 def install(
     client: Any, *, num_model_chunks: int = 1, start_step: int | None = None, pp_rank: int | None = None,
     pp_size: int | None = None, transform: Callable[[Any, Any], Any] | None = None, report_loss: bool = False,
+    valid_client: Any = None,
 ) -> Installation:
     """Install the schedule hooks for this rank; returns the (reversible) installation.
 
@@ -204,4 +235,5 @@ def install(
     read from Megatron's `parallel_state` unless `pp_rank`/`pp_size` are given.
     """
     return Installation(client, num_model_chunks=num_model_chunks, start_step=start_step, pp_rank=pp_rank,
-                        pp_size=pp_size, transform=transform, report_loss=report_loss).install()
+                        pp_size=pp_size, transform=transform, report_loss=report_loss,
+                        valid_client=valid_client).install()

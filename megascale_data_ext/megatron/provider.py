@@ -24,6 +24,10 @@ then asked of its Planner:
   PackedSeqParams; for ``--transformer-impl local``, whose DotProductAttention refuses packed
   sequences. Documents of a microbatch then attend across their boundaries (causal over the whole
   pack), as in Megatron's own GPTDataset without ``--reset-attention-mask``.
+* ``MEGASCALE_VALID_NAMESPACE``: namespace of the validation service (``serve`` starts one for
+  ``data.validation.sources``); the provider then returns its iterator as Megatron's validation
+  iterator, positioned as Megatron positions its own on a resume (``iteration // eval_interval *
+  eval_iters`` steps in), so ``--eval-interval`` / ``--eval-iters`` evaluate held-out data.
 
 Contract with Megatron's `get_batch` (pretrain_gpt.py at core_v0.16.1): only TP rank 0 of the
 first and last pipeline stage calls `next()`; it then broadcasts the microbatch to its TP group
@@ -62,6 +66,7 @@ ENV_NUM_MICROBATCHES = "MEGASCALE_NUM_MICROBATCHES"
 ENV_START_STEP = "MEGASCALE_START_STEP"
 ENV_DELIVERY_LOG = "MEGASCALE_DELIVERY_LOG"
 ENV_PACKED_SEQ = "MEGASCALE_PACKED_SEQ"
+ENV_VALID_NAMESPACE = "MEGASCALE_VALID_NAMESPACE"
 
 MEGATRON_REQUIRED_FIELDS: tuple[str, ...] = ("tokens", "labels", "loss_mask", "position_ids")
 """Keys Megatron's `get_batch_on_this_tp_rank` indexes unconditionally on TP rank 0."""
@@ -77,6 +82,8 @@ class ProviderConfig:
         num_microbatches: Microbatches per step per DP rank; None reads Megatron's calculator.
         start_step: First step to fetch; None reads Megatron's ``args.iteration`` (else 0).
         topology: The service's topology (from `ServiceHandles`); None asks the service's Planner.
+        valid_namespace: Namespace of the validation service (``serve`` starts it for
+            ``data.validation.sources``); None = no validation iterator.
     """
 
     namespace: str
@@ -84,6 +91,7 @@ class ProviderConfig:
     num_microbatches: int | None = None
     start_step: int | None = None
     topology: ServiceTopology | None = None
+    valid_namespace: str | None = None
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> ProviderConfig:
@@ -113,7 +121,14 @@ class ProviderConfig:
             raise ConfigError("megascale data provider environment: " + "; ".join(problems)
                               + " (or pass pretrain the provider megascale_data_ext.megatron.provider.configure(...) returns)")
         return cls(namespace=namespace, address=env.get(ENV_RAY_ADDRESS, "").strip() or None,
-                   num_microbatches=num_microbatches, start_step=start)
+                   num_microbatches=num_microbatches, start_step=start,
+                   valid_namespace=env.get(ENV_VALID_NAMESPACE, "").strip() or None)
+
+    def validation(self) -> ProviderConfig | None:
+        """The validation service's settings (same address and microbatches), or None."""
+        if self.valid_namespace is None:
+            return None
+        return replace(self, namespace=self.valid_namespace, topology=None, valid_namespace=None, start_step=None)
 
     @classmethod
     def from_handles(cls, handles: Any) -> ProviderConfig:
@@ -273,7 +288,8 @@ class DatasetProvider:
             exports to torchrun).
         source_factory: Builds a fetching rank's `MicrobatchSource` (default: Ray; tests pass a fake).
         topology_factory: Finds the service's topology (default: the config's, else the Planner's).
-        valid_factory: Called with `vp_stage` to build the validation iterator (None: no validation).
+        valid_factory: Called with `vp_stage` to build the validation iterator (None: the
+            validation service's, when the config names one; else no validation).
         test_factory: Same for the test iterator.
     """
 
@@ -315,6 +331,20 @@ class DatasetProvider:
             start = int(getattr(args, "iteration", 0) or 0) if args is not None else 0
         if tree.cp > 1:
             install_cp_passthrough()
+        train = self._iterator(config, tree, vp_stage, num_microbatches, start,
+                               delivery_log=os.environ.get(ENV_DELIVERY_LOG) or None)
+        valid = None
+        if self.valid_factory is not None:
+            valid = self.valid_factory(vp_stage)
+        elif config.validation() is not None:
+            valid = self._iterator(config.validation(), tree, vp_stage, num_microbatches,
+                                   _validation_position(args, start))
+        test = self.test_factory(vp_stage) if self.test_factory else None
+        return train, valid, test
+
+    def _iterator(self, config: ProviderConfig, tree: ClientPlaceTree, vp_stage: int | None, num_microbatches: int,
+                  start: int, delivery_log: str | None = None) -> MicrobatchIterator:
+        """This rank's iterator over the service `config` names, from step `start`."""
         rank = _global_rank()
         topology = self.topology_factory(tree, config)
         reads = _chunk_reads_data(tree, rank, vp_stage)
@@ -322,11 +352,8 @@ class DatasetProvider:
         source = self.source_factory(topology, config) if fetches else None
         client = Client(topology, rank, source=source, num_microbatches=num_microbatches, broadcast=False)
         client.seek(start)
-        train = MicrobatchIterator(client, reads=reads, delivery_log=os.environ.get(ENV_DELIVERY_LOG) or None,
-                                   packed=os.environ.get(ENV_PACKED_SEQ, "1").strip() != "0")
-        valid = self.valid_factory(vp_stage) if self.valid_factory else None
-        test = self.test_factory(vp_stage) if self.test_factory else None
-        return train, valid, test
+        return MicrobatchIterator(client, reads=reads, delivery_log=delivery_log,
+                                  packed=os.environ.get(ENV_PACKED_SEQ, "1").strip() != "0")
 
 
 #: What Megatron-LM's patched `pretrain_gpt.py` imports: the service named by the environment.
@@ -439,6 +466,14 @@ def _megatron_args() -> Any:
     except ImportError:
         return None
     return getattr(global_vars, "_GLOBAL_ARGS", None)
+
+
+def _validation_position(args: Any, start: int) -> int:
+    """Megatron's validation position at iteration `start`: every evaluation so far took
+    ``--eval-iters`` steps (as `megatron.training` sets ``consumed_valid_samples`` on a resume)."""
+    interval = int(getattr(args, "eval_interval", 0) or 0) if args is not None else 0
+    iters = int(getattr(args, "eval_iters", 0) or 0) if args is not None else 0
+    return (start // interval) * iters if interval > 0 else 0
 
 
 def _megatron_num_microbatches() -> int | None:

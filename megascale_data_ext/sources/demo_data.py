@@ -75,6 +75,7 @@ def make_demo_data(
     max_image_patches: int = 1024,
     row_group_rows: int = 256,
     rows_per_file: int = 1000,
+    validation_rows: int | None = None,
 ) -> list[SourceSpec]:
     """Write the demo sources under ``out_dir`` and return their specs (byte-level tokenizer).
 
@@ -91,6 +92,11 @@ def make_demo_data(
         max_image_patches: Patch cap recorded with the image cost columns.
         row_group_rows: Rows per Parquet row group.
         rows_per_file: Rows per Parquet file (several files per source by default).
+        validation_rows: Rows of the held-out long-short text source `VALIDATION_SOURCE`
+            (``conf/sources/demo_text.yaml``'s ``validation.sources``; default ``rows // 4``, 0 =
+            none), drawn from its own random stream, so the other sources are the same with or
+            without it. It is written beside them but not returned: the returned specs are the
+            training sources (`validation_spec` gives it).
     """
     out = Path(out_dir)
     tok = ByteTokenizer()
@@ -144,4 +150,23 @@ def make_demo_data(
         docs = (rng.integers(tok.OFFSET, tok.vocab_size, int(n)) for n in lengths)
         prefix = write_indexed_dataset(out / "megatron-text" / "text_document", docs, vocab_size=tok.vocab_size)
         specs.append(SourceSpec(name="megatron-text", format="megatron", paths=[prefix], append_eod=True))
+    held_out = rows // 4 if validation_rows is None else validation_rows
+    if held_out > 0:
+        rng = np.random.default_rng([seed, 0x7A11D])
+        words = _word_pool(rng)
+        with PreparedParquetWriter(
+            out / VALIDATION_SOURCE, kind="text", tokenizer=tok, row_group_rows=row_group_rows,
+            rows_per_file=rows_per_file
+        ) as w:
+            for n in document_lengths(rng, held_out, long_fraction=0.03):
+                w.add(_text(rng, words, int(n)))
     return specs
+
+
+VALIDATION_SOURCE = "valid-text"
+
+
+def validation_spec(out_dir: str | os.PathLike[str]) -> SourceSpec:
+    """The held-out source `make_demo_data` wrote under `out_dir`."""
+    return SourceSpec(name=VALIDATION_SOURCE, format="parquet", paths=[str(Path(out_dir) / VALIDATION_SOURCE)],
+                      text_column=TEXT_COLUMN)

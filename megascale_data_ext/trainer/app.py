@@ -170,6 +170,9 @@ def run(train: TrainFn, argv: Sequence[str] | None = None, *, config_name: str, 
         say_error(f"error: {type(e).__name__}: {e}")
         return 1
     quiet_imports()
+    # What Megatron-LM's launch scripts export: one CUDA work queue keeps TP communication ordered
+    # before compute (megatron-core warns on every TP layer without it; FSDP users set their own).
+    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     log = error_log_path(cfg)
     try:
         from torch.distributed.elastic.multiprocessing.errors import record

@@ -36,14 +36,16 @@ from megascale_data_ext.errors import ConfigError, ResumeError, root_cause
 CHECKPOINT_VERSION = 1
 
 
-def begin_serve(service_config: Any, tree: Any, *, state: dict | None) -> tuple[Any, Any]:
+def begin_serve(service_config: Any, tree: Any, *, state: dict | None, label: str = "") -> tuple[Any, Any]:
     """Rank 0 starts the service in the background (the model is built meanwhile): ``(service,
-    future | exception)``; ``(None, None)`` on the other ranks. `finish_serve` completes it."""
+    future | exception)``; ``(None, None)`` on the other ranks. `finish_serve` completes it.
+    `label` prefixes its start-up progress lines (the validation service's beside the training one's)."""
     if dist.get_rank() != 0:
         return None, None
-    from megascale_data_ext.runtime.service import DataService
+    from megascale_data_ext.runtime.service import DataService, print_progress
 
-    service = DataService(service_config, tree)
+    service = DataService(service_config, tree, progress=(lambda line: print_progress(label + line)) if label
+                          else print_progress)
     try:
         return service, service.start_in_background(state=state)
     except Exception as exc:  # Ray could not start: every rank learns it in finish_serve
@@ -239,11 +241,17 @@ class TrainingSession:
     schedule hooks and drives the steps; loop-specific work goes in its callbacks.
     """
 
-    def __init__(self, cfg: Any, service_cfg: Any, model_cfg: Any) -> None:
+    def __init__(self, cfg: Any, service_cfg: Any, model_cfg: Any, valid_cfg: Any = None) -> None:
         from megascale_data_ext.dataplane.placetree import ClientPlaceTree
         from megascale_data_ext.trainer.model import initialize_parallel
 
         self.cfg, self.service_cfg = cfg, service_cfg
+        self.eval_interval = int(cfg.train.get("eval_interval") or 0)
+        self.eval_iters = int(cfg.train.get("eval_iters") or 1)
+        if self.eval_interval > 0 and valid_cfg is None:
+            raise ConfigError(f"`train.eval_interval`={self.eval_interval} needs held-out sources: list them under "
+                              "`data.validation.sources`, or set train.eval_interval=0")
+        self.valid_cfg = valid_cfg if self.eval_interval > 0 else None
         initialize_parallel(model_cfg)
         self.rank = dist.get_rank()
         self.tree = ClientPlaceTree.from_megatron()
@@ -253,8 +261,11 @@ class TrainingSession:
             self.start = latest_step(self.load_dir)
             state = load_data_state(self.load_dir, self.start) if self.rank == 0 else None
         self.service, self._pending = begin_serve(service_cfg, self.tree, state=state)
+        # The validation service (held-out sources, its own namespace) starts beside it, on the same Ray.
+        self.valid_service, self._valid_pending = (None, None) if self.valid_cfg is None else begin_serve(
+            self.valid_cfg, self.tree, state=None, label="validation service: ")
         self.started = time.perf_counter()  # Ray is up (rank 0): the actors start while the model is built
-        self.client = self.planner = self.handles = None
+        self.client = self.valid_client = self.planner = self.handles = None
         self._summary: tuple[int, dict] | None = None
 
     def connect(self) -> Any:
@@ -268,9 +279,17 @@ class TrainingSession:
 
         self.handles, waited = finish_serve(self._pending)
         self._pending = None
+        digests = bool(self.cfg.train.get("record_digests", False))
         self.client = Client.connect(self.handles, self.rank, num_microbatches=self.service_cfg.num_microbatches,
-                                     broadcast_group=broadcast_group(self.handles.topology),
-                                     record_digests=bool(self.cfg.train.get("record_digests", False)))
+                                     broadcast_group=broadcast_group(self.handles.topology), record_digests=digests)
+        if self.valid_cfg is not None:
+            valid_handles, valid_waited = finish_serve(self._valid_pending)
+            self._valid_pending, waited = None, waited + valid_waited
+            self.valid_client = Client.connect(valid_handles, self.rank, num_microbatches=self.valid_cfg.num_microbatches,
+                                               broadcast_group=broadcast_group(valid_handles.topology),
+                                               record_digests=digests)
+            # Megatron's position of the validation stream: every evaluation so far took eval_iters steps.
+            self.valid_client.seek((self.start // self.eval_interval) * self.eval_iters)
         if self.rank == 0:
             from megascale_data_ext.runtime.remote import find_planner
 
@@ -322,11 +341,11 @@ class TrainingSession:
             report: Rank 0's per-step printout (default: loss, balance, tokens/s, fetch latency).
         """
         from megascale_data_ext.megatron.hooks import install
-        from megascale_data_ext.trainer.model import train_step
+        from megascale_data_ext.trainer.step import train_step
 
         client, tcfg, m = self.connect(), self.cfg.train, self.service_cfg.num_microbatches
         hooks = install(client, num_model_chunks=len(chunks), start_step=self.start, transform=transform,
-                        report_loss=self.service_cfg.feedback_mixing)
+                        report_loss=self.service_cfg.feedback_mixing, valid_client=self.valid_client)
         if self.load_dir:
             load_checkpoint(self.load_dir, self.start, chunks, optimizer, hooks, scheduler)
         log: list[dict] = []
@@ -363,6 +382,10 @@ class TrainingSession:
                 log.append(entry)
                 if save_dir and interval and (step + 1) % interval == 0:
                     save_checkpoint(save_dir, step + 1, chunks, optimizer, hooks, self.service, scheduler)
+                if self.eval_interval and ((step + 1) % self.eval_interval == 0 or step + 1 == int(tcfg.train_iters)):
+                    entry["valid"] = self.evaluate(chunks, step + 1)
+                    if scalars is not None:
+                        scalars.write_valid(step + 1, entry["valid"]["loss"])
         except BaseException:
             hooks.uninstall()  # no barrier: peers may be blocked in a collective; torchrun tears the job down
             self._stop()
@@ -379,6 +402,30 @@ class TrainingSession:
         dist.barrier()
         self._stop()
         return log
+
+    def evaluate(self, chunks: list, after: int) -> dict:
+        """``train.eval_iters`` forward-only steps of the validation service (the hooks feed them),
+        after `after` training steps: token-weighted loss over them, the validation steps used and
+        the samples this rank was delivered; rank 0 prints one line."""
+        from megascale_data_ext.trainer.step import eval_step
+
+        client, t0 = self.valid_client, time.perf_counter()
+        first, loss_sum, tokens = client.step, 0.0, 0.0
+        client.drain()
+        for _ in range(self.eval_iters):
+            result = eval_step(chunks, num_microbatches=self.valid_cfg.num_microbatches,
+                               seq_length=self.valid_cfg.seq_length)
+            loss_sum += result["loss"] * result["num_tokens"]
+            tokens += result["num_tokens"]
+        records = client.drain()
+        loss = loss_sum / max(tokens, 1.0)
+        out = {"loss": loss, "num_tokens": tokens, "steps": [first, client.step], "digests": records["digests"],
+               "samples": [np.asarray(i["samples"]).tolist() for i in records["delivered"] if i is not None]}
+        if self.rank == 0:
+            print(f"validation after {after} steps | loss {loss:.4f} | ppl {math.exp(min(loss, 20.0)):.2f} | "
+                  f"validation steps {first}..{client.step - 1} | {tokens:,.0f} loss-tokens | "
+                  f"{time.perf_counter() - t0:.2f} s", flush=True)
+        return out
 
     def _step_calibration(self) -> Any:
         """Rank 0's online cost-model fit from step times (needs the service this rank started)."""
@@ -404,6 +451,9 @@ class TrainingSession:
               f"data wait {entry['data_wait_ms']:.1f} ms{_lead(entry)} | {entry['seconds']:.2f} s", flush=True)
 
     def _stop(self) -> None:
+        if self.valid_service is not None:  # first: the training service may own Ray
+            self.valid_service.stop()
+            self.valid_service = None
         if self.service is not None:
             self.service.stop()
             self.service = None
@@ -425,10 +475,11 @@ def pretrain_gpt(cfg: Any) -> list[dict]:
     from megascale_data_ext.sources.tokenizer import load_tokenizer
 
     cp = int(cfg.parallel.get("context_parallel_size", 1))
-    service_cfg = load_config(cfg.data, context_parallel_size=cp).to_service_config()
+    data = load_config(cfg.data, context_parallel_size=cp)
+    service_cfg = data.to_service_config()
     vocab = load_tokenizer(service_cfg.sources[0].tokenizer).vocab_size
     model_cfg = gpt_model_config(cfg, service_cfg, vocab)
-    session = TrainingSession(cfg, service_cfg, model_cfg)
+    session = TrainingSession(cfg, service_cfg, model_cfg, data.validation_service_config())
     chunks = build_model_chunks(model_cfg)
     optimizer, scheduler = build_optimizer(chunks, cfg.train, bf16=model_cfg.bf16)
     return session.run(chunks, optimizer, scheduler=scheduler)

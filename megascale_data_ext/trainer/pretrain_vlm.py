@@ -56,6 +56,10 @@ def pretrain_vlm(cfg: Any) -> list[dict]:
     if cp > 1:  # VLMFeed hands a chunk every patch feature of its pack, a CP slice holds only some placeholders
         raise ConfigError(f"`parallel.context_parallel_size`={cp}: the VLM example does not split image features "
                           "per CP slice yet; use parallel.context_parallel_size=1 (GPT pretraining supports CP)")
+    if int(cfg.train.get("eval_interval") or 0) > 0:  # the encoder feed reads images of the training stream
+        raise ConfigError(f"`train.eval_interval`={cfg.train.eval_interval}: the VLM example does not evaluate yet "
+                          "(its image encoder feed serves the training service only); set train.eval_interval=0 "
+                          "(GPT pretraining evaluates data.validation.sources)")
     service_cfg = load_config(cfg.data, context_parallel_size=cp).to_service_config()
     if service_cfg.strategy != "vlm_balance":
         raise ConfigError(f"`data.strategy.name` is {service_cfg.strategy!r}; pretrain_vlm needs the hybrid "

@@ -7,6 +7,7 @@ Tags, one point per logged step:
     balance/max_over_mean             the step's per-rank cost max/mean as balanced
     balance/vanilla_max_over_mean     the same samples split Megatron-style (vanilla)
     samples/<source>                  samples the step took from each source
+    valid/loss, valid/ppl             each evaluation's loss on the held-out sources (``train.eval_interval``)
 
 Needs the ``tensorboard`` package (``pip install megascale_data_ext[tensorboard]``); asking for
 it without the package is a `ConfigError` naming the key. Single-threaded, rank 0 only.
@@ -17,6 +18,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from megascale_data_ext.errors import ConfigError
 
@@ -63,6 +66,12 @@ class ScalarLog:
             for name, count in zip(self.source_names, summary.get("per_source", []), strict=False):
                 w.add_scalar(f"samples/{name}", float(count), step)
         w.flush()
+
+    def write_valid(self, step: int, loss: float) -> None:
+        """An evaluation's loss after `step` steps (every evaluation is logged)."""
+        self.writer.add_scalar("valid/loss", float(loss), step)
+        self.writer.add_scalar("valid/ppl", float(np.exp(min(float(loss), 20.0))), step)
+        self.writer.flush()
 
     def close(self) -> None:
         self.writer.close()

@@ -9,7 +9,8 @@ service started by ``megascale-data serve`` (its environment in ``MEGASCALE_*``)
 carries the fields the provider reads), then ``build_train_valid_test_data_iterators``: the
 provider called with ``vp_stage`` because it is ``is_distributed``, the returned iterator
 wrapped in megatron-core's ``RerunDataIterator``, and one step of ``get_batch`` calls (TP rank 0
-of the first and last stage calls ``next()``). Writes ``<out>/rank<R>.json``.
+of the first and last stage calls ``next()``), then, with ``--eval-iters``, one evaluation of the
+validation iterator the provider returned. Writes ``<out>/rank<R>.json``.
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ def megatron_args(args: argparse.Namespace, dp: int) -> argparse.Namespace:
         dataloader_type="external", iteration=0, consumed_train_samples=0, tensor_model_parallel_size=args.tp,
         pipeline_model_parallel_size=args.pp, context_parallel_size=1, virtual_pipeline_model_parallel_size=None,
         micro_batch_size=1, global_batch_size=args.global_batch_size, seq_length=args.seq_length,
-        data_parallel_size=dp, train_iters=1, eval_iters=0, rampup_batch_size=None,
+        data_parallel_size=dp, train_iters=1, eval_iters=args.eval_iters, eval_interval=args.eval_interval,
+        rampup_batch_size=None,
     )
 
 
@@ -44,21 +46,22 @@ def install_global_args(namespace: argparse.Namespace) -> None:
     sys.modules.setdefault("megatron.training.global_vars", global_vars)
 
 
-def build_data_iterator(provider, vp_stage: int | None):
-    """``megatron.training.training.build_train_valid_test_data_iterators`` for the external type."""
+def build_data_iterators(provider, vp_stage: int | None):
+    """``megatron.training.training.build_train_valid_test_data_iterators`` for the external type:
+    (train, valid) iterators."""
     from megatron.core import parallel_state as mpu
     from megatron.core.rerun_state_machine import RerunDataIterator
 
     num_samples = [0, 0, 0]  # get_train_valid_test_num_samples(): the provider ignores them
     if getattr(provider, "is_distributed", False) or mpu.get_tensor_model_parallel_rank() == 0:
         if vp_stage is not None:
-            train_ds, _, _ = provider(num_samples, vp_stage=vp_stage)
+            train_ds, valid_ds, _ = provider(num_samples, vp_stage=vp_stage)
         else:
-            train_ds, _, _ = provider(num_samples)
+            train_ds, valid_ds, _ = provider(num_samples)
     else:
-        train_ds = None
-    train_dataloader = train_ds  # build_pretraining_data_loader: `external` returns the dataset itself
-    return RerunDataIterator(train_dataloader) if train_dataloader is not None else None
+        train_ds = valid_ds = None
+    # build_pretraining_data_loader: `external` returns the dataset itself
+    return tuple(RerunDataIterator(ds) if ds is not None else None for ds in (train_ds, valid_ds))
 
 
 def main() -> None:
@@ -67,6 +70,8 @@ def main() -> None:
     p.add_argument("--pp", type=int, default=1)
     p.add_argument("--global-batch-size", type=int, required=True)
     p.add_argument("--seq-length", type=int, required=True)
+    p.add_argument("--eval-interval", type=int, default=1000)
+    p.add_argument("--eval-iters", type=int, default=0)
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args()
 
@@ -81,16 +86,21 @@ def main() -> None:
 
     from megascale_data_ext.megatron.provider import train_valid_test_datasets_provider
 
-    iterator = build_data_iterator(train_valid_test_datasets_provider, vp_stage=None)
+    iterator, valid = build_data_iterators(train_valid_test_datasets_provider, vp_stage=None)
     reads = mpu.get_tensor_model_parallel_rank() == 0 and (mpu.is_pipeline_first_stage() or
                                                            mpu.is_pipeline_last_stage())
     batches = [next(iterator) for _ in range(get_num_microbatches())] if reads else []
+    # evaluate(): --eval-iters forward-only steps of the validation iterator, num_microbatches each
+    held_out = [next(valid) for _ in range(args.eval_iters * get_num_microbatches())] if reads and valid else []
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"rank{rank}.json").write_text(json.dumps({
         "num_microbatches": get_num_microbatches(),
         "batches": [{k: list(v.shape) for k, v in b.items()} for b in batches],
         "first_tokens": [b["tokens"][0, :8].tolist() for b in batches],
         "real_tokens": [int(b["loss_mask"].sum()) for b in batches],
+        "has_valid": valid is not None,
+        "valid_batches": [{k: list(v.shape) for k, v in b.items()} for b in held_out],
+        "valid_first_tokens": [b["tokens"][0, :8].tolist() for b in held_out],
     }))
     dist.barrier()
     dist.destroy_process_group()

@@ -95,8 +95,9 @@ def main() -> int:
     from megatron.core import parallel_state as ps
 
     from megascale_data_ext.trainer.model import (
-        GPTModelConfig, build_model_chunks, init_layout_invariant, initialize_parallel, stage_batch_keys, train_step,
+        GPTModelConfig, build_model_chunks, init_layout_invariant, initialize_parallel, stage_batch_keys,
     )
+    from megascale_data_ext.trainer.step import train_step
 
     torch.set_num_threads(1)
     cfg = GPTModelConfig(vocab_size=512, hidden_size=64, num_layers=4, num_attention_heads=4,

@@ -24,6 +24,7 @@ REPO = launch.REPO_ROOT
 GPT = REPO / "examples" / "pretrain_gpt.py"
 VLM = REPO / "examples" / "pretrain_vlm.py"
 SOURCES = {"web": 40, "code": 24}  # the user's JSONL files and their line counts
+HELD_OUT = {"held": 16}  # and the held-out one (data.validation.sources)
 
 
 def cli(script: Path, *args: str, cwd: Path = REPO) -> subprocess.CompletedProcess[str]:
@@ -36,7 +37,7 @@ def write_user_config(root: Path, **layout: int) -> Path:
     rng = np.random.default_rng(0)
     words = "the service packs documents of different lengths into balanced microbatches".split()
     (root / "mydata").mkdir(parents=True, exist_ok=True)
-    for name, n in SOURCES.items():
+    for name, n in {**SOURCES, **HELD_OUT}.items():
         lines = [json.dumps({"text": f"{name} {i}: " + " ".join(rng.choice(words, rng.integers(3, 60)))})
                  for i in range(n)]
         (root / "mydata" / f"{name}.jsonl").write_text("\n".join(lines) + "\n")
@@ -54,6 +55,9 @@ data:
   sources:
     - {{name: web, format: jsonl, paths: [web.jsonl], weight: 2.0, truncate: true}}
     - {{name: code, format: jsonl, paths: [code.jsonl], weight: 1.0, truncate: true}}
+  validation:
+    sources:
+      - {{name: held, format: jsonl, paths: [held.jsonl], truncate: true}}
   samples_per_step: 8
   num_microbatches: 2
   seq_length: 512
@@ -218,24 +222,34 @@ def test_healthy_run_prints_no_warning_and_keeps_its_config_and_tensorboard_scal
     pytest.importorskip("tensorboard", reason="the `tensorboard` extra (installed by the test extra)")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    conf = write_user_config(tmp_path)  # TP1 x PP2 on 2 processes
+    # TP2 on 2 processes (every TP layer of megatron-core could warn), evaluating the held-out source
+    conf = write_user_config(tmp_path, tensor_model_parallel_size=2, pipeline_model_parallel_size=1)
     run = tmp_path / "run"
     proc = launch.run_torchrun(GPT, 2, ["--config-dir", str(conf), "--config-name", "mytrain", f"+train.run_dir={run}",
-                                        "+train.tensorboard_dir=tb", "+train.log_interval=1"],
+                                        "+train.tensorboard_dir=tb", "+train.log_interval=1", "train.train_iters=3",
+                                        "+train.eval_interval=2", "+train.eval_iters=2"],
                                env={"PYTHONWARNINGS": ""}, timeout=400)  # Python's own defaults, as a user runs it
     warned = warning_lines(proc.stdout)
     assert warned == [], "\n".join(warned)
     assert RAY_ELINE not in proc.stdout
+    evaluations = [line for line in proc.stdout.splitlines() if line.startswith("validation after")]
+    assert [line.split(" | ")[0] for line in evaluations] == ["validation after 2 steps", "validation after 3 steps"]
+    assert "validation steps 0..1" in evaluations[0] and "validation steps 2..3" in evaluations[1]
+    logs = json.loads((tmp_path / "logs" / "rank0.json").read_text())
+    held = [s for e in logs if "valid" in e for mb in e["valid"]["samples"] for s in np.asarray(mb).reshape(-1, 3)]
+    assert held and {int(s[0]) for s in held} == {0}  # source 0 of the validation service: "held"
     composed = OmegaConf.load(run / ".hydra" / "config.yaml")
     assert composed.train.tensorboard_dir == "tb" and composed.data.seq_length == 512
-    assert list(OmegaConf.load(run / ".hydra" / "overrides.yaml"))[-1] == "+train.log_interval=1"
+    assert list(OmegaConf.load(run / ".hydra" / "overrides.yaml"))[-1] == "+train.eval_iters=2"
     acc = EventAccumulator(str(run / "tb"))  # relative tensorboard_dir: inside the run directory
     acc.Reload()
     tags = set(acc.Tags()["scalars"])
     assert {"train/loss", "train/lr", "train/grad_norm", "train/loss_tokens_per_s", "data/wait_ms",
             "balance/max_over_mean", "balance/vanilla_max_over_mean", "samples/web", "samples/code"} <= tags
-    assert [e.step for e in acc.Scalars("train/loss")] == [0, 1]
+    assert [e.step for e in acc.Scalars("train/loss")] == [0, 1, 2]
     assert all(np.isfinite(e.value) for e in acc.Scalars("train/loss"))
+    assert [e.step for e in acc.Scalars("valid/loss")] == [2, 3]
+    assert all(np.isfinite(e.value) for e in acc.Scalars("valid/loss"))
 
 
 def test_a_source_failing_mid_run_is_one_error_line_per_rank_with_its_log(tmp_path):

@@ -50,7 +50,7 @@ def test_resume_from_checkpoint_continues_the_exact_stream(run_example, tmp_path
     run's stream and losses. (A mid-run `state_dict(step)` of the live planner leaving the stream as
     a never-saved run's is asserted by test_elastic against an in-process reference.)"""
     layout = ["parallel.tensor_model_parallel_size=1", "parallel.pipeline_model_parallel_size=2",
-              "data.samples_per_step=16"]
+              "data.samples_per_step=16", "train.eval_interval=2"]  # validation on the held-out valid-text
     ckpt, killed = tmp_path / "ckpt", tmp_path / "killed"
     full = run_example(tmp_path / "full", *layout, "train.train_iters=4", f"train.save={ckpt}", "train.save_interval=2")
     assert (ckpt / "latest").read_text() == "4"
@@ -64,6 +64,14 @@ def test_resume_from_checkpoint_continues_the_exact_stream(run_example, tmp_path
             assert got["digests"] == want["digests"]  # bit-identical batches
             assert got["samples"] == want["samples"]
             assert got["loss"] == pytest.approx(want["loss"], rel=1e-6, abs=1e-7)
+    # The validation stream resumes where the interrupted run's was: the evaluation after step 4
+    # reads validation step 1 (step 0 was the evaluation after step 2) in both runs.
+    for rank, log in resumed.items():
+        assert [("valid" in s) for s in full[rank]] == [False, True, False, True]
+        got, want = log[-1]["valid"], full[rank][-1]["valid"]
+        assert got["steps"] == want["steps"] == [1, 2]
+        assert got["samples"] == want["samples"] and got["samples"] != full[rank][1]["valid"]["samples"]
+        assert got["loss"] == pytest.approx(want["loss"], rel=1e-6, abs=1e-7)
 
 
 def test_gpt_example_trains_at_tp2_pp2_and_with_vpp(run_example, tmp_path):

@@ -217,7 +217,8 @@ def one_process() -> Any:
 def _recipe_run(bf16: bool, clip: float, steps: int = 3) -> tuple[list[dict[str, float]], list[torch.nn.Module], Any]:
     from omegaconf import OmegaConf
 
-    from megascale_data_ext.trainer.model import build_model_chunks, init_layout_invariant, train_step
+    from megascale_data_ext.trainer.model import build_model_chunks, init_layout_invariant
+    from megascale_data_ext.trainer.step import train_step
     from megascale_data_ext.trainer.pretrain import build_optimizer
 
     cfg = GPTModelConfig(vocab_size=VOCAB, hidden_size=32, num_layers=2, num_attention_heads=4, seq_length=SEQ,
@@ -342,8 +343,9 @@ def _cp_worker(out: Path) -> None:
 
     from megascale_data_ext.dataplane.cp_slicing import slice_for_cp
     from megascale_data_ext.trainer.model import (
-        GPTModelConfig, build_model_chunks, init_layout_invariant, initialize_parallel, train_step,
+        GPTModelConfig, build_model_chunks, init_layout_invariant, initialize_parallel,
     )
+    from megascale_data_ext.trainer.step import train_step
 
     torch.set_num_threads(1)
     results: dict[str, list[dict[str, float]]] = {}

@@ -196,10 +196,38 @@ def test_demo_sources_yaml_resolves_to_the_demo_specs(demo_root: tuple[Path, lis
 
 def test_demo_sources_missing_data_named(tmp_path: Path) -> None:
     problems = _problems(compose_config(["sources=demo_text", f"data.data_root={tmp_path}"]))
-    assert len(problems) == 4
+    assert len(problems) == 5
     assert problems[0].startswith("`data.sources[0].paths[0]`") and str(tmp_path / "text-0") in problems[0]
     assert problems[3].startswith("`data.sources[3].paths[0]`")
     assert str(tmp_path / "megatron-text" / "text_document.bin") in problems[3] and ".idx" in problems[3]
+    assert problems[4].startswith("`data.validation.sources[0].paths[0]`") and "valid-text" in problems[4]
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def test_validation_sources_become_a_service_of_their_own(demo_root: tuple[Path, list[SourceSpec]]) -> None:
+    root, _ = demo_root
+    cfg = compose_config(["sources=demo_text", f"data.data_root={root}", "data.ray.namespace=job7",
+                          "data.validation.sources.valid-text.weight=2", "data.fault_tolerance.inject=planner@3"])
+    data = load_config(cfg)
+    train, valid = data.to_service_config(), data.validation_service_config()
+    assert [s.name for s in valid.sources] == ["valid-text"] and valid.sources[0].weight == 2
+    assert valid.sources[0].paths == [str(root / "valid-text")]
+    assert "valid-text" not in [s.name for s in train.sources]
+    assert valid.ray.namespace == "job7-valid" and train.ray.namespace == "job7"
+    assert valid.fault_tolerance.inject == "" and train.fault_tolerance.inject == "planner@3"
+    assert (valid.seq_length, valid.num_microbatches, valid.samples_per_step, valid.strategy) == (
+        train.seq_length, train.num_microbatches, train.samples_per_step, train.strategy)
+    assert load_config(compose_config(["sources=demo_text", f"data.data_root={root}",
+                                       "data.validation.sources=[]"])).validation_service_config() is None
+
+
+def test_validation_data_must_be_held_out(base: dict[str, Any]) -> None:
+    base["validation"] = {"sources": [{"name": "va", "format": "parquet", "paths": ["a"]}]}
+    _one(base, "data.validation.sources[0]", "'a' is also read by training source 'a'", "held out")
+    base["validation"] = {"sources": [{"name": "va", "format": "parquet", "paths": ["nowhere"]}]}
+    _one(base, "data.validation.sources[0].paths[0]", "does not exist")
 
 
 # --------------------------------------------------------------------------- round trip

@@ -135,3 +135,42 @@ def test_a_chunk_that_reads_nothing_still_advances_the_position():
 
 def fake_schedule_no_read(**kwargs):
     return [it is None for it in kwargs["data_iterator"]]
+
+
+class ValidSource:
+    """The validation service: microbatch j of step s holds tokens [[1000 + s, j]]."""
+
+    def get(self, step, microbatch, rank):
+        return {"tokens": np.asarray([[1000 + step, microbatch]])}, {"step": step, "microbatch": microbatch}
+
+
+def test_evaluation_calls_are_fed_by_the_validation_client_and_never_by_the_training_stream(patched_megatron):
+    topo = FakeClient().topology
+    valid = Client(topo, 0, source=ValidSource(), num_microbatches=2)
+    valid.seek(4)  # a resumed run continues its validation stream where it was
+    inst = install(FakeClient(), start_step=2, valid_client=valid)
+    try:
+        schedule = pipeline_parallel.get_forward_backward_func()
+        train = schedule(model=[Chunk()], num_microbatches=3, data_iterator=None)
+        assert as_ids(train["batches"][0]) == [{"step": 2, "mb": j} for j in range(3)]
+        for want in (4, 5):  # each evaluation call: the validation stream's next step, its own microbatch count
+            out = schedule(model=[Chunk()], num_microbatches=3, data_iterator=None, forward_only=True)
+            assert as_ids(out["batches"][0]) == [{"step": 1000 + want, "mb": j} for j in range(2)]
+            assert out["varlen"] == [True]
+        assert inst.step == 3 and valid.step == 6  # training position moved only by the training call
+        train = schedule(model=[Chunk()], num_microbatches=3, data_iterator=None)
+        assert as_ids(train["batches"][0])[0]["step"] == 3
+    finally:
+        inst.uninstall()
+
+
+def test_without_a_validation_client_evaluation_runs_on_the_callers_iterators(patched_megatron):
+    inst = install(FakeClient())
+    try:
+        mine = iter([{"tokens": np.asarray([[-1, j]])} for j in range(3)])
+        out = pipeline_parallel.get_forward_backward_func()(model=[Chunk()], num_microbatches=3, data_iterator=mine,
+                                                            forward_only=True)
+        assert as_ids(out["batches"][0]) == [{"step": -1, "mb": j} for j in range(3)]
+        assert inst.step == 0  # the training stream was not touched
+    finally:
+        inst.uninstall()

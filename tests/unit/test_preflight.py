@@ -59,6 +59,19 @@ def test_the_data_node_is_checked_before_training(tmp_path):
         preflight(cfg, world_size=1, check_ray=False)
 
 
+def test_evaluation_needs_held_out_sources_named_before_training(tmp_path):
+    cfg = config(tmp_path)
+    cfg.train = {"train_iters": 4, "lr": 1e-3, "eval_interval": 2}
+    with pytest.raises(ConfigError, match=r"`train.eval_interval`=2 needs held-out sources.*data.validation.sources"):
+        preflight(cfg, world_size=1, check_ray=False)
+    (tmp_path / "held.jsonl").write_text(json.dumps({"text": "held out"}) + "\n")
+    cfg.data.validation = {"sources": [{"name": "held", "format": "jsonl", "paths": ["held.jsonl"]}]}
+    preflight(cfg, world_size=1, check_ray=False)
+    cfg.train.eval_iters = 0
+    with pytest.raises(ConfigError, match="train.eval_iters"):
+        preflight(cfg, world_size=1, check_ray=False)
+
+
 def test_an_unreachable_ray_address_fails_within_the_probe_bound(tmp_path):
     t0 = time.monotonic()
     with pytest.raises(ConfigError, match=r"`data.ray.address` '127.0.0.1:1'"):

@@ -84,7 +84,8 @@ def client(rank: int = 0, num_microbatches: int = 4) -> Client:
 @pytest.fixture(autouse=True)
 def _clean(monkeypatch: pytest.MonkeyPatch):
     FakeSource.built = []
-    for var in (prov.ENV_NAMESPACE, prov.ENV_RAY_ADDRESS, prov.ENV_NUM_MICROBATCHES, prov.ENV_START_STEP):
+    for var in (prov.ENV_NAMESPACE, prov.ENV_RAY_ADDRESS, prov.ENV_NUM_MICROBATCHES, prov.ENV_START_STEP,
+                prov.ENV_VALID_NAMESPACE):
         monkeypatch.delenv(var, raising=False)
     prov.reset()
     yield
@@ -185,6 +186,24 @@ def test_environment_configuration(monkeypatch: pytest.MonkeyPatch) -> None:
         ProviderConfig.from_env({prov.ENV_NUM_MICROBATCHES: "zero", prov.ENV_START_STEP: "-1"})
     msg = str(err.value)  # every problem at once
     assert prov.ENV_NAMESPACE in msg and "'zero'" in msg and prov.ENV_START_STEP in msg
+
+
+def test_a_validation_service_becomes_megatrons_valid_iterator_at_megatrons_position(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(prov.ENV_NAMESPACE, "job7")
+    monkeypatch.setenv(prov.ENV_VALID_NAMESPACE, "job7-valid")
+    monkeypatch.setenv(prov.ENV_NUM_MICROBATCHES, "2")
+    args = types.SimpleNamespace(dataloader_type="external", iteration=10, eval_interval=4, eval_iters=3)
+    monkeypatch.setattr(prov, "_megatron_args", lambda: args)  # Megatron-LM's namespace after loading iteration 10
+    provider = prov.configure(None, source_factory=FakeSource, topology_factory=own_topology)
+    train, valid, test = build_on(provider, monkeypatch, 0, tp=1, pp=1, dp=2)
+    assert [t.namespace for t in FakeSource.built] == ["job7", "job7-valid"] and test is None
+    assert (train.step, valid.step) == (10, 6)  # two evaluations (after 4 and 8) of 3 steps each came before
+    assert [tuple(next(valid)["tokens"][0, :2].tolist()) for _ in range(3)] == [(6, 0), (6, 1), (7, 0)]
+    assert (train.step, train.microbatch) == (10, 0)  # evaluating never moves the training stream
+    monkeypatch.delenv(prov.ENV_VALID_NAMESPACE)
+    unvalidated = prov.configure(None, source_factory=FakeSource, topology_factory=own_topology)
+    assert build_on(unvalidated, monkeypatch, 0, tp=1, pp=1, dp=2)[1] is None
 
 
 def test_configure_from_service_handles() -> None:
