@@ -57,6 +57,31 @@ def private_mib(pid: int) -> float | None:
     return kib / 1024
 
 
+OBJECT_STORE_MAPPING = "/dev/shm/plasma"
+"""Path prefix of the shared-memory file Ray's object store maps into every worker."""
+
+
+def private_split_mib(pid: int) -> dict[str, float] | None:
+    """`private_mib` split by mapping (``/proc/<pid>/smaps``): ``own`` (heap, anonymous memory,
+    libraries: what the process itself holds) and ``object_store`` (pages of Ray's object store
+    that only this process touched: objects it wrote that no other process has mapped yet; they
+    count as private but belong to the store, whose size bounds them); None when it is gone."""
+    split = {"own": 0, "object_store": 0}
+    kind = "own"
+    try:
+        with open(f"/proc/{pid}/smaps") as f:
+            for line in f:
+                head = line.split(maxsplit=1)[0]
+                if not head.endswith(":"):  # a mapping's header: "start-end perms offset dev inode [path]"
+                    parts = line.split()
+                    kind = "object_store" if len(parts) > 5 and parts[5].startswith(OBJECT_STORE_MAPPING) else "own"
+                elif head in ("Private_Clean:", "Private_Dirty:"):
+                    split[kind] += int(line.split()[1])
+    except OSError:
+        return None
+    return {k: v / 1024 for k, v in split.items()}
+
+
 def descendants() -> list[int]:
     """Every live descendant of this process (DataLoader workers; Ray's raylet, GCS, workers)."""
     parent: dict[int, int] = {}

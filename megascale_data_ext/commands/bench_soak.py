@@ -7,18 +7,19 @@ each with its own `RemoteConstructors` client pulling whole steps as fast as the
 service's backpressure makes the fastest wait for the slowest of its constructor).
 
 Every ``--sample-seconds`` the memory of every service actor (Planner, loaders, constructors;
-read from ``/proc`` by the pid Ray reports) and of this process is recorded: its private memory
-(``smaps_rollup`` Private_Clean + Private_Dirty: what the process alone holds) and its RSS (which
-also counts the shared object-store pages it touched, bounded by the store's size). Memory is
-*flat* when each actor's private memory at the end is within ``--flat`` (5 %) of its value once
-warm (the first sample after ``--warmup`` of the run): allocator warm-up is not a leak, steady
-growth is. Fetch latency is each ``get`` of a step (waits on backpressure included): p50, p99,
+read from ``/proc`` by the pid Ray reports) and of this process is recorded: its own memory
+(``smaps`` Private_Clean + Private_Dirty outside Ray's object store: heap, anonymous memory,
+libraries), the object-store pages only it has touched (objects it wrote that no reader mapped
+yet: private by the kernel's count but the store's, bounded by its size; reported apart,
+`_proc_stats.private_split_mib`) and its RSS. Memory is *flat* when each actor's own memory at
+the end is within ``--flat`` (5 %) of its value once warm (the first sample after ``--warmup`` of
+the run): allocator warm-up is not a leak, steady growth is. Fetch latency is each ``get`` of a step (waits on backpressure included): p50, p99,
 max. Errors: every exception a client thread raised, with its rank and step.
 
 JSON: ``clients``, ``constructors``, ``seconds``, ``steps`` (min/median/max over ranks),
-``fetches``, ``errors``, ``fetch_ms`` (p50/p99/max), ``memory`` (private memory per process:
-``warm_mib``, ``end_mib``, ``max_mib``, ``growth``, ``flat``), ``rss`` (the same of RSS), ``flat``,
-``samples`` (the time series), ``load``.
+``fetches``, ``errors``, ``fetch_ms`` (p50/p99/max), ``memory`` (own memory per process:
+``warm_mib``, ``end_mib``, ``max_mib``, ``growth``, ``flat``), ``object_store`` and ``rss`` (the
+same of the object-store pages and of RSS), ``flat``, ``samples`` (the time series), ``load``.
 """
 
 from __future__ import annotations
@@ -75,7 +76,7 @@ def soak_config(root: Path, *, clients: int, constructors: int, sources: int, cl
 
 
 def memory_summary(samples: list[dict[str, Any]], *, warm_from: float, flat: float,
-                   measure: str = "private_mib") -> dict[str, dict[str, Any]]:
+                   measure: str = "own_mib") -> dict[str, dict[str, Any]]:
     """Per process (role): its memory (`measure` of each sample) once warm, at the end, the most
     seen, and the growth since warm."""
     out: dict[str, dict[str, Any]] = {}
@@ -98,11 +99,11 @@ def plot(result: dict[str, Any], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(9, 4.5))
     samples = result["samples"]
     for role in sorted(result["memory"]):
-        ax.plot([s["t"] for s in samples if role in s["private_mib"]],
-                [s["private_mib"][role] for s in samples if role in s["private_mib"]], label=role, lw=1)
+        ax.plot([s["t"] for s in samples if role in s["own_mib"]],
+                [s["own_mib"][role] for s in samples if role in s["own_mib"]], label=role, lw=1)
     ax.axvline(result["warm_from_s"], color="grey", ls="--", lw=0.8)
     ax.set_xlabel("seconds")
-    ax.set_ylabel("private memory (MiB)")
+    ax.set_ylabel("own memory (MiB, without object-store pages)")
     ax.set_title(f"bench soak: {result['clients']} clients, {result['seconds']:.0f} s, "
                  f"{result['fetches']} fetches, {len(result['errors'])} errors")
     ax.legend(fontsize=6, ncol=3)
@@ -114,7 +115,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
 def run(args: argparse.Namespace) -> int:
     import ray
 
-    from megascale_data_ext.commands._proc_stats import private_mib, rss_mib
+    from megascale_data_ext.commands._proc_stats import private_split_mib, rss_mib
     from megascale_data_ext.runtime.remote import RemoteConstructors
     from megascale_data_ext.runtime.service import DataService
 
@@ -162,14 +163,16 @@ def run(args: argparse.Namespace) -> int:
                 pids = {key(a): a["pid"] for a in actors if a.get("pid")}
                 pids["bench (clients)"] = os.getpid()
                 resident = {k: got[0] for k, pid in pids.items() if (got := rss_mib([pid]))}
-                private = {k: got for k, pid in pids.items() if (got := private_mib(pid)) is not None}
+                split = {k: got for k, pid in pids.items() if (got := private_split_mib(pid)) is not None}
+                private = {k: v["own"] for k, v in split.items()}
                 now = time.perf_counter() - t0
                 samples.append({"t": round(now, 1), "rss_mib": {k: round(v, 1) for k, v in resident.items()},
-                                "private_mib": {k: round(v, 1) for k, v in private.items()},
+                                "own_mib": {k: round(v, 1) for k, v in private.items()},
+                                "object_store_mib": {k: round(v["object_store"], 1) for k, v in split.items()},
                                 "steps_min": min(steps), "steps_max": max(steps)})
                 print(f"[soak] {now:6.0f}/{args.seconds:.0f} s | steps {min(steps)}..{max(steps)} | "
                       f"fetches {sum(map(len, latencies))} | errors {len(errors)} | "
-                      f"private memory: planner {private.get('planner', 0):.0f} MiB, constructors "
+                      f"own memory: planner {private.get('planner', 0):.0f} MiB, constructors "
                       f"{[round(v) for k, v in private.items() if k.startswith('constructor/')]} MiB", flush=True)
                 if stop.wait(args.sample_seconds):
                     return
@@ -193,6 +196,7 @@ def run(args: argparse.Namespace) -> int:
     warm_from = args.warmup * args.seconds
     memory = memory_summary(samples, warm_from=warm_from, flat=args.flat)
     rss = memory_summary(samples, warm_from=warm_from, flat=args.flat, measure="rss_mib")
+    store = memory_summary(samples, warm_from=warm_from, flat=args.flat, measure="object_store_mib")
     result = {
         "clients": len(ranks), "constructors": args.constructors, "sources": args.sources,
         "client_prefetch": args.client_prefetch, "seconds": round(wall, 1), "warm_from_s": warm_from,
@@ -201,17 +205,17 @@ def run(args: argparse.Namespace) -> int:
                                                          for n in stuck],
         "fetch_ms": {q: round(float(np.percentile(ms, p)), 2) for q, p in (("p50", 50), ("p99", 99))}
         | {"max": round(float(ms.max()), 2)} if ms.size else {},
-        "memory": memory, "rss": rss, "flat": all(m["flat"] for m in memory.values()),
+        "memory": memory, "object_store": store, "rss": rss, "flat": all(m["flat"] for m in memory.values()),
         "samples": samples, "load": {"before": load_before, "after": os.getloadavg()},
     }
     print(f"clients {result['clients']} | {result['seconds']} s | steps per client {result['steps']} | "
           f"fetches {result['fetches']} | errors {len(result['errors'])} | fetch ms {result['fetch_ms']}")
-    print("process | private MiB: warm | end | max | growth | RSS MiB: warm | end | growth")
+    print("process | own MiB: warm | end | max | growth | object-store pages MiB: warm | end | RSS MiB: warm | end")
     for role, m in memory.items():
-        r = rss.get(role, {})
+        r, o = rss.get(role, {}), store.get(role, {})
         print(f"{role} | {m['warm_mib']} | {m['end_mib']} | {m['max_mib']} | {m['growth']:+.1%}"
-              f"{'' if m['flat'] else ' (not flat)'} | {r.get('warm_mib')} | {r.get('end_mib')} | "
-              f"{r.get('growth', 0):+.1%}")
+              f"{'' if m['flat'] else ' (not flat)'} | {o.get('warm_mib')} | {o.get('end_mib')} | "
+              f"{r.get('warm_mib')} | {r.get('end_mib')}")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=1))

@@ -7,7 +7,7 @@ from megascale_data_ext.commands.bench_soak import memory_summary
 
 def samples(series: dict[str, list[float]]) -> list[dict]:
     n = len(next(iter(series.values())))
-    return [{"t": 10.0 * i, "private_mib": {k: v[i] for k, v in series.items()}} for i in range(n)]
+    return [{"t": 10.0 * i, "own_mib": {k: v[i] for k, v in series.items()}} for i in range(n)]
 
 
 def test_warm_up_growth_is_not_counted_but_steady_growth_after_it_is():
@@ -22,6 +22,39 @@ def test_warm_up_growth_is_not_counted_but_steady_growth_after_it_is():
 
 def test_a_process_that_appears_late_is_judged_from_its_own_first_warm_sample():
     rows = samples({"planner": [150, 150, 150, 151]})
-    rows[3]["private_mib"]["loader/9"] = 90.0  # spawned by the autoscaler at t=30
+    rows[3]["own_mib"]["loader/9"] = 90.0  # spawned by the autoscaler at t=30
     got = memory_summary(rows, warm_from=25.0, flat=0.05)
     assert got["loader/9"] == {"warm_mib": 90.0, "end_mib": 90.0, "max_mib": 90.0, "growth": 0.0, "flat": True}
+
+
+def test_object_store_pages_a_process_touched_are_counted_apart_from_its_own_memory(tmp_path):
+    """Pages of Ray's object store (a /dev/shm/plasma* mapping) that only this process touched are
+    private by the kernel's count; the split keeps them out of the process's own memory."""
+    import mmap
+    import os
+    from pathlib import Path
+
+    import numpy as np
+    import pytest
+
+    from megascale_data_ext.commands._proc_stats import OBJECT_STORE_MAPPING, private_split_mib
+
+    if not Path("/dev/shm").is_dir():
+        pytest.skip("no /dev/shm here")
+    path = f"{OBJECT_STORE_MAPPING}-test-{os.getpid()}"
+    size = 64 << 20
+    with open(path, "w+b") as f:
+        f.truncate(size)
+        store = mmap.mmap(f.fileno(), size)
+    try:
+        before = private_split_mib(os.getpid())
+        store.write(b"\1" * size)  # an object written into the store
+        after = private_split_mib(os.getpid())
+        assert after["object_store"] - before["object_store"] >= 60
+        own = np.ones(32 << 20, np.uint8)  # the process's own heap
+        grown = private_split_mib(os.getpid())
+        assert grown["own"] - after["own"] >= 30 and abs(grown["object_store"] - after["object_store"]) < 4
+        del own
+    finally:
+        store.close()
+        os.unlink(path)
