@@ -3,8 +3,12 @@
 One service on embedded Ray (distinct demo text sources, autoscaled loaders, ``llm_balance``)
 laid out for ``--clients`` fetching ranks (DP = clients, ``--constructors`` Data Constructors,
 each serving a contiguous group of ranks) is consumed for ``--seconds`` by one thread per rank,
-each with its own `RemoteConstructors` client pulling whole steps as fast as they arrive (the
-service's backpressure makes the fastest wait for the slowest of its constructor).
+each with its own `RemoteConstructors` client pulling whole steps as fast as they arrive. As in
+training, where every step ends in collectives (the DP gradient all-reduce) that no rank leaves
+before all have joined, a client starts step s only once every client has finished step
+s - ``--max-spread`` (default 1; their clients still prefetch ahead); ``--max-spread -1`` lets the
+clients drift apart without bound, as no training job can (the service then holds every step
+between the slowest and the fastest consumer: memory follows that spread).
 
 Every ``--sample-seconds`` the memory of every service actor (Planner, loaders, constructors;
 read from ``/proc`` by the pid Ray reports) and of this process is recorded: its own memory
@@ -48,6 +52,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seconds", type=float, default=300.0, help="how long the clients pull")
     p.add_argument("--sources", type=int, default=8, help="distinct demo text sources")
     p.add_argument("--client-prefetch", type=int, default=2, help="steps each client keeps requested ahead")
+    p.add_argument("--max-spread", type=int, default=1,
+                   help="steps the fastest consumer may be ahead of the slowest (1: lockstep, as collectives hold "
+                        "training ranks; -1: unbounded)")
     p.add_argument("--sample-seconds", type=float, default=5.0, help="seconds between memory samples")
     p.add_argument("--warmup", type=float, default=0.25, help="fraction of the run before memory counts as warm")
     p.add_argument("--flat", type=float, default=0.05, help="largest growth after warm-up that counts as flat")
@@ -93,6 +100,40 @@ def memory_summary(samples: list[dict[str, Any]], *, warm_from: float, flat: flo
     return out
 
 
+class LockstepWindow:
+    """Consumers of one job that may drift at most `spread` steps apart (< 0: unbounded): a
+    consumer starts step s once all `n` have finished step s - spread (what a step's collectives
+    do to training ranks). The waiters are woken once per step the slowest finishes."""
+
+    def __init__(self, n: int, spread: int, stop: threading.Event) -> None:
+        self.n, self.spread, self.stop = n, spread, stop
+        self.low = 0  # the first step some consumer has not finished
+        self._done: dict[int, int] = {}
+        self._cond = threading.Condition()
+
+    def finished(self, step: int) -> None:
+        with self._cond:
+            self._done[step] = self._done.get(step, 0) + 1
+            moved = False
+            while self._done.get(self.low, 0) >= self.n:
+                del self._done[self.low]
+                self.low += 1
+                moved = True
+            if moved:
+                self._cond.notify_all()
+
+    def wait_turn(self, step: int) -> bool:
+        """Block until `step` may start; False when the run is stopping."""
+        if self.spread < 0:
+            return not self.stop.is_set()
+        with self._cond:
+            while step - self.low > self.spread:
+                if self.stop.is_set():
+                    return False
+                self._cond.wait(0.5)
+        return not self.stop.is_set()
+
+
 def plot(result: dict[str, Any], path: Path) -> None:
     plt = pyplot()
 
@@ -134,10 +175,14 @@ def run(args: argparse.Namespace) -> int:
         samples: list[dict[str, Any]] = []
         t0 = time.perf_counter()
 
+        lockstep = LockstepWindow(len(ranks), args.max_spread, stop)
+
         def consume(i: int, rank: int) -> None:
             client = RemoteConstructors(topo, fault_tolerance=svc.ft)
             step = 0
             while not stop.is_set():
+                if not lockstep.wait_turn(step):
+                    return
                 t = time.perf_counter()
                 try:
                     batch, _ = client.get(step, 0, rank)
@@ -147,6 +192,7 @@ def run(args: argparse.Namespace) -> int:
                     errors.append({"rank": rank, "step": step, "error": f"{type(exc).__name__}: {exc}"[:500]})
                     return
                 latencies[i].append(time.perf_counter() - t)
+                lockstep.finished(step)
                 step += 1
                 steps[i] = step
 
@@ -199,7 +245,8 @@ def run(args: argparse.Namespace) -> int:
     store = memory_summary(samples, warm_from=warm_from, flat=args.flat, measure="object_store_mib")
     result = {
         "clients": len(ranks), "constructors": args.constructors, "sources": args.sources,
-        "client_prefetch": args.client_prefetch, "seconds": round(wall, 1), "warm_from_s": warm_from,
+        "client_prefetch": args.client_prefetch, "max_spread": args.max_spread,
+        "spread_max": max((s["steps_max"] - s["steps_min"] for s in samples), default=0), "seconds": round(wall, 1), "warm_from_s": warm_from,
         "steps": {"min": min(steps), "median": int(np.median(steps)), "max": max(steps)},
         "fetches": int(ms.size), "errors": errors + [{"rank": n, "error": "still fetching at the end"}
                                                          for n in stuck],

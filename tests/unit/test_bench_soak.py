@@ -58,3 +58,24 @@ def test_object_store_pages_a_process_touched_are_counted_apart_from_its_own_mem
     finally:
         store.close()
         os.unlink(path)
+
+
+def test_lockstep_window_holds_consumers_within_the_spread():
+    import threading
+
+    from megascale_data_ext.commands.bench_soak import LockstepWindow
+
+    stop = threading.Event()
+    window = LockstepWindow(2, 1, stop)
+    assert window.wait_turn(0) and window.wait_turn(1)  # step 1 may start while step 0 runs
+    window.finished(0)
+    window.finished(1)  # consumer A is through steps 0 and 1, B has not finished 0
+    started = threading.Event()
+    blocked = threading.Thread(target=lambda: window.wait_turn(2) and started.set())
+    blocked.start()
+    assert not started.wait(0.3)  # A may not start step 2 before B finished step 0
+    window.finished(0)  # B finishes step 0: the slowest moved
+    assert started.wait(5) and window.low == 1
+    blocked.join()
+    stop.set()
+    assert LockstepWindow(2, -1, threading.Event()).wait_turn(1000)  # unbounded
