@@ -56,7 +56,9 @@ class TrainConfig:
     the composed config and overrides (``.hydra/``) and holds relative ``save``/``log_dir``/
     ``tensorboard_dir``; ``tensorboard_dir`` gets rank 0's scalars every ``log_interval`` steps. Every ``eval_interval``
     steps (0 = never) and after the last, ``eval_iters`` forward-only steps of ``data.validation``'s
-    held-out sources are evaluated (Megatron's ``--eval-interval`` / ``--eval-iters``).
+    held-out sources are evaluated (Megatron's ``--eval-interval`` / ``--eval-iters``). With
+    ``adopt_calibration_after`` = N > 0 the running Planner balances the steps it has not planned
+    yet with rank 0's online fit of the step times once N steps are fitted (0 = never).
     """
 
     train_iters: int | None = None
@@ -82,6 +84,7 @@ class TrainConfig:
     log_interval: int = 1
     eval_interval: int = 0
     eval_iters: int = 1
+    adopt_calibration_after: int = 0
 
 
 RUN_NODES: dict[str, type] = {"model": ModelConfig, "train": TrainConfig, "parallel": ParallelConfig}
@@ -132,6 +135,8 @@ def check_values(run: RunConfig, problems: Problems) -> None:
     _at_least(problems, "train.log_interval", t.log_interval, 1, "steps between TensorBoard scalars")
     _at_least(problems, "train.eval_interval", t.eval_interval, 0, "steps between evaluations, 0 = never")
     _at_least(problems, "train.eval_iters", t.eval_iters, 1, "validation steps per evaluation")
+    _at_least(problems, "train.adopt_calibration_after", t.adopt_calibration_after, 0,
+              "fitted steps before the Planner balances with the fit, 0 = never")
     if t.lr is not None and t.lr <= 0:
         problems.add("train.lr", f"must be > 0, got {t.lr!r}")
     for name in ("lr_warmup_iters", "lr_decay_iters", "save_interval", "clip_grad", "weight_decay", "min_lr"):

@@ -132,6 +132,10 @@ class PlannerActor:
     def _plan(self, step: int):
         return self.recovery.plan(step)
 
+    def adopt_cost_model(self, fit: dict) -> int:
+        """`Planner.adopt_cost_model`, saved at once: a restarted Planner keeps balancing with it."""
+        return self.planner.adopt_cost_model(fit, then=self.recovery.planned)
+
     def topology(self) -> ServiceTopology:
         """The service's topology, for clients that join by namespace alone."""
         return self._topology

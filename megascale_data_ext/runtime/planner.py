@@ -29,6 +29,7 @@ import pickle
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -38,7 +39,7 @@ from megascale_data_ext.dataplane.mixing import Mixer, build_schedule
 from megascale_data_ext.dataplane.plan import LoaderPlan, StepPlan
 from megascale_data_ext.dataplane.plan_store import PlanStore
 from megascale_data_ext.dataplane.summary import BufferSummary, SourceSummary
-from megascale_data_ext.errors import CapacityError, PlanError, ResumeError
+from megascale_data_ext.errors import CapacityError, ConfigError, PlanError, ResumeError
 from megascale_data_ext.runtime.config import Overflow, ServiceConfig
 from megascale_data_ext.runtime.loss_feedback import LossReports
 from megascale_data_ext.runtime.token_budget import TokenBudget
@@ -75,7 +76,7 @@ class Planner:
             (metrics: `runtime.metrics.record_plan`); it must not raise.
     """
 
-    STATE = StateSchema("planner", 4, ("step", "cursors", "mixer", "reports", "carry"),
+    STATE = StateSchema("planner", 5, ("step", "cursors", "mixer", "reports", "carry", "cost_model"),
                         hint="resume with the data config and parallel layout of the saved run")
 
     def __init__(self, config: ServiceConfig, topology: ServiceTopology, summarize: Summarize | None, *,
@@ -93,6 +94,7 @@ class Planner:
         self._windows: dict[int, tuple] = {}  # per source, ((start, count), summary, its window) last sliced
         self.keep = keep
         self.strategy = make_strategy(config)
+        self.cost_model: dict[str, Any] | None = None  # an adopted fit (`adopt_cost_model`), as saved
         names = config.source_names
         self.mixer = Mixer(
             build_schedule(config.mixing_config(), source_names=names), names, seed=config.seed, mode=config.mix_mode
@@ -140,7 +142,8 @@ class Planner:
         # plain data (lists, dicts, numbers): a pickle round trip copies it ~10x faster than deepcopy,
         # which at 1,000+ sources cost ~20 ms a step
         state = {"step": self.next_step, "cursors": self.cursors.tolist(),
-                 "mixer": _copied(self.mixer.state_dict()), "carry": _copied(self.carry)}
+                 "mixer": _copied(self.mixer.state_dict()), "carry": _copied(self.carry),
+                 "cost_model": _copied(self.cost_model)}
         return state, self.reports.applied_through()
 
     def _stamp(self, snapshot: tuple[dict[str, Any], int]) -> dict[str, Any]:
@@ -326,12 +329,47 @@ class Planner:
             self.reports.load(fields["reports"])
             if self.budget is not None:
                 self.budget.carry = copy.deepcopy(list(fields["carry"]))
+            self._use_cost_model(fields["cost_model"])
             self._summaries.clear()
             self._windows.clear()
             self.plans.clear()
             self._states.clear()
             if self._floors is not None:  # no constructor builds a step before the one resumed at
                 self._floors = {k: max(v, self.next_step) for k, v in self._floors.items()}
+
+
+    def adopt_cost_model(self, fit: Mapping[str, Any], *, then: Callable[[], None] | None = None) -> int:
+        """Balance every step not planned yet with the fitted `CalibratedCost` `fit` (its
+        ``to_dict()``), e.g. the trainer's online fit of its own step times; steps already
+        planned keep theirs. The states of later steps carry it, so a resume plans them alike;
+        `then` runs under the planning lock right after (a checkpoint of the new state).
+        Returns the first step planned with it.
+
+        Raises:
+            ConfigError: The fit is invalid, or the strategy takes no ``model`` (or plans replay).
+        """
+        if self.replay is not None:
+            raise ConfigError("the Planner replays saved plans (`replay_dir`): there is no balancing to re-cost")
+        with self._lock:
+            self._use_cost_model(fit)
+            if then is not None:
+                then()
+            return self.next_step
+
+    def _use_cost_model(self, fit: Mapping[str, Any] | None) -> None:
+        """Under the lock: the strategy with `fit` as its ``model`` (None: the configured one)."""
+        from megascale_data_ext.dataplane.calibration import CalibratedCost
+
+        args = dict(self.config.strategy_args)
+        if fit is not None:
+            args["model"] = CalibratedCost.from_dict(fit, where="the adopted cost model")
+        try:
+            strategy = make_strategy(replace(self.config, strategy_args=args))
+        except TypeError as e:  # a user strategy without a `model` argument
+            raise ConfigError(f"strategy {self.config.strategy!r} cannot be re-costed with a fitted model: {e}") from e
+        self.strategy, self.cost_model = strategy, None if fit is None else _copied(dict(fit))
+        if self.budget is not None:
+            self.budget.strategy = strategy
 
 
 def _copied(plain: Any) -> Any:

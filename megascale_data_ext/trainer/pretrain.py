@@ -5,7 +5,7 @@ broadcasts how to reach it; every rank builds its `ClientPlaceTree` from Megatro
 `parallel_state`, a `Client`, its model chunks, and installs the schedule hooks, so
 `get_forward_backward_func` is fed balanced microbatches step by step.
 
-The optimizer recipe is `build_optimizer`'s: AdamW, linear warm-up (``train.lr_warmup_iters``),
+The optimizer recipe is `trainer.optimizer.build_optimizer`'s: AdamW, linear warm-up (``train.lr_warmup_iters``),
 cosine decay to ``train.min_lr`` over ``train.lr_decay_iters`` (default ``train_iters``), global
 grad-norm clipping (``train.clip_grad``); ``train.bf16`` trains in Megatron's bf16 mixed precision
 (fp32 master weights here). Model and batches live on ``cuda:LOCAL_RANK`` when CUDA is present.
@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 import math
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +30,6 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megascale_data_ext.config.run import LR_DECAY_STYLES
 from megascale_data_ext.errors import ConfigError, ResumeError, root_cause
 
 CHECKPOINT_VERSION = 1
@@ -124,97 +123,6 @@ def load_checkpoint(root: str | Path, step: int, chunks: list, optimizer: Any, h
     hooks.load_state_dict(blob["data"])
 
 
-class Fp32MasterOptimizer:
-    """Megatron's mixed-precision optimizer shape for bf16 params: fp32 master copies stepped by
-    a torch optimizer from DDP's fp32 ``main_grad``, then copied back into the bf16 params.
-
-    ``param_groups`` are the inner optimizer's (the LR scheduler drives them). Checkpoint schema:
-    ``{"inner": inner.state_dict(), "masters": [fp32 tensors]}``. One per rank, single-threaded.
-    """
-
-    reads_main_grad = True  # train_step leaves param.grad alone
-
-    def __init__(self, params: Iterable[torch.nn.Parameter], make: Callable[[list], torch.optim.Optimizer]) -> None:
-        self.params = list(params)
-        self.masters = [p.detach().float().clone().requires_grad_(True) for p in self.params]
-        self.inner = make(self.masters)
-
-    @property
-    def param_groups(self) -> list[dict]:
-        return self.inner.param_groups
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self.inner.zero_grad(set_to_none=set_to_none)
-        for p in self.params:
-            p.grad = None
-
-    @torch.no_grad()
-    def step(self) -> None:
-        for p, m in zip(self.params, self.masters, strict=True):
-            grad = getattr(p, "main_grad", None)
-            if grad is None:
-                grad = p.grad
-            m.grad = None if grad is None else grad.float()
-        self.inner.step()
-        for p, m in zip(self.params, self.masters, strict=True):
-            p.copy_(m)
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"inner": self.inner.state_dict(), "masters": [m.detach().clone() for m in self.masters]}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.inner.load_state_dict(state["inner"])
-        with torch.no_grad():
-            for p, m, saved in zip(self.params, self.masters, state["masters"], strict=True):
-                m.copy_(saved)
-                p.copy_(saved)
-
-
-def lr_factor(step: int, *, warmup: int, decay: int, min_ratio: float, style: str) -> float:
-    """Megatron-style LR multiplier: linear warm-up over `warmup` steps, then `style` decay
-    ("cosine", "linear" or "constant") to `min_ratio` at step `decay`, flat after it."""
-    if warmup > 0 and step < warmup:
-        return (step + 1) / warmup
-    if style == "constant" or decay <= warmup:
-        return 1.0
-    progress = min(1.0, (step - warmup) / (decay - warmup))
-    shape = 0.5 * (1.0 + math.cos(math.pi * progress)) if style == "cosine" else 1.0 - progress
-    return min_ratio + (1.0 - min_ratio) * shape
-
-
-def build_optimizer(chunks: list, train: Any, *, bf16: bool = False) -> tuple[Any, Any]:
-    """AdamW + warm-up/decay schedule from the run's ``train`` node; returns (optimizer, scheduler).
-
-    Keys (all optional but ``lr``): ``weight_decay`` (0), ``adam_beta1``/``adam_beta2`` (0.9/0.999),
-    ``lr_warmup_iters`` (0), ``lr_decay_style`` (constant|linear|cosine; constant), ``lr_decay_iters``
-    (``train_iters``), ``min_lr`` (0). Grad clipping is ``train.clip_grad``, applied by `train_step`.
-    """
-    lr, iters = float(train.lr), int(train.train_iters)
-    warmup, style = int(train.get("lr_warmup_iters", 0) or 0), str(train.get("lr_decay_style", "constant"))
-    decay, min_lr = int(train.get("lr_decay_iters") or iters), float(train.get("min_lr", 0.0) or 0.0)
-    problems = []
-    if style not in LR_DECAY_STYLES:
-        problems.append(f"`train.lr_decay_style` must be one of {list(LR_DECAY_STYLES)}, got {style!r}")
-    if warmup < 0 or decay < 0:
-        problems.append(f"`train.lr_warmup_iters`={warmup} and `train.lr_decay_iters`={decay} must be >= 0")
-    if not 0 <= min_lr <= lr:
-        problems.append(f"`train.min_lr`={min_lr} must be in [0, train.lr={lr}]")
-    if problems:
-        raise ConfigError("optimizer recipe: " + "; ".join(problems))
-
-    def make(params: list) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(params, lr=lr, weight_decay=float(train.get("weight_decay", 0.0) or 0.0),
-                                 betas=(float(train.get("adam_beta1", 0.9)), float(train.get("adam_beta2", 0.999))))
-
-    params = [p for c in chunks for p in c.parameters() if p.requires_grad]
-    optimizer = Fp32MasterOptimizer(params, make) if bf16 else make(params)
-    inner = optimizer.inner if bf16 else optimizer
-    ratio = min_lr / lr if lr > 0 else 0.0
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        inner, lambda s: lr_factor(s, warmup=warmup, decay=decay, min_ratio=ratio, style=style))
-    return optimizer, scheduler
-
-
 def gpt_model_config(cfg: Any, service_cfg: Any, vocab: int) -> Any:
     """The backbone's `GPTModelConfig` from the run config (`model`, `parallel`, `train` nodes)."""
     from megascale_data_ext.trainer.model import GPTModelConfig
@@ -266,6 +174,8 @@ class TrainingSession:
             self.valid_cfg, self.tree, state=None, label="validation service: ")
         self.started = time.perf_counter()  # Ray is up (rank 0): the actors start while the model is built
         self.client = self.valid_client = self.planner = self.handles = None
+        self._fit_from: int | None = None  # the first step the Planner balanced with the online fit
+        self._said_not_yet = False
         self._summary: tuple[int, dict] | None = None
 
     def connect(self) -> Any:
@@ -341,7 +251,7 @@ class TrainingSession:
             report: Rank 0's per-step printout (default: loss, balance, tokens/s, fetch latency).
         """
         from megascale_data_ext.megatron.hooks import install
-        from megascale_data_ext.trainer.step import train_step
+        from megascale_data_ext.trainer.step import ComputeClock, train_step
 
         client, tcfg, m = self.connect(), self.cfg.train, self.service_cfg.num_microbatches
         hooks = install(client, num_model_chunks=len(chunks), start_step=self.start, transform=transform,
@@ -351,10 +261,13 @@ class TrainingSession:
         log: list[dict] = []
         save_dir, interval = tcfg.get("save"), int(tcfg.get("save_interval") or 0)
         calibration = self._step_calibration()
+        adopt_after = int(tcfg.get("adopt_calibration_after") or 0)
         scalars = self._scalar_log()
+        clock = ComputeClock(chunks)
         try:
             for step in range(self.start, int(tcfg.train_iters)):
                 t0 = time.perf_counter()
+                clock.start()
                 client.drain()
                 if calibration is not None:
                     calibration.request(step)
@@ -362,8 +275,11 @@ class TrainingSession:
                 result = train_step(chunks, optimizer, None, num_microbatches=m, seq_length=self.service_cfg.seq_length,
                                     clip_grad=float(tcfg.get("clip_grad", 0.0) or 0.0), scheduler=scheduler)
                 dt = time.perf_counter() - t0
+                computed = clock.gather()  # every rank's seconds to its gradient reduction
                 if calibration is not None:
                     calibration.observe(step, dt)
+                    if adopt_after and self._fit_from is None and calibration.online.steps >= adopt_after:
+                        self._fit_from = self._adopt(calibration)
                 records = client.drain()
                 fetch = records["fetch_seconds"]
                 entry = {"step": step, "loss": result["loss"], "num_tokens": result["num_tokens"], "seconds": dt,
@@ -374,6 +290,8 @@ class TrainingSession:
                                                  default=None),  # steps its constructor holds ahead of the slowest
                          "digests": records["digests"],
                          "samples": [np.asarray(i["samples"]).tolist() for i in records["delivered"] if i is not None],
+                         "compute_s": computed,
+                         "measured_max_over_mean": max(computed) / max(float(np.mean(computed)), 1e-12),
                          **extra}
                 if self.rank == 0:
                     (report or self._report)(step, entry)
@@ -391,6 +309,7 @@ class TrainingSession:
             self._stop()
             raise
         finally:
+            clock.close()
             if scalars is not None:
                 scalars.close()
         hooks.uninstall()
@@ -443,10 +362,32 @@ class TrainingSession:
 
         return StepCalibration(plan_of, self.service_cfg.strategy_args)
 
+    def _adopt(self, calibration: Any) -> int | None:
+        """Hand the Planner the online fit (``train.adopt_calibration_after``): the first step it
+        balances with it; None while the fit has no per-token term (it would cost every document
+        alike, and balancing needs their differences), asked again after the next step."""
+        import ray
+
+        model = calibration.online.model()
+        if model.linear <= 0 and model.quadratic <= 0:
+            if not self._said_not_yet:
+                print(f"[calibration] not adopting the online fit of {calibration.online.steps} steps yet: it has no "
+                      "per-token term (every document would cost the same); trying again after each step", flush=True)
+                self._said_not_yet = True
+            return None
+        first = ray.get(self.service.planner.adopt_cost_model.remote(model.to_dict()))
+        print(f"[calibration] the Planner balances steps {first}+ with the online fit of {calibration.online.steps} "
+              f"steps (fixed {model.fixed * 1e3:.2f} ms/microbatch, linear {model.linear * 1e6:.3f} us/token, "
+              f"quadratic {model.quadratic * 1e9:.4f} ns/token^2) instead of {self.service_cfg.strategy_args.get('model')}",
+              flush=True)
+        return first
+
     def _report(self, step: int, entry: dict) -> None:
         s = self.step_summary(step)
+        basis = " (fit)" if self._fit_from is not None and step >= self._fit_from else ""
         print(f"step {step:4d} | loss {entry['loss']:.4f} | {step_counts(s, self.service_cfg)} | max/mean cost "
-              f"vanilla {s['vanilla_max_over_mean']:.3f} -> {s['max_over_mean']:.3f} | lr {entry['lr']:.2e} | "
+              f"vanilla {s['vanilla_max_over_mean']:.3f} -> planned {s['max_over_mean']:.3f}{basis}, measured "
+              f"{entry['measured_max_over_mean']:.3f} | lr {entry['lr']:.2e} | "
               f"grad norm {entry['grad_norm']:.2f} | {entry['num_tokens'] / entry['seconds']:,.0f} loss-tokens/s | "
               f"data wait {entry['data_wait_ms']:.1f} ms{_lead(entry)} | {entry['seconds']:.2f} s", flush=True)
 
@@ -472,6 +413,7 @@ def pretrain_gpt(cfg: Any) -> list[dict]:
     """Run `cfg.train.train_iters` steps of GPT pretraining on the service; returns this rank's step log."""
     from megascale_data_ext.config import load_config
     from megascale_data_ext.trainer.model import build_model_chunks
+    from megascale_data_ext.trainer.optimizer import build_optimizer
     from megascale_data_ext.sources.tokenizer import load_tokenizer
 
     cp = int(cfg.parallel.get("context_parallel_size", 1))

@@ -22,7 +22,8 @@ from typing import Any
 import numpy as np
 
 from megascale_data_ext.errors import ConfigError
-from megascale_data_ext.trainer.pretrain import TrainingSession, build_optimizer, gpt_model_config, step_counts
+from megascale_data_ext.trainer.optimizer import build_optimizer
+from megascale_data_ext.trainer.pretrain import TrainingSession, gpt_model_config, step_counts
 
 __all__ = ["encoder_balance", "pretrain_vlm"]
 

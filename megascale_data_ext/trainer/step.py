@@ -4,11 +4,12 @@
 grad norm, steps the optimizer (and its LR schedule) and returns the token-weighted loss every
 rank agrees on; `eval_step` is the same schedule forward-only (Megatron's ``evaluate``). The
 installed schedule hooks (`megatron.hooks`) feed both: the training stream and, for evaluations,
-the validation service's.
+the validation service's. `ComputeClock` measures how long each rank computed in a step.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -149,3 +150,55 @@ def eval_step(model_chunks: Sequence[torch.nn.Module], *, num_microbatches: int,
             chunk.train()
     return _global_loss(reports)
 
+
+
+class ComputeClock:
+    """Each rank's seconds from the start of its step until its gradients are ready to reduce.
+
+    megatron-core's schedules call ``config.finalize_model_grads_func`` (the DP gradient
+    reduction) once a rank has run all its microbatches; the clock stamps that moment, so a
+    rank's reading is the compute (and data wait) balancing spreads, without the wait for the
+    slowest rank that the reduction adds. `gather` collects every rank's reading of the step
+    (one all-gather); their max/mean is the step's measured imbalance.
+    """
+
+    def __init__(self, model_chunks: Sequence[torch.nn.Module]) -> None:
+        self._t0 = 0.0
+        self.ready_s: float | None = None
+        self._wrapped: list[tuple[Any, Any]] = []
+        for chunk in model_chunks:
+            config = getattr(_unwrapped(chunk), "config", None)
+            original = getattr(config, "finalize_model_grads_func", None)
+            if original is None or any(config is c for c, _ in self._wrapped):
+                continue
+            self._wrapped.append((config, original))
+            config.finalize_model_grads_func = self._stamp(original)
+
+    def _stamp(self, original: Any) -> Any:
+        def finalize(*args: Any, **kwargs: Any) -> Any:
+            if self.ready_s is None:
+                self.ready_s = time.perf_counter() - self._t0
+            return original(*args, **kwargs)
+
+        return finalize
+
+    def start(self) -> None:
+        self._t0, self.ready_s = time.perf_counter(), None
+
+    def gather(self) -> list[float]:
+        """Every rank's seconds to its gradient reduction this step (all ranks call it)."""
+        mine = torch.tensor([self.ready_s if self.ready_s is not None else 0.0], dtype=torch.float64, device=device())
+        out = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+        dist.all_gather(out, mine)
+        return [float(t.item()) for t in out]
+
+    def close(self) -> None:
+        for config, original in self._wrapped:
+            config.finalize_model_grads_func = original
+        self._wrapped.clear()
+
+
+def _unwrapped(chunk: Any) -> Any:
+    while hasattr(chunk, "module") and not hasattr(chunk, "config"):
+        chunk = chunk.module
+    return chunk

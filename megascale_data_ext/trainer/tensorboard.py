@@ -6,6 +6,7 @@ Tags, one point per logged step:
     data/wait_ms                      time this rank waited on the service in the step
     balance/max_over_mean             the step's per-rank cost max/mean as balanced
     balance/vanilla_max_over_mean     the same samples split Megatron-style (vanilla)
+    balance/measured_max_over_mean    max/mean of the ranks' measured compute seconds (`trainer.step.ComputeClock`)
     samples/<source>                  samples the step took from each source
     valid/loss, valid/ppl             each evaluation's loss on the held-out sources (``train.eval_interval``)
 
@@ -60,6 +61,8 @@ class ScalarLog:
             w.add_scalar("train/loss_tokens_per_s", float(entry["num_tokens"]) / seconds, step)
             w.add_scalar("train/step_seconds", seconds, step)
         w.add_scalar("data/wait_ms", float(entry.get("data_wait_ms", 0.0)), step)
+        if entry.get("measured_max_over_mean") is not None:
+            w.add_scalar("balance/measured_max_over_mean", float(entry["measured_max_over_mean"]), step)
         if summary is not None:
             w.add_scalar("balance/max_over_mean", float(summary["max_over_mean"]), step)
             w.add_scalar("balance/vanilla_max_over_mean", float(summary["vanilla_max_over_mean"]), step)

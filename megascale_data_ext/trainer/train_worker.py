@@ -59,7 +59,8 @@ def main(argv: list[str] | None = None) -> int:
     from megascale_data_ext.megatron.groups import broadcast_group
     from megascale_data_ext.trainer.model import GPTModelConfig, build_model_chunks, initialize_parallel
     from megascale_data_ext.trainer.step import train_step
-    from megascale_data_ext.trainer.pretrain import build_optimizer, step_counts
+    from megascale_data_ext.trainer.optimizer import build_optimizer
+    from megascale_data_ext.trainer.pretrain import step_counts
     from megascale_data_ext.runtime.client import Client
     from megascale_data_ext.runtime.remote import RemoteConstructors, fetch_topology
 

@@ -245,7 +245,8 @@ def test_healthy_run_prints_no_warning_and_keeps_its_config_and_tensorboard_scal
     acc.Reload()
     tags = set(acc.Tags()["scalars"])
     assert {"train/loss", "train/lr", "train/grad_norm", "train/loss_tokens_per_s", "data/wait_ms",
-            "balance/max_over_mean", "balance/vanilla_max_over_mean", "samples/web", "samples/code"} <= tags
+            "balance/max_over_mean", "balance/vanilla_max_over_mean", "balance/measured_max_over_mean", "samples/web",
+            "samples/code"} <= tags
     assert [e.step for e in acc.Scalars("train/loss")] == [0, 1, 2]
     assert all(np.isfinite(e.value) for e in acc.Scalars("train/loss"))
     assert [e.step for e in acc.Scalars("valid/loss")] == [2, 3]

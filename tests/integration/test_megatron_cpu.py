@@ -177,7 +177,7 @@ def test_forward_step_names_missing_keys() -> None:
 
 
 def test_lr_schedule_warms_up_linearly_then_decays_by_cosine_to_min_lr() -> None:
-    from megascale_data_ext.trainer.pretrain import lr_factor
+    from megascale_data_ext.trainer.optimizer import lr_factor
 
     f = [lr_factor(s, warmup=4, decay=12, min_ratio=0.1, style="cosine") for s in range(14)]
     assert f[:4] == [0.25, 0.5, 0.75, 1.0]
@@ -219,7 +219,7 @@ def _recipe_run(bf16: bool, clip: float, steps: int = 3) -> tuple[list[dict[str,
 
     from megascale_data_ext.trainer.model import build_model_chunks, init_layout_invariant
     from megascale_data_ext.trainer.step import train_step
-    from megascale_data_ext.trainer.pretrain import build_optimizer
+    from megascale_data_ext.trainer.optimizer import build_optimizer
 
     cfg = GPTModelConfig(vocab_size=VOCAB, hidden_size=32, num_layers=2, num_attention_heads=4, seq_length=SEQ,
                          bf16=bf16)

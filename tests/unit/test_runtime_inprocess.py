@@ -236,3 +236,36 @@ def test_a_microbatch_asked_for_again_after_delivery_is_refused_not_rebuilt_empt
 
     with pytest.raises(PlanError, match="step 0 of constructor for buckets \\[0\\] was already taken by every consumer"):
         cons[0].get(0, 0, 0)
+
+
+def test_an_adopted_cost_model_balances_the_steps_not_planned_yet_and_resumes_with_them(specs):
+    """The running Planner re-costs with a fit (the trainer's online calibration): planned steps
+    keep their plans, later ones are balanced under the fit, and a state saved after the adoption
+    plans them alike, while one saved before it does not adopt it."""
+    from megascale_data_ext.dataplane.calibration import CalibratedCost
+
+    tree = ClientPlaceTree.from_sizes(dp=4)
+    fit = CalibratedCost(fixed=0.03, linear=1e-6, quadratic=1e-6).to_dict()  # attention-bound: s² dominates
+
+    def plans(planner, steps):
+        return {s: (planner.plan(s).bucket.tolist(), planner.plan(s).microbatch.tolist()) for s in steps}
+
+    _, _, reference, _ = wire(specs, tree)
+    flops = plans(reference, range(8))
+    _, _, planner, _ = wire(specs, tree)
+    before = plans(planner, range(3))
+    state_before = planner.state_dict(3)
+    assert planner.adopt_cost_model(fit) == 3
+    after = plans(planner, range(3, 8))
+    assert before == {s: flops[s] for s in range(3)}  # already planned: unchanged
+    assert after != {s: flops[s] for s in range(3, 8)}  # re-costed: other assignments
+    state = planner.state_dict(5)
+    assert state["cost_model"] == fit and state_before["cost_model"] is None
+    _, _, resumed, _ = wire(specs, tree)
+    resumed.load_state_dict(state)
+    assert plans(resumed, range(5, 8)) == {s: after[s] for s in range(5, 8)}
+    _, _, old, _ = wire(specs, tree)
+    old.load_state_dict(state_before)
+    assert plans(old, range(3, 8)) == {s: flops[s] for s in range(3, 8)}
+    with pytest.raises(Exception, match="must be finite and >= 0"):
+        planner.adopt_cost_model({**fit, "coefficients": {**fit["coefficients"], "linear_s_per_token": -1.0}})
