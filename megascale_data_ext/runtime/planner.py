@@ -13,13 +13,14 @@ token-budget steps (``config.tokens_per_step``) in `runtime.token_budget`, loss-
 the plans `megascale-data plan` wrote, refused under another config or layout) in
 `dataplane.plan_store`.
 
-Checkpoint (`StateSchema` "planner", version 4): fingerprint = the config's stream-deciding
+Checkpoint (`StateSchema` "planner", version 5): fingerprint = the config's stream-deciding
 fields (`ServiceConfig.fingerprint()`) plus the parallel layout; fields ``step`` (the next
 step to plan), ``cursors`` (next stream position per source), ``mixer`` (the Mixer's own
 state), ``reports`` (loss reports received but not yet applied, ``[[step, [loss|None per
 source]], ...]``) and ``carry`` (token mode: drawn documents or remainders not placed yet,
-``[[source, position, index, start, length, [patches]], ...]``). That is all: plans are
-recomputed from it.
+``[[source, position, index, start, length, [patches]], ...]``) and ``cost_model`` (a fit the
+running Planner adopted, `adopt_cost_model`, as its ``to_dict()``; None: the configured model).
+That is all: plans are recomputed from it.
 """
 
 from __future__ import annotations
