@@ -54,7 +54,8 @@ class TrainConfig:
 
     ``train_iters`` and ``lr`` are required; ``save_interval`` > 0 needs ``save``. ``run_dir`` keeps
     the composed config and overrides (``.hydra/``) and holds relative ``save``/``log_dir``/
-    ``tensorboard_dir``; ``tensorboard_dir`` gets rank 0's scalars every ``log_interval`` steps. Every ``eval_interval``
+    ``tensorboard_dir``; ``tensorboard_dir`` and/or the W&B project ``wandb_project`` (run ``wandb_exp_name``, files in
+``wandb_save_dir``) get rank 0's scalars every ``log_interval`` steps. Every ``eval_interval``
     steps (0 = never) and after the last, ``eval_iters`` forward-only steps of ``data.validation``'s
     held-out sources are evaluated (Megatron's ``--eval-interval`` / ``--eval-iters``). With
     ``adopt_calibration_after`` = N > 0 the running Planner balances the steps it has not planned
@@ -81,6 +82,9 @@ class TrainConfig:
     record_digests: bool = False
     run_dir: str | None = None
     tensorboard_dir: str | None = None
+    wandb_project: str | None = None
+    wandb_exp_name: str | None = None
+    wandb_save_dir: str | None = None
     log_interval: int = 1
     eval_interval: int = 0
     eval_iters: int = 1

@@ -224,14 +224,20 @@ class TrainingSession:
         return self._summary[1]
 
     def _scalar_log(self) -> Any:
-        """Rank 0's TensorBoard writer when ``train.tensorboard_dir`` is set, else None."""
-        directory = self.cfg.train.get("tensorboard_dir")
-        if self.rank != 0 or not directory:
+        """Rank 0's scalar log when ``train.tensorboard_dir`` or ``train.wandb_project`` is set, else None."""
+        tcfg = self.cfg.train
+        directory, project = tcfg.get("tensorboard_dir"), tcfg.get("wandb_project")
+        if self.rank != 0 or not (directory or project):
             return None
-        from megascale_data_ext.trainer.tensorboard import ScalarLog
+        from omegaconf import OmegaConf
 
-        return ScalarLog(directory, interval=int(self.cfg.train.get("log_interval") or 1),
-                         source_names=[s.name for s in self.service_cfg.sources])
+        from megascale_data_ext.trainer.scalar_log import ScalarLog, WandbSettings
+
+        wandb = None if not project else WandbSettings(
+            project=str(project), name=tcfg.get("wandb_exp_name"), save_dir=tcfg.get("wandb_save_dir"),
+            config=OmegaConf.to_container(self.cfg, resolve=True) if OmegaConf.is_config(self.cfg) else None)
+        return ScalarLog(directory or None, interval=int(tcfg.get("log_interval") or 1),
+                         source_names=[s.name for s in self.service_cfg.sources], wandb=wandb)
 
     def run(
         self,

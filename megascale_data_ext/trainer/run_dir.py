@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-RUN_KEYS = ("save", "log_dir", "tensorboard_dir")
+RUN_KEYS = ("save", "log_dir", "tensorboard_dir", "wandb_save_dir")
 """``train`` keys holding output paths that a relative value takes from ``train.run_dir`` (not ``load``:
 a resume reads another run's directory, named from the current directory)."""
 
@@ -38,7 +38,7 @@ def run_dir(cfg: Any) -> Path | None:
 
 
 def resolve_run_paths(cfg: Any) -> None:
-    """Put relative ``train.save``/``log_dir``/``tensorboard_dir`` inside ``train.run_dir`` (in place)."""
+    """Put relative ``train.save``/``log_dir``/``tensorboard_dir``/``wandb_save_dir`` inside ``train.run_dir`` (in place)."""
     root = run_dir(cfg)
     train = _train(cfg)
     if root is None or not train:

@@ -92,7 +92,7 @@ def test_scalar_log_writes_every_interval_and_reads_back(tmp_path):
     pytest.importorskip("tensorboard", reason="the `tensorboard` extra (installed by the test extra)")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from megascale_data_ext.trainer.tensorboard import ScalarLog
+    from megascale_data_ext.trainer.scalar_log import ScalarLog
 
     log = ScalarLog(tmp_path, interval=2, source_names=["web", "code"])
     for step in range(4):
@@ -106,3 +106,53 @@ def test_scalar_log_writes_every_interval_and_reads_back(tmp_path):
     assert [e.step for e in acc.Scalars("train/loss")] == [0, 2]
     assert acc.Scalars("train/loss_tokens_per_s")[0].value == pytest.approx(2000.0)
     assert acc.Scalars("samples/code")[0].value == 3 and acc.Scalars("balance/max_over_mean")[0].value == pytest.approx(1.01)
+
+
+def test_scalar_log_to_wandb_offline_one_log_per_step(tmp_path, monkeypatch):
+    """A real W&B run in offline mode (no network): each logged step is one `run.log` holding its
+    scalars, the evaluation's loss at its own step, the composed config as the run's config."""
+    wandb = pytest.importorskip("wandb", reason="the `wandb` extra (not in the test extra: it pulls many packages)")
+    from megascale_data_ext.trainer.scalar_log import ScalarLog, WandbSettings
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    logged: list[tuple[int, dict]] = []
+    real_init = wandb.init
+
+    def init(**kwargs):  # the real run, its `log` calls recorded on the way through
+        run = real_init(**kwargs)
+        real_log = run.log
+
+        def log(data, step=None):
+            logged.append((step, dict(data)))
+            return real_log(data, step=step)
+
+        run.log = log
+        return run
+
+    monkeypatch.setattr(wandb, "init", init)
+    log = ScalarLog(None, interval=1, source_names=["web"], wandb=WandbSettings(
+        project="megascale-test", name="r1", save_dir=str(tmp_path / "wandb"), config={"train": {"lr": 1e-3}}))
+    for step in range(2):
+        log.write(step, {"loss": 5.0 - step, "lr": 1e-3, "grad_norm": 2.0, "num_tokens": 1000, "seconds": 0.5,
+                         "data_wait_ms": 3.0, "measured_max_over_mean": 1.1},
+                  {"max_over_mean": 1.01, "vanilla_max_over_mean": 1.3, "per_source": [5]})
+    log.write_valid(2, 4.0)
+    run = log.sinks[0].run
+    assert dict(run.config)["train"] == {"lr": 1e-3} and run.name == "r1"
+    log.close()
+    assert [s for s, _ in logged] == [0, 1, 2]
+    assert logged[1][1]["train/loss"] == 4.0 and logged[1][1]["samples/web"] == 5.0
+    assert logged[1][1]["balance/measured_max_over_mean"] == pytest.approx(1.1)
+    assert logged[2][1] == {"valid/loss": 4.0, "valid/ppl": pytest.approx(np.exp(4.0))}
+    assert list((tmp_path / "wandb").rglob("*.wandb"))  # the offline run's file, for `wandb sync`
+
+
+def test_wandb_without_the_package_names_the_key(monkeypatch):
+    import sys
+
+    from megascale_data_ext.trainer.scalar_log import ScalarLog, WandbSettings
+
+    monkeypatch.setitem(sys.modules, "wandb", None)  # import wandb -> ImportError
+    with pytest.raises(ConfigError, match=r"`train.wandb_project`='p' needs the wandb package.*\[wandb\]"):
+        ScalarLog(None, interval=1, source_names=[], wandb=WandbSettings(project="p"))
