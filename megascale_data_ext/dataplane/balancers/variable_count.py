@@ -1,0 +1,152 @@
+"""Balance a step with as many micro-batches per bucket as its documents need (not exactly m).
+
+Megatron's own data-side balancer (`BalancedCPScheduler`, ``--hybrid-context-parallel``) gives
+every GPU the sequences that even out its cost and runs one forward/backward per sequence, so
+ranks run different numbers of them; that is sound where the loss is averaged per token over the
+whole step (``--calculate-per-token-loss``). `balance_variable_count` is the same freedom for the
+planner: documents are partitioned over the buckets by cost (KK), then each bucket's documents
+are packed first-fit-decreasing into micro-batches under the token cap. A micro-batch's fixed
+cost (`fixed`: kernel launches, the optimizer-free part of a forward/backward) is what the
+freedom can cost, so it is charged per micro-batch while partitioning (spread per token: a
+bucket of more tokens needs more micro-batches); then moves and swaps of single documents
+lower the most expensive bucket while they can. The cost model decides between this and exactly
+m micro-batches per bucket (`levels.balance_step`): callers plan exactly m first, plan this only
+where the exact plan is above `lower_bound`, and keep the cheaper (`cheaper_of`).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from megascale_data_ext.dataplane.balancers.karmarkar_karp import kk
+from megascale_data_ext.dataplane.balancers.levels import BalanceResult
+from megascale_data_ext.errors import PlanError
+
+__all__ = ["balance_variable_count", "cheaper_of", "lower_bound", "step_cost"]
+
+#: Documents of the most expensive bucket tried per move (each try re-packs two buckets).
+MOVE_CANDIDATES = 24
+
+
+def _pack(tokens: np.ndarray, members: np.ndarray, cap: int) -> np.ndarray:
+    """First-fit decreasing of `members` (by tokens) into bins of at most `cap` tokens: each
+    member's bin index."""
+    order = members[np.argsort(-tokens[members], kind="stable")]
+    room: list[int] = []
+    out = np.empty(len(tokens), dtype=np.int64)
+    for i in order.tolist():
+        t = int(tokens[i])
+        j = next((b for b, r in enumerate(room) if r >= t), None)
+        if j is None:
+            room.append(cap - t)
+            j = len(room) - 1
+        else:
+            room[j] -= t
+        out[i] = j
+    return out[members]
+
+
+def step_cost(res: BalanceResult, fixed: float) -> np.ndarray:
+    """Per bucket: its documents' cost plus `fixed` per non-empty micro-batch."""
+    k, m = res.bin_cost.shape
+    used = np.bincount(res.bucket * m + res.microbatch, minlength=k * m).reshape(k, m) > 0
+    return res.bucket_cost + fixed * used.sum(axis=1)
+
+
+def balance_variable_count(costs: np.ndarray, tokens: np.ndarray, num_buckets: int, cap: int, *,
+                           fixed: float = 0.0) -> BalanceResult:
+    """Documents to buckets by cost, each bucket's packed under `cap` into as many micro-batches
+    as it needs; `bin_cost` has as many columns as the fullest bucket (empty ones cost 0).
+
+    Raises:
+        PlanError: A document longer than `cap` (it fits no micro-batch).
+    """
+    costs = np.asarray(costs, dtype=np.float64)
+    tokens = np.asarray(tokens, dtype=np.int64)
+    k = int(num_buckets)
+    if tokens.size and int(tokens.max()) > cap:
+        raise PlanError(f"a document of {int(tokens.max())} tokens exceeds the micro-batch cap {cap}")
+    weight = costs + fixed * tokens / max(cap, 1)  # a micro-batch's fixed cost, spread over its tokens
+    bucket = kk(weight, k) if tokens.size else np.zeros(0, dtype=np.int64)
+    bucket = _improve(bucket, costs, tokens, k, cap, fixed)
+    microbatch = np.zeros(len(tokens), dtype=np.int64)
+    for b in range(k):
+        members = np.flatnonzero(bucket == b)
+        if members.size:
+            microbatch[members] = _pack(tokens, members, cap)
+    m = int(microbatch.max()) + 1 if tokens.size else 1
+    bin_cost = np.zeros((k, m))
+    bin_tokens = np.zeros((k, m))
+    np.add.at(bin_cost, (bucket, microbatch), costs)
+    np.add.at(bin_tokens, (bucket, microbatch), tokens)
+    return BalanceResult(bucket=bucket, microbatch=microbatch, bucket_cost=bin_cost.sum(axis=1), bin_cost=bin_cost,
+                         bin_tokens=bin_tokens, keep_order=True, costs=costs)
+
+
+def _bucket_cost(members: np.ndarray, costs: np.ndarray, tokens: np.ndarray, cap: int, fixed: float) -> float:
+    """A bucket's cost while moving documents: the micro-batches it needs at least (its tokens over
+    the cap; first-fit decreasing, run once at the end, rarely needs more with short documents)."""
+    if not members.size:
+        return 0.0
+    return float(costs[members].sum()) + fixed * -(-int(tokens[members].sum()) // cap)
+
+
+def lower_bound(costs: np.ndarray, tokens: np.ndarray, num_buckets: int, cap: int, fixed: float) -> float:
+    """No plan with any number of micro-batches per bucket has a cheaper most expensive bucket: the
+    mean bucket with the fewest micro-batches the tokens need, or the costliest document alone.
+    Where exactly m per bucket already reaches it, the variable plan need not be made."""
+    if not len(costs):
+        return 0.0
+    bins = -(-int(np.sum(tokens)) // cap)
+    return max((float(np.sum(costs)) + fixed * bins) / num_buckets, float(np.max(costs)) + fixed)
+
+
+def _improve(bucket: np.ndarray, costs: np.ndarray, tokens: np.ndarray, k: int, cap: int, fixed: float,
+             rounds: int = 64) -> np.ndarray:
+    """Lower the most expensive bucket while possible: move one of its documents to the cheapest
+    bucket, or swap one for a cheaper document there (the pair whose difference is closest to
+    half the gap); micro-batches counted exactly."""
+    bucket = bucket.copy()
+    members = [np.flatnonzero(bucket == b) for b in range(k)]
+    cost = np.array([_bucket_cost(m, costs, tokens, cap, fixed) for m in members])
+    for _ in range(rounds):
+        hi, lo = int(np.argmax(cost)), int(np.argmin(cost))
+        if hi == lo or not members[hi].size:
+            break
+        ranked = members[hi][np.argsort(costs[members[hi]], kind="stable")]
+        tried = ranked[np.unique(np.linspace(0, len(ranked) - 1, min(len(ranked), MOVE_CANDIDATES)).astype(int))]
+        low = members[lo][np.argsort(costs[members[lo]], kind="stable")]
+        half = 0.5 * (cost[hi] - cost[lo])
+        best = None
+        for a in tried.tolist():  # up to MOVE_CANDIDATES documents, spread over the bucket's costs
+            options = [(a, None)]
+            if low.size:  # the document of the cheap bucket that best evens the two when swapped
+                j = int(np.searchsorted(costs[low], costs[a] - half))
+                options += [(a, int(low[x])) for x in {max(0, j - 1), min(len(low) - 1, j)}
+                            if costs[low[x]] < costs[a]]
+            for a_, b in options:
+                keep_hi = members[hi][members[hi] != a_]
+                keep_lo = members[lo] if b is None else members[lo][members[lo] != b]
+                new_hi = _bucket_cost(keep_hi if b is None else np.append(keep_hi, b), costs, tokens, cap, fixed)
+                new_lo = _bucket_cost(np.append(keep_lo, a_), costs, tokens, cap, fixed)
+                worst = max(new_hi, new_lo)
+                if worst < cost[hi] - 1e-12 and (best is None or worst < best[0]):
+                    best = (worst, a_, b, new_hi, new_lo)
+        if best is None:
+            break
+        _, a, b, cost[hi], cost[lo] = best
+        bucket[a] = lo
+        members[hi] = members[hi][members[hi] != a]
+        members[lo] = np.append(members[lo], a)
+        if b is not None:
+            bucket[b] = hi
+            members[lo] = members[lo][members[lo] != b]
+            members[hi] = np.append(members[hi], b)
+    return bucket
+
+
+def cheaper_of(exact: BalanceResult, variable: BalanceResult, fixed: float) -> tuple[BalanceResult, str]:
+    """The plan whose most expensive bucket costs less (ties: exactly m), and which it was."""
+    if float(step_cost(variable, fixed).max()) < float(step_cost(exact, fixed).max()):
+        return variable, "variable"
+    return exact, "exact"
