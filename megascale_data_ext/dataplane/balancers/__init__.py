@@ -7,7 +7,8 @@ over buckets and micro-batches (`balance_step`) live in `levels`.
 
 Modules, each importing only those before it: `bins` (bin state, caps, input checks),
 `merge` (balanced merge of sorted k-tuples), `lpt`, `karmarkar_karp`, `registry` (names,
-`partition`), `levels`.
+`partition`), `levels`, `variable_count` (as many micro-batches per bucket as its documents
+need, where the loss is per token).
 """
 
 from megascale_data_ext.dataplane.balancers.karmarkar_karp import kk
