@@ -15,6 +15,7 @@ the service's actors by name there, so two would collide.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shlex
 import signal
@@ -239,17 +240,18 @@ def _serve(args: argparse.Namespace, service_cfg: Any, tree: Any, validation: Va
                                     progress=lambda line: print_progress("validation service: " + line)))
     # Megatron's get_batch broadcasts over TP only; a service planned otherwise is refused now, not by every rank.
     service_topology(tree, ProviderConfig(namespace=service.topology.namespace, topology=service.topology))
-    rc, handles = 0, None
+    rc, handles, held_out = 0, None, None
     try:
         join_ray(service_cfg.ray)
         _catch_signals()  # again: ray.init's SIGTERM handler exits with 15 after a C++ stack dump
         address = ray.get_runtime_context().gcs_address
         for svc in services:
             refuse_duplicate(svc.topology.namespace, address)
+        held_out = services[1].start_in_background() if validation is not None else None  # beside the training one
         handles = service.start()
         env = connect_env(handles, service_cfg.num_microbatches)
-        if validation is not None:
-            env[ENV_VALID_NAMESPACE] = services[1].start().namespace
+        if held_out is not None:
+            env[ENV_VALID_NAMESPACE] = held_out.result().namespace
         if args.env_file is not None:
             args.env_file.write_text("".join(f"export {k}={shlex.quote(v)}\n" for k, v in env.items()))
         print(describe(tree, service_cfg, handles, env, os.getpid(), validation), flush=True)
@@ -267,6 +269,9 @@ def _serve(args: argparse.Namespace, service_cfg: Any, tree: Any, validation: Va
     except MegascaleDataError as exc:
         rc = fail(exc)
     finally:
+        if held_out is not None:  # its actors are all started (or it failed) before anything is stopped
+            with contextlib.suppress(Exception):
+                held_out.result()
         if ray.is_initialized():
             namespaces = [svc.topology.namespace for svc in services]
             left = []
