@@ -8,9 +8,9 @@ sub-sample. Here it runs planning only, on a stand-in process group of `gpus` ra
 the project's planner at one CP size (CP 1: every document of these batches fits one GPU's
 cap): KK at the interleaved level, exactly m microbatches per GPU under the cap, as
 `LLMBalance` — and, as Megatron's condition for its own scheduler (a per-token loss) allows,
-as many microbatches per GPU as its documents need (`balancers.variable_count`), planned only
-where the exact plan is above what any count could reach; the cost model picks the cheaper
-(`planner_max`; each is also reported). Vanilla is Megatron's fixed windows of cap tokens cut from the same documents,
+as many microbatches per GPU as its documents need (`balancers.variable_count`); where that
+plan stays above what any count could reach, exactly m is planned too and the cost model keeps
+the cheaper (`planner_max`, timed as `planner_ms`; both plans' costs are also reported). Vanilla is Megatron's fixed windows of cap tokens cut from the same documents,
 attention over the whole window, window w to GPU w mod `gpus`.
 
 Per GPU the cost of the step is summed under one of two cost models (`megatron_max`, as the
@@ -44,6 +44,8 @@ from megascale_data_ext.dataplane.workloads import fill_workload, megatron_windo
 #: The H100 profile-step fit (hidden 2048, 8 layers, bf16, flash varlen; docs/results/gpu_balance.json).
 H100_FIT = {"fixed_s": 0.0398, "linear_s_per_token": 4.125e-6, "quadratic_s_per_token2": 2.564e-10}
 COST_MODELS = ("s2", "calibrated")
+#: A variable-count plan within this factor of the lower bound is kept without planning exactly m.
+BOUND_SLACK = 1.001
 
 
 @dataclass(slots=True, kw_only=True)
@@ -55,7 +57,7 @@ class VsRow:
     batches: int
     planner_max: float
     planner_exact_max: float
-    planner_variable_max: float | None
+    planner_variable_max: float
     variable_chosen: float
     megatron_max: float
     megatron_step: float
@@ -123,18 +125,25 @@ def planner_gpu_costs(lens: np.ndarray, gpus: int, m: int, cap: int, model: str)
     return step_cost(res, fixed), ms
 
 
-def planner_variable_gpu_costs(lens: np.ndarray, gpus: int, cap: int, model: str, exact_max: float
-                               ) -> tuple[np.ndarray | None, float]:
-    """Per-GPU cost of the variable-count plan, or None where the exact plan already reaches the
-    lower bound of any count (not planned then), and its ms (the bound's check included)."""
+def planner_per_token_gpu_costs(lens: np.ndarray, gpus: int, m: int, cap: int, model: str
+                                ) -> tuple[np.ndarray, str, float, np.ndarray | None]:
+    """What the planner does where the loss is per token: as many microbatches per GPU as its
+    documents need, unless that plan stays above the bound any count can reach (`lower_bound`,
+    within 0.1 %), in which case exactly m is planned too and the cheaper kept. Returns the chosen
+    per-GPU costs, which it was (``"variable"`` / ``"exact"``), the planning ms of this decision,
+    and the variable plan's costs."""
     fixed, linear, quad = _terms(model)
     s = lens.astype(np.float64)
     costs = linear * s + quad * s * s
     t0 = time.perf_counter()
-    if exact_max <= lower_bound(costs, lens, gpus, cap, fixed) * (1 + 1e-9):
-        return None, (time.perf_counter() - t0) * 1e3
-    res = balance_variable_count(costs, lens, gpus, cap, fixed=fixed)
-    return step_cost(res, fixed), (time.perf_counter() - t0) * 1e3
+    variable = step_cost(balance_variable_count(costs, lens, gpus, cap, fixed=fixed), fixed)
+    if variable.max() <= lower_bound(costs, lens, gpus, cap, fixed) * BOUND_SLACK:
+        return variable, "variable", (time.perf_counter() - t0) * 1e3, variable
+    res = balance_step(costs, tokens=lens, num_buckets=gpus, num_microbatches=m, cap=cap, method="kk",
+                       level="interleaved")
+    exact = step_cost(res, fixed)
+    ms = (time.perf_counter() - t0) * 1e3
+    return (variable, "variable", ms, variable) if variable.max() < exact.max() else (exact, "exact", ms, variable)
 
 
 def vanilla_gpu_costs(lens: np.ndarray, gpus: int, cap: int, model: str) -> np.ndarray:
@@ -155,14 +164,11 @@ def compare(workload: str, gpus: int, cap: int, model: str, *, m: int = 4, batch
     e_max, var_max, chose = [], [], []
     for b in range(batches):
         lens = fill_workload(workload, int(fill * gpus * m * cap), seed=seed + b, context=cap).seq_lens()
-        exact, pms = planner_gpu_costs(lens, gpus, m, cap, model)
-        variable, vms = planner_variable_gpu_costs(lens, gpus, cap, model, float(exact.max()))
-        pms += vms
+        exact, _ = planner_gpu_costs(lens, gpus, m, cap, model)  # reported beside the choice
+        planner, which, pms, variable = planner_per_token_gpu_costs(lens, gpus, m, cap, model)
         e_max.append(float(exact.max()))
-        if variable is not None:
-            var_max.append(float(variable.max()))
-        chose.append(variable is not None and variable.max() < exact.max())
-        planner = variable if chose[-1] else exact
+        var_max.append(float(variable.max()))
+        chose.append(which == "variable")
         megatron, gstep, gms = megatron_gpu_costs(lens, gpus, cap, model)
         vanilla = vanilla_gpu_costs(lens, gpus, cap, model)
         p_max.append(planner.max())
@@ -176,7 +182,7 @@ def compare(workload: str, gpus: int, cap: int, model: str, *, m: int = 4, batch
     med = statistics.median
     return VsRow(workload=workload, gpus=gpus, cap=cap, cost_model=model, batches=batches,
                  planner_max=med(p_max), planner_exact_max=med(e_max),
-                 planner_variable_max=med(var_max) if var_max else None, variable_chosen=sum(chose) / len(chose),
+                 planner_variable_max=med(var_max), variable_chosen=sum(chose) / len(chose),
                  megatron_max=med(g_max), megatron_step=med(g_step), vanilla_max=med(v_max),
                  planner_max_over_mean=med(p_mom), megatron_max_over_mean=med(g_mom),
                  planner_ms=med(p_ms), megatron_ms=med(g_ms))

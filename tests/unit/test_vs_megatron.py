@@ -50,24 +50,26 @@ def test_with_any_count_of_microbatches_the_planner_reaches_megatrons_balance_un
         lens = fill_workload("coyo", int(0.9 * 16 * 4 * 2048), seed=seed, context=2048).seq_lens()
         exact, _ = vs.planner_gpu_costs(lens, 16, 4, 2048, "s2")
         megatron, _, _ = vs.megatron_gpu_costs(lens, 16, 2048, "s2")
-        variable, _ = vs.planner_variable_gpu_costs(lens, 16, 2048, "s2", float(exact.max()))
+        chosen, which, _, variable = vs.planner_per_token_gpu_costs(lens, 16, 4, 2048, "s2")
         assert exact.max() > megatron.max() * 1.01  # the exact-m plan loses
-        assert variable is not None and variable.max() <= megatron.max() * 1.0005
+        assert which == "variable" and chosen.max() == variable.max() <= megatron.max() * 1.0005
     row = vs.compare("coyo", 16, 2048, "s2", batches=2)
     assert row.variable_chosen == 1.0 and row.planner_max == row.planner_variable_max < row.planner_exact_max
 
 
-def test_the_variable_plan_is_not_made_where_exactly_m_already_reaches_the_bound() -> None:
-    lens = fill_workload("navit", int(0.9 * 8 * 4 * 4096), seed=1, context=4096).seq_lens()
-    exact, _ = vs.planner_gpu_costs(lens, 8, 4, 4096, "calibrated")  # the fixed term per microbatch dominates
-    variable, _ = vs.planner_variable_gpu_costs(lens, 8, 4096, "calibrated", float(exact.max()))
-    fixed, linear, quad = vs._terms("calibrated")
-    s = lens.astype(float)
+def test_the_cost_model_keeps_exactly_m_where_a_variable_count_does_not_pay() -> None:
+    """With a large fixed cost per microbatch and documents that fill m microbatches per GPU, the
+    variable plan cannot beat the bound; exactly m is planned too and kept when it is cheaper."""
     from megascale_data_ext.dataplane.balancers.variable_count import lower_bound
 
-    bound = lower_bound(linear * s + quad * s * s, lens, 8, 4096, fixed)
-    assert variable is None or variable.max() < exact.max()
-    assert exact.max() >= bound  # nothing beats the bound
+    lens = np.full(64, 1000)  # 8 GPUs x 4 microbatches x 2 documents of 1000 tokens under a 2048 cap
+    chosen, which, _, variable = vs.planner_per_token_gpu_costs(lens, 8, 4, 2048, "calibrated")
+    exact, _ = vs.planner_gpu_costs(lens, 8, 4, 2048, "calibrated")
+    fixed, linear, quad = vs._terms("calibrated")
+    s = lens.astype(float)
+    assert chosen.max() == min(exact.max(), variable.max())
+    assert chosen.max() >= lower_bound(linear * s + quad * s * s, lens, 8, 2048, fixed) * (1 - 1e-9)
+    assert which in ("exact", "variable")
 
 
 def test_variable_count_plan_keeps_every_document_once_under_the_cap() -> None:
