@@ -21,7 +21,8 @@ World (paper Table 2: Llama-12B + ViT-2B, navit, 8k tokens, "batch 72 per GPU"):
   #GPUs divides by 32, else PP2; `--pp` overrides.
 * 4 simulated sources, mixing weights 0.4 / 0.3 / 0.2 / 0.1, deterministic mixing;
   m = ceil(samples per DP x mean sequence length / (8192 x 0.9)) packed microbatches per DP
-  rank (`bench planner`'s FILL), token cap 8192, `overflow="defer"`; Megatron's reading
+  rank (`bench planner`'s FILL), token cap 8192, `overflow="defer"`; the strategy's own
+  balancers (`VLMBalance`'s defaults: KK for the sequences, greedy for the images); Megatron's reading
   stages (first and last; `--middle-stage-masks` adds the middle ones); no attention mask
   (THD kernels with `cu_seqlens`).
 
@@ -34,7 +35,9 @@ Times: `plan()` of `--steps` steps after one warm-up step, median. ``planner_s``
 minus the time spent inside the simulated ``summarize`` (generating metadata stands in for a
 loader RPC and is reported as ``summarize_s``); ``plan_call_s`` is the whole call and
 ``planner_cpu_s`` the planner's thread CPU time (wall time on a shared machine includes waiting
-for a core and page faults; CPU time excludes the waiting). For Table 2
+for a core and page faults; CPU time excludes the waiting). ``serve_s`` is what the Planner
+actor also does per step, measured: every constructor's and loader's view of the plan, pickled
+as Ray ships a reply (`serving_seconds`); ``planner_with_serving_s`` adds it. For Table 2
 the cost() and balance() phases are also timed with `bench planner`'s own helper
 (`time_setup`) on an equal-size navit batch. ``plan_peak_mib`` is the tracemalloc peak of one
 more plan() call.
@@ -50,6 +53,7 @@ import argparse
 import inspect
 import json
 import math
+import pickle
 import resource
 import statistics
 import sys
@@ -92,8 +96,9 @@ PER_GPU = 72
 WORKLOAD = "navit"
 WEIGHTS: tuple[float, ...] = (0.4, 0.3, 0.2, 0.1)
 BROADCAST = {"tp": ("tp",), "tp-cp": ("tp", "cp")}
-STRATEGY_ARGS: dict[str, Any] = {"model": "llama-12b", "encoder_model": "vit-2b", "method": "greedy",
-                                 "level": "interleaved", "encoder_method": "greedy"}
+STRATEGY_ARGS: dict[str, Any] = {"model": "llama-12b", "encoder_model": "vit-2b", "level": "interleaved"}
+"""The balancers are the strategy's own defaults (`VLMBalance`: KK for the backbone, greedy for the
+encoder), as a run configured with ``strategy: vlm_balance`` plans."""
 # Paper Table 2 (see ../shared/WORKLOADS.md): cost()/balance() from bench planner's TABLE2, iteration s here.
 PAPER: dict[int, dict[str, float]] = {
     TABLE2[0].world: {"cost_s": TABLE2[0].paper_cost_s, "balance_s": TABLE2[0].paper_balance_s, "iteration_s": 14.31},
@@ -103,6 +108,7 @@ PAPER_WHAT = "Table 2 balance() s (Llama-12B + ViT-2B, navit, 8k, batch 72 per G
 MEASURED_FIELDS: tuple[str, ...] = (
     "planner_s", "planner_min_s", "planner_cpu_s", "plan_call_s", "summarize_s", "planner_selective_s", "bench_cost_s",
     "bench_balance_s", "bench_balance_cpu_s", "plan_peak_mib", "rss_peak_mib", "wall_s", "steps_planner_s",
+    "serve_s", "planner_with_serving_s",
 )
 """Row fields that are timings or memory measurements (everything else is a function of the seed)."""
 
@@ -251,6 +257,18 @@ def build_planner(layout: Layout, sources: Sequence[SimulatedSource],
 
 
 # ------------------------------------------------------------------ one row
+def serving_seconds(plan: StepPlan, topology: Any, num_sources: int) -> float:
+    """The Planner's own work to hand one step out, as its actor does on each call, measured:
+    every constructor's view of its buckets and every source's loader view, each pickled as Ray
+    ships a reply (the round trips themselves, ~0.1-1 ms each on the callers' side, are not in it)."""
+    t0 = time.perf_counter()
+    for group in topology.constructor_groups:
+        for bucket in group:
+            pickle.dumps(plan.constructor_do_plan(bucket), protocol=pickle.HIGHEST_PROTOCOL)
+    pickle.dumps(plan.loader_do_plans(range(num_sources)), protocol=pickle.HIGHEST_PROTOCOL)
+    return time.perf_counter() - t0
+
+
 def simulate_row(gpus: int, args: argparse.Namespace, bar: tqdm) -> dict[str, Any]:
     t_row = time.perf_counter()
     layout = layout_for(gpus, args.pp)
@@ -261,6 +279,8 @@ def simulate_row(gpus: int, args: argparse.Namespace, bar: tqdm) -> dict[str, An
     patch_dim = patch_size * patch_size * 3
     kw = dict(seed=args.seed, num_microbatches=m, patch_size=patch_size, middle_stage_masks=args.middle_stage_masks)
     planners = {name: build_planner(layout, sources, broadcast=dims, **kw) for name, dims in BROADCAST.items()}
+    strategy = planners["tp"][0].strategy
+    effective = {"method": strategy.backbone.method, "encoder_method": strategy.encoder_method}
     stages = reading_stages(layout.pp, args.middle_stage_masks)
 
     steps = max(1, args.steps)
@@ -302,6 +322,7 @@ def simulate_row(gpus: int, args: argparse.Namespace, bar: tqdm) -> dict[str, An
             "encoder_max_over_mean": round(float(enc_costs.max() / enc_costs.mean()), 6),
         })
     last = planners["tp"][0].plan(steps)
+    serve_s = serving_seconds(last, planners["tp"][0].topology, len(sources))
     tracemalloc.start()
     planners["tp"][0].plan(steps + 1)
     _, peak = tracemalloc.get_traced_memory()
@@ -332,6 +353,9 @@ def simulate_row(gpus: int, args: argparse.Namespace, bar: tqdm) -> dict[str, An
         "planner_s": statistics.median(own_s["tp"]),
         "planner_min_s": min(own_s["tp"]),
         "planner_cpu_s": statistics.median(own_cpu_s),
+        "serve_s": serve_s,
+        "planner_with_serving_s": statistics.median(own_s["tp"]) + serve_s,
+        "balancers": {"backbone": effective["method"], "encoder": effective["encoder_method"]},
         "plan_call_s": statistics.median(plan_s["tp"]),
         "summarize_s": statistics.median(summ_s),
         "planner_selective_s": statistics.median(own_s["tp-cp"]),
@@ -374,9 +398,9 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     lines = [
         "| GPUs | layout | samples / images per step | m | paper cost() / balance() s (iteration s) "
         "| bench cost() + balance() ms | planner s wall / CPU "
-        "(plan() s) | fetchers TP → TP·CP | GB/step TP → TP·CP | of which sequence fields GB | encoder GB/step "
+        "(plan() s) | + serving s | fetchers TP → TP·CP | GB/step TP → TP·CP | of which sequence fields GB | encoder GB/step "
         "| plan MiB (peak) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lay = Layout(**r["layout"])
@@ -385,7 +409,7 @@ def format_table(rows: list[dict[str, Any]]) -> str:
         cells = [
             f"{r['gpus']:,}", str(lay), f"{r['samples_per_step']:,} / {r['images_per_step']:,.0f}",
             str(r["microbatches_per_dp"]), paper, f"{r['bench_cost_s'] * 1e3:.2f} + {r['bench_balance_s'] * 1e3:.2f}",
-            f"{r['planner_s']:.3f} / {r['planner_cpu_s']:.3f} ({r['plan_call_s']:.3f})",
+            f"{r['planner_s']:.3f} / {r['planner_cpu_s']:.3f} ({r['plan_call_s']:.3f})", f"{r['serve_s']:.3f}",
             f"{r['fetchers']:,} → {r['fetchers_selective']:,}",
             f"{_gb(r['bytes_per_step'])} → {_gb(r['bytes_per_step_selective'])}",
             _gb(r["bytes_breakdown"]["sequence"]), _gb(r["encoder_bytes_per_step"]),
