@@ -179,13 +179,14 @@ class StepPlan:
     def constructor_do_plan(self, bucket: int) -> ConstructorPlan:
         rows = np.flatnonzero(self.bucket == bucket)
         mbs: list[list[SampleRef]] = [[] for _ in range(self.num_microbatches)]
-        spans = self.span_start is not None
-        for r in rows.tolist():
-            mbs[int(self.microbatch[r])].append(
-                SampleRef(source=int(self.source[r]), position=int(self.position[r]), index=int(self.index[r]),
-                          start=int(self.span_start[r]) if spans else 0,
-                          stop=int(self.span_stop[r]) if spans else None)
-            )
+        columns = [self.microbatch[rows].tolist(), self.source[rows].tolist(), self.position[rows].tolist(),
+                   self.index[rows].tolist()]
+        if self.span_start is not None:
+            columns += [self.span_start[rows].tolist(), self.span_stop[rows].tolist()]
+        else:
+            columns += [[0] * len(rows), [None] * len(rows)]
+        for j, source, position, index, start, stop in zip(*columns, strict=True):  # plain ints: one pass
+            mbs[j].append(SampleRef(source=source, position=position, index=index, start=start, stop=stop))
         return ConstructorPlan(step=self.step, bucket=bucket, microbatches=mbs, ranks=self.bucket_ranks[bucket],
                                cap=self.cap, encoder=self.encoder is not None)
 
