@@ -43,14 +43,43 @@ class LoaderPlan:
 
 @dataclass(slots=True, kw_only=True)
 class ConstructorPlan:
-    """What one Data Constructor assembles for a step: `microbatches[j]` in delivery order."""
+    """What one Data Constructor assembles for a step: `microbatches[j]` in delivery order.
+
+    It travels as one int64 array, a row per sample in plan order (`COLUMNS`; ``stop`` -1 = the
+    whole sample), so the Planner's reply to each constructor is a copy of plain memory, not
+    hundreds of thousands of Python objects at 4,096 GPUs; the `SampleRef`s are built where the
+    plan is used, once.
+    """
+
+    COLUMNS = ("microbatch", "source", "position", "index", "start", "stop")
 
     step: int
     bucket: int
-    microbatches: list[list[SampleRef]]
+    rows: np.ndarray  # int64 [samples, len(COLUMNS)]
+    num_microbatches: int
     ranks: tuple[int, ...]
     cap: int | None = None  # token cap the planner packed under; None = no cap (vanilla)
     encoder: bool = False  # the step has an EncoderPlan (images to hand to encoder ranks)
+    _refs: list[list[SampleRef]] | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def microbatches(self) -> list[list[SampleRef]]:
+        """Per microbatch, its samples in delivery order."""
+        if self._refs is None:
+            mbs: list[list[SampleRef]] = [[] for _ in range(self.num_microbatches)]
+            for j, source, position, index, start, stop in self.rows.tolist():
+                mbs[j].append(SampleRef(source=source, position=position, index=index, start=start,
+                                        stop=None if stop < 0 else stop))
+            self._refs = mbs
+        return self._refs
+
+    def __getstate__(self) -> dict:  # the rows travel, the references are rebuilt where used
+        return {f: getattr(self, f) for f in ("step", "bucket", "rows", "num_microbatches", "ranks", "cap", "encoder")}
+
+    def __setstate__(self, state: dict) -> None:
+        for k, v in state.items():
+            object.__setattr__(self, k, v)
+        self._refs = None
 
 
 @dataclass(slots=True, kw_only=True)
@@ -178,17 +207,15 @@ class StepPlan:
 
     def constructor_do_plan(self, bucket: int) -> ConstructorPlan:
         rows = np.flatnonzero(self.bucket == bucket)
-        mbs: list[list[SampleRef]] = [[] for _ in range(self.num_microbatches)]
-        columns = [self.microbatch[rows].tolist(), self.source[rows].tolist(), self.position[rows].tolist(),
-                   self.index[rows].tolist()]
+        table = np.empty((len(rows), len(ConstructorPlan.COLUMNS)), dtype=np.int64)
+        table[:, 0], table[:, 1] = self.microbatch[rows], self.source[rows]
+        table[:, 2], table[:, 3] = self.position[rows], self.index[rows]
         if self.span_start is not None:
-            columns += [self.span_start[rows].tolist(), self.span_stop[rows].tolist()]
+            table[:, 4], table[:, 5] = self.span_start[rows], self.span_stop[rows]
         else:
-            columns += [[0] * len(rows), [None] * len(rows)]
-        for j, source, position, index, start, stop in zip(*columns, strict=True):  # plain ints: one pass
-            mbs[j].append(SampleRef(source=source, position=position, index=index, start=start, stop=stop))
-        return ConstructorPlan(step=self.step, bucket=bucket, microbatches=mbs, ranks=self.bucket_ranks[bucket],
-                               cap=self.cap, encoder=self.encoder is not None)
+            table[:, 4], table[:, 5] = 0, -1
+        return ConstructorPlan(step=self.step, bucket=bucket, rows=table, num_microbatches=self.num_microbatches,
+                               ranks=self.bucket_ranks[bucket], cap=self.cap, encoder=self.encoder is not None)
 
     def summary(self) -> dict[str, float | int | list[int]]:
         """Numbers worth printing per step: sizes, balance and per-source counts."""
