@@ -24,8 +24,10 @@ from megascale_data_ext.errors import PlanError
 
 __all__ = ["balance_variable_count", "cheaper_of", "lower_bound", "step_cost"]
 
-#: Documents of the most expensive bucket tried per move (each with a move and two swaps).
+#: Documents of the most expensive bucket tried per move (each with a move and two swaps) ...
 MOVE_CANDIDATES = 24
+#: ... against each of this many of the cheapest buckets.
+PARTNERS = 4
 
 
 def _pack(tokens: np.ndarray, members: np.ndarray, cap: int) -> np.ndarray:
@@ -95,8 +97,8 @@ def lower_bound(costs: np.ndarray, tokens: np.ndarray, num_buckets: int, cap: in
 
 def _improve(bucket: np.ndarray, costs: np.ndarray, tokens: np.ndarray, k: int, cap: int, fixed: float,
              rounds: int | None = None) -> np.ndarray:
-    """Lower the most expensive bucket while possible: move one of its documents to the cheapest
-    bucket, or swap one for a cheaper document there (the pair whose difference is closest to
+    """Lower the most expensive bucket while possible: move one of its documents to one of the
+    cheapest buckets, or swap one for a cheaper document there (the pair whose difference is closest to
     half the gap). A bucket's cost while moving: its documents' costs plus `fixed` per micro-batch
     its tokens need at least (first-fit decreasing, run once at the end, rarely needs more with
     short documents); sums per bucket make each try O(1)."""
@@ -110,31 +112,34 @@ def _improve(bucket: np.ndarray, costs: np.ndarray, tokens: np.ndarray, k: int, 
     cost = np.array([total(csum[b], int(tsum[b])) for b in range(k)])
     members = [np.flatnonzero(bucket == b) for b in range(k)]
     for _ in range(rounds or 8 * k):
-        hi, lo = int(np.argmax(cost)), int(np.argmin(cost))
-        if hi == lo or not members[hi].size:
+        hi = int(np.argmax(cost))
+        if not members[hi].size:
             break
         ranked = members[hi][np.argsort(costs[members[hi]], kind="stable")]
         tried = ranked[np.unique(np.linspace(0, len(ranked) - 1, min(len(ranked), MOVE_CANDIDATES)).astype(int))]
-        low = members[lo][np.argsort(costs[members[lo]], kind="stable")]
-        low_costs = costs[low]
-        half = 0.5 * (cost[hi] - cost[lo])
         best = None
-        for a in tried.tolist():  # up to MOVE_CANDIDATES documents, spread over the bucket's costs
-            ca, ta = float(costs[a]), int(tokens[a])
-            options = [None]
-            if low.size:  # the documents of the cheap bucket that best even the two when swapped
-                j = int(np.searchsorted(low_costs, ca - half))
-                options += [int(low[x]) for x in {max(0, j - 1), min(len(low) - 1, j)} if low_costs[x] < ca]
-            for b in options:
-                cb, tb = (0.0, 0) if b is None else (float(costs[b]), int(tokens[b]))
-                new_hi = total(csum[hi] - ca + cb, int(tsum[hi]) - ta + tb)
-                new_lo = total(csum[lo] + ca - cb, int(tsum[lo]) + ta - tb)
-                worst = max(new_hi, new_lo)
-                if worst < cost[hi] - 1e-12 and (best is None or worst < best[0]):
-                    best = (worst, a, b, new_hi, new_lo)
+        for lo in np.argsort(cost, kind="stable")[:PARTNERS].tolist():  # the cheapest buckets as partners
+            if lo == hi:
+                continue
+            low = members[lo][np.argsort(costs[members[lo]], kind="stable")]
+            low_costs = costs[low]
+            half = 0.5 * (cost[hi] - cost[lo])
+            for a in tried.tolist():  # up to MOVE_CANDIDATES documents, spread over the bucket's costs
+                ca, ta = float(costs[a]), int(tokens[a])
+                options = [None]
+                if low.size:  # the documents of the cheap bucket that best even the two when swapped
+                    j = int(np.searchsorted(low_costs, ca - half))
+                    options += [int(low[x]) for x in {max(0, j - 1), min(len(low) - 1, j)} if low_costs[x] < ca]
+                for b in options:
+                    cb, tb = (0.0, 0) if b is None else (float(costs[b]), int(tokens[b]))
+                    new_hi = total(csum[hi] - ca + cb, int(tsum[hi]) - ta + tb)
+                    new_lo = total(csum[lo] + ca - cb, int(tsum[lo]) + ta - tb)
+                    worst = max(new_hi, new_lo)
+                    if worst < cost[hi] - 1e-12 and (best is None or worst < best[0]):
+                        best = (worst, a, b, lo, new_hi, new_lo)
         if best is None:
             break
-        _, a, b, cost[hi], cost[lo] = best
+        _, a, b, lo, cost[hi], cost[lo] = best
         moved = [(a, hi, lo)] + ([] if b is None else [(b, lo, hi)])
         for i, src, dst in moved:
             bucket[i] = dst
