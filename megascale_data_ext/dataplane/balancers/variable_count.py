@@ -10,8 +10,9 @@ cost (`fixed`: kernel launches, the optimizer-free part of a forward/backward) i
 freedom can cost, so it is charged per micro-batch while partitioning (spread per token: a
 bucket of more tokens needs more micro-batches); then moves and swaps of single documents
 lower the most expensive bucket while they can. The cost model decides between this and exactly
-m micro-batches per bucket (`levels.balance_step`): callers plan exactly m first, plan this only
-where the exact plan is above `lower_bound`, and keep the cheaper (`cheaper_of`).
+m micro-batches per bucket (`levels.balance_step`): a caller plans this first, plans exactly m too
+only where this stays above `lower_bound`, and keeps the cheaper by `step_cost` (as `bench balance
+--vs megatron` does: `commands._vs_megatron.planner_per_token_gpu_costs`).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from megascale_data_ext.dataplane.balancers.karmarkar_karp import kk
 from megascale_data_ext.dataplane.balancers.levels import BalanceResult
 from megascale_data_ext.errors import PlanError
 
-__all__ = ["balance_variable_count", "cheaper_of", "lower_bound", "step_cost"]
+__all__ = ["balance_variable_count", "lower_bound", "step_cost"]
 
 #: Documents of the most expensive bucket tried per move (each with a move and two swaps) ...
 MOVE_CANDIDATES = 24
@@ -150,10 +151,3 @@ def _improve(bucket: np.ndarray, costs: np.ndarray, tokens: np.ndarray, k: int, 
             members[src] = members[src][members[src] != i]
             members[dst] = np.append(members[dst], i)
     return bucket
-
-
-def cheaper_of(exact: BalanceResult, variable: BalanceResult, fixed: float) -> tuple[BalanceResult, str]:
-    """The plan whose most expensive bucket costs less (ties: exactly m), and which it was."""
-    if float(step_cost(variable, fixed).max()) < float(step_cost(exact, fixed).max()):
-        return variable, "variable"
-    return exact, "exact"
