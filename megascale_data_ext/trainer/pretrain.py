@@ -175,6 +175,8 @@ class TrainingSession:
         self.started = time.perf_counter()  # Ray is up (rank 0): the actors start while the model is built
         self.client = self.valid_client = self.planner = self.handles = None
         self._fit_from: int | None = None  # the first step the Planner balanced with the online fit
+        if state is not None and state.get("cost_model") is not None:
+            self._fit_from = self.start  # the resumed Planner goes on with the fit it had adopted
         self._said_not_yet = False
         self._summary: tuple[int, dict] | None = None
 
