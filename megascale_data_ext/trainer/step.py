@@ -18,6 +18,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.distributed import DistributedDataParallel
 from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.utils import get_attr_wrapped_model
 
 from megascale_data_ext.errors import ConfigError
 from megascale_data_ext.trainer.model import device, forward_step
@@ -167,7 +168,7 @@ class ComputeClock:
         self.ready_s: float | None = None
         self._wrapped: list[tuple[Any, Any]] = []
         for chunk in model_chunks:
-            config = getattr(_unwrapped(chunk), "config", None)
+            config = get_attr_wrapped_model(chunk, "config")  # megatron-core's own unwrapping of DDP / Float16Module
             original = getattr(config, "finalize_model_grads_func", None)
             if original is None or any(config is c for c, _ in self._wrapped):
                 continue
@@ -196,9 +197,3 @@ class ComputeClock:
         for config, original in self._wrapped:
             config.finalize_model_grads_func = original
         self._wrapped.clear()
-
-
-def _unwrapped(chunk: Any) -> Any:
-    while hasattr(chunk, "module") and not hasattr(chunk, "config"):
-        chunk = chunk.module
-    return chunk
