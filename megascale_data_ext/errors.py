@@ -25,6 +25,19 @@ class PlanError(MegascaleDataError):
     """The planner cannot build a plan for a step (e.g. a sample that fits no microbatch)."""
 
 
+class ShortBufferError(PlanError):
+    """The metadata the Planner holds of some sources is shorter than a step's draws from them.
+
+    Attributes:
+        needs: Per short source, how many samples the step needs of it; the Planner fetches that
+            much and plans the step again, unless it exceeds ``buffer_size`` (then this is the error).
+    """
+
+    def __init__(self, message: str, needs: dict[int, int]) -> None:
+        super().__init__(message)
+        self.needs = needs
+
+
 class CapacityError(PlanError):
     """A step's samples do not fit its microbatch bins (too many tokens for DP x m x cap).
 

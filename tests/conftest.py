@@ -68,6 +68,40 @@ def pytest_runtest_teardown(item, nextitem):
         pytest.fail(f"{len(left)} thread(s) still inside Ray after ray.shutdown(): {[t.name for t in left]}\n{stacks}")
 
 
+_AUDIT = os.environ.get("MEGASCALE_TESTS_ENV_AUDIT")  # a file: every variable added while other threads ran
+_CURRENT: list[str] = ["(collection)"]
+
+
+def _native_threads() -> int:
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        return threading.active_count()
+
+
+if _AUDIT:
+    _real_putenv = os.putenv
+
+    def _audited_putenv(key, value):
+        """Adding a variable reallocates C's ``environ``: a ``getenv`` on another thread then may read freed memory."""
+        name = key.decode() if isinstance(key, bytes) else key
+        threads = _native_threads()
+        if name not in os.environ and threads > 1:
+            stack = "".join(traceback.format_stack(limit=8)[:-1])
+            with open(_AUDIT, "a") as f:
+                f.write(f"=== {name} added in {_CURRENT[0]} with {threads} threads "
+                        f"(python: {[t.name for t in threading.enumerate()]})\n{stack}\n")
+        _real_putenv(key, value)
+
+    os.putenv = _audited_putenv
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    _CURRENT[0] = item.nodeid
+    yield
+
+
 _EXIT: list[int] = []  # the session's exit status, for `pytest_unconfigure`
 
 

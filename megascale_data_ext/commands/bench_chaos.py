@@ -241,14 +241,17 @@ def run_chaos(root: Path, *, steps: int, seed: int = 3, schedule: list[tuple[int
     want, want_docs = reference(cfg, tree, steps, pad_id)
     log(f"fault-free in-process run: {steps} steps in {time.perf_counter() - t0:.1f} s, {sum(want_docs.values())} "
         f"documents; schedule: {schedule}")
+    if ray.is_initialized():  # its Cluster's nodes are what it removes: it cannot run on a Ray joined already
+        raise RuntimeError("bench chaos starts a ray.cluster_utils.Cluster of its own: "
+                           "call it with Ray not initialized")
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2})
-    nodes = {name: cluster.add_node(num_cpus=2, labels={"msd-node": name}) for name in ("trainer-0", LOST_NODE)}
-    ray.init(address=cluster.address, include_dashboard=False, configure_logging=False, log_to_driver=False)
     rng = random.Random(seed + 1)
     rows: list[FaultRow] = []
     got, got_docs, step_s, errors = {}, Counter(), [], []
     service = None
-    try:
+    try:  # from here on, whatever fails, the cluster's processes go with it
+        nodes = {name: cluster.add_node(num_cpus=2, labels={"msd-node": name}) for name in ("trainer-0", LOST_NODE)}
+        ray.init(address=cluster.address, include_dashboard=False, configure_logging=False, log_to_driver=False)
         cluster.wait_for_nodes()
         service = DataService(cfg, tree, progress=None)
         topo = service.start().topology

@@ -183,6 +183,7 @@ def run(args: argparse.Namespace) -> int:
 
     from megascale_data_ext.dataplane.placetree import ClientPlaceTree
     from megascale_data_ext.runtime.config import AutoscaleConfig, RayConfig, ServiceConfig
+    from megascale_data_ext.runtime.embedded_ray import init_ray
     from megascale_data_ext.runtime.fault_tolerance import FaultToleranceConfig
     from megascale_data_ext.runtime.service import DataService
     from megascale_data_ext.sources.demo_data import make_demo_data
@@ -192,8 +193,7 @@ def run(args: argparse.Namespace) -> int:
              make_demo_data(tmp, seed=7, rows=400, text_sources=args.sources, image_sources=0, megatron_source=False)]
     tree = ClientPlaceTree.from_sizes(dp=args.dp, pp=args.pp)
     ft = FaultToleranceConfig(shadow_loaders=not args.no_shadows, client_prefetch=args.client_prefetch)
-    ray.init(address="local", num_cpus=args.num_cpus, include_dashboard=False, configure_logging=False,
-             log_to_driver=False)
+    init_ray(RayConfig(num_cpus=args.num_cpus), log_to_driver=False)  # as the service starts its own
     print(f"load before: {os.getloadavg()}")
 
     def one(component: str, faults: str) -> FaultRun:

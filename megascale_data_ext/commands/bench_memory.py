@@ -168,6 +168,7 @@ def measure_service(specs: list[Any], *, ranks: int, seq_length: int, steps: int
     from megascale_data_ext.runtime.config import RayConfig, ServiceConfig
     from megascale_data_ext.runtime.constructor import DataConstructor
     from megascale_data_ext.runtime.loader_group import spawn_shadows
+    from megascale_data_ext.runtime.ray_actor import Held
     from megascale_data_ext.runtime.topology import ServiceTopology
     from megascale_data_ext.runtime.wiring import start_planner
 
@@ -185,7 +186,7 @@ def measure_service(specs: list[Any], *, ranks: int, seq_length: int, steps: int
                           scaling=ScalingConfig(capacity=(1.0,) * len(specs), max_shards=1), online=False)
     planner = start_planner(cfg, topo, fleet, NO_FAULT_TOLERANCE, named=False)
     con = DataConstructor(list(range(ranks)), cfg, topo,
-                          get_plan=lambda step, b: ray.get(planner.constructor_plan.remote(step, b)),
+                          get_plans=lambda step, bs: ray.get(planner.constructor_plans.remote(step, bs)),
                           fetch=RoutedFetch(lambda step, ss: ray.get(planner.routes.remote(step, ss))),
                           pad_id=0, image_token_id=image_token_id)
     step = 0
@@ -204,12 +205,13 @@ def measure_service(specs: list[Any], *, ranks: int, seq_length: int, steps: int
             break
     loader_mem = _pid_memory(loaders)
     planner_mem = _pid_memory([planner])[0]
-    shadow = spawn_shadows(cfg, planner, {})
+    shadow = spawn_shadows(cfg, planner, {}, topo.job)
     shadows = [shadow([(sh, specs[sh.source]) for sh in a.shards]) for a in plan.assignments]
     ray.get([s.ready.remote() for s in shadows])
     shadow_mem = _pid_memory(shadows)
     for h in [*shadows, *loaders, planner]:
         ray.kill(h)
+    Held.release_all(topo.job)  # the loader groups' members, put by the Planner and here
     return {"loader_actors": len(loaders), "loader_uss": sum(m["uss"] for m in loader_mem) / MiB,
             "shared_once": shared_once([*loader_mem, planner_mem]),
             "loader_pss": sum(m["pss"] for m in loader_mem) / MiB, "planner_uss": planner_mem["uss"] / MiB,
@@ -226,6 +228,7 @@ def measure_constructor(spec: Any, *, seq_length: int, ranks_per_node: int, seed
     from megascale_data_ext.runtime.actors import NO_FAULT_TOLERANCE
     from megascale_data_ext.runtime.autoscale_plan import per_source_plan
     from megascale_data_ext.runtime.config import RayConfig, ServiceConfig
+    from megascale_data_ext.runtime.ray_actor import Held
     from megascale_data_ext.runtime.topology import ServiceTopology
     from megascale_data_ext.runtime.wiring import start_constructors, start_planner
 
@@ -240,6 +243,7 @@ def measure_constructor(spec: Any, *, seq_length: int, ranks_per_node: int, seed
     uss = _pid_memory([con])[0]["uss"] / MiB
     for h in (con, planner):  # the loader dies with the Planner that owns it
         ray.kill(h)
+    Held.release_all(topo.job)  # its members, put by the Planner
     return uss
 
 
@@ -339,8 +343,11 @@ def _run_workload(workload: str, args: argparse.Namespace, root: Path, t0: float
     _progress(f"{workload}: colocated measured at {time.perf_counter() - t0:.0f} s")
     profiles = [profile_source(sp, samples=16, batch=16)
                 for sp in tqdm(specs, desc=f"{workload}: profile", file=sys.stderr)]
-    ray.init(num_cpus=2, include_dashboard=False, configure_logging=False, log_to_driver=False,
-             namespace="bench-memory")
+    from megascale_data_ext.runtime.config import RayConfig
+    from megascale_data_ext.runtime.embedded_ray import init_ray
+
+    # the Ray a service starts for itself (arena cap, preloads), so the actors measured are the users'
+    init_ray(RayConfig(num_cpus=2, namespace="bench-memory"), log_to_driver=False)
     _progress(f"{workload}: profiled and Ray started at {time.perf_counter() - t0:.0f} s")
     try:
         con_mib = measure_constructor(specs[0], seq_length=seq_length, ranks_per_node=args.ranks_per_node,

@@ -20,9 +20,14 @@ prefixes, each from start to the first microbatch of DP rank 0 (imports excluded
   (`DataService.ray_calls`: plans, routes, metadata, fetches) over them, per step. The
   trainer's own calls (one ``get_step`` per fetching rank per step) are not in it. By kind:
   the JSON's ``ray_calls_by_kind``.
+* **actor memory** (``planner_mib``, ``loaders_mib``, ``constructors_mib``): after those steps,
+  the private memory (``smaps_rollup`` Private_Clean + Private_Dirty: no shared libraries or
+  object-store pages other processes map) of the Planner, of all loader actors and of all
+  constructors, summed per role.
 
 Rows: ``prefixes, documents, megatron_cold_s, megatron_warm_s, service_inproc_s,
-service_ray_cold_s, service_ray_journal_s, ray_init_s, ray_calls_per_step``.
+service_ray_cold_s, service_ray_journal_s, ray_init_s, ray_calls_per_step, planner_mib, loaders_mib,
+constructors_mib``.
 """
 
 from __future__ import annotations
@@ -46,7 +51,8 @@ NAME = "bench startup"
 HELP = "Seconds to the first microbatch vs the number of Megatron prefixes: Megatron's builder vs this service."
 
 ROW_KEYS = ("prefixes", "documents", "megatron_cold_s", "megatron_warm_s", "service_inproc_s", "service_ray_cold_s",
-            "service_ray_journal_s", "ray_init_s", "ray_calls_per_step")
+            "service_ray_journal_s", "ray_init_s", "ray_calls_per_step", "planner_mib", "loaders_mib",
+            "constructors_mib")
 NUM_MICROBATCHES = 4
 CALL_STEPS = 8
 
@@ -164,9 +170,11 @@ def start_ray(config: Any) -> float:
     """`ray.init` once for the whole run (as a job starts it once); the seconds it took, also on later calls."""
     import ray
 
+    from megascale_data_ext.runtime.embedded_ray import init_ray
+
     if not ray.is_initialized():
         t0 = time.perf_counter()
-        ray.init(**config.ray.init_kwargs(), log_to_driver=False, configure_logging=False)
+        init_ray(config.ray, log_to_driver=False)  # as the service starts it
         _RAY_INIT_S[:] = [time.perf_counter() - t0]
         _progress(f"ray.init took {_RAY_INIT_S[0]:.2f} s (once for every size)")
     return _RAY_INIT_S[0] if _RAY_INIT_S else 0.0
@@ -199,9 +207,23 @@ def time_ray(config: Any, dp: int, *, count_calls: bool = False) -> tuple[float,
         for _ in range(CALL_STEPS * NUM_MICROBATCHES):
             for c in clients:
                 c.next_microbatch()
-        return seconds, calls_per_step(before, service.ray_calls(), CALL_STEPS)
+        calls = calls_per_step(before, service.ray_calls(), CALL_STEPS)
+        return seconds, {**calls, "memory_mib": actor_memory(service.actors())}
     finally:
         service.stop()
+
+
+def actor_memory(rows: list[dict[str, Any]]) -> dict[str, float]:
+    """Private MiB per role (``planner``, ``loaders``, ``constructors``) of the service's actors on this machine."""
+    from megascale_data_ext.commands._proc_stats import private_mib
+
+    out = {"planner": 0.0, "loaders": 0.0, "constructors": 0.0}
+    role_of = {"planner": "planner", "loader": "loaders", "shadow": "loaders", "constructor": "constructors"}
+    for row in rows:
+        mib = private_mib(int(row["pid"])) if row.get("pid") else None
+        if mib is not None:
+            out[role_of[str(row["role"]).split("/")[0]]] += mib
+    return out
 
 
 # -- the run -----------------------------------------------------------------------------
@@ -213,16 +235,27 @@ def measure(n: int, args: argparse.Namespace, work: Path, calls_by_kind: dict[in
                               seed=args.seed)
     _progress(f"{n} prefixes x {args.docs} documents ready in {time.perf_counter() - t0:.1f} s")
     samples = 100 * args.dp * NUM_MICROBATCHES  # 100 steps
-    cold, warm = megatron_times(prefixes, cache=work / f"megatron-cache-{n}", seq_length=args.seq_length,
-                                samples=samples, seed=args.seed)
-    _progress(f"{n} prefixes: megatron cold {cold:.2f} s, warm {warm:.2f} s")
+    megatron_error = None
+    try:
+        cold, warm = megatron_times(prefixes, cache=work / f"megatron-cache-{n}", seq_length=args.seq_length,
+                                    samples=samples, seed=args.seed)
+        _progress(f"{n} prefixes: megatron cold {cold:.2f} s, warm {warm:.2f} s")
+    except OSError as exc:  # e.g. EMFILE: Megatron's reader keeps descriptors open per prefix
+        import gc
+
+        gc.collect()  # its half-built datasets' maps and descriptors, before the service opens the same files
+        cold = warm = None
+        megatron_error = f"{type(exc).__name__}: {exc}"
+        _progress(f"{n} prefixes: megatron's builder failed: {megatron_error}")
     ns = f"bench-startup-{os.getpid()}-{n}"
     inproc = time_inprocess(service_config(prefixes, dp=args.dp, seq_length=args.seq_length, seed=args.seed,
                                            journal=None, namespace=ns), args.dp)
     _progress(f"{n} prefixes: service in-process {inproc:.2f} s")
     row = {"prefixes": n, "documents": n * args.docs, "megatron_cold_s": cold, "megatron_warm_s": warm,
            "service_inproc_s": inproc, "service_ray_cold_s": None, "service_ray_journal_s": None, "ray_init_s": None,
-           "ray_calls_per_step": None}
+           "ray_calls_per_step": None, "planner_mib": None, "loaders_mib": None, "constructors_mib": None}
+    if megatron_error is not None:
+        row["megatron_error"] = megatron_error
     if not args.skip_ray:
         journal = work / f"profiles-{n}.json"
         journal.unlink(missing_ok=True)
@@ -233,7 +266,10 @@ def measure(n: int, args: argparse.Namespace, work: Path, calls_by_kind: dict[in
         _progress(f"{n} prefixes: Ray service cold {row['service_ray_cold_s']:.2f} s")
         row["service_ray_journal_s"], calls = time_ray(configs[1], args.dp, count_calls=True)
         _progress(f"{n} prefixes: Ray service with journal {row['service_ray_journal_s']:.2f} s")
+        memory = calls.pop("memory_mib")
         row["ray_calls_per_step"] = calls["total"]
+        row.update({f"{role}_mib": round(mib, 1) for role, mib in memory.items()})
+        _progress(f"{n} prefixes: actor memory (private MiB) " + ", ".join(f"{k} {v:.0f}" for k, v in memory.items()))
         if calls_by_kind is not None:
             calls_by_kind[n] = calls
         _progress(f"{n} prefixes: Ray calls per step {calls['total']:.1f} ("
@@ -244,7 +280,8 @@ def measure(n: int, args: argparse.Namespace, work: Path, calls_by_kind: dict[in
 def format_table(rows: list[dict[str, Any]]) -> str:
     """Both sides per size and the service / Megatron-cold ratios."""
     head = ["prefixes", "documents", "megatron cold", "megatron warm", "in-process", "ray cold", "ray journal",
-            "ray.init", "in-proc/mcold", "ray cold/mcold", "ray journal/mcold", "ray calls/step"]
+            "ray.init", "in-proc/mcold", "ray cold/mcold", "ray journal/mcold", "ray calls/step",
+            "MiB planner/loaders/constructors"]
 
     def sec(x: float | None) -> str:
         return "n/a" if x is None else f"{x:.2f} s"
@@ -259,7 +296,9 @@ def format_table(rows: list[dict[str, Any]]) -> str:
                       sec(r["service_inproc_s"]), sec(r["service_ray_cold_s"]), sec(r["service_ray_journal_s"]),
                       sec(r["ray_init_s"]), ratio(r["service_inproc_s"], ref), ratio(r["service_ray_cold_s"], ref),
                       ratio(r["service_ray_journal_s"], ref),
-                      "n/a" if r["ray_calls_per_step"] is None else f"{r['ray_calls_per_step']:.1f}"])
+                      "n/a" if r["ray_calls_per_step"] is None else f"{r['ray_calls_per_step']:.1f}",
+                      "n/a" if r["planner_mib"] is None else
+                      f"{r['planner_mib']:.0f}/{r['loaders_mib']:.0f}/{r['constructors_mib']:.0f}"])
     widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
     out = ["  ".join(c.rjust(w) for c, w in zip(line, widths, strict=True)) for line in lines]
     out.insert(1, "-" * len(out[0]))

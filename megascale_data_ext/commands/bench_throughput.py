@@ -273,10 +273,12 @@ def start_ray(config: Any) -> float:
     would); returns the seconds ``ray.init`` took."""
     import ray
 
+    from megascale_data_ext.runtime.embedded_ray import init_ray
+
     if not ray.is_initialized():
         _progress("ray.init ...")
         t0 = time.perf_counter()
-        ray.init(**config.ray.init_kwargs(), log_to_driver=False, configure_logging=False)
+        init_ray(config.ray, log_to_driver=False)  # as the service starts it
         _RAY_INIT_S[:] = [time.perf_counter() - t0]
         _progress(f"ray.init took {_RAY_INIT_S[0]:.1f} s")
     return _RAY_INIT_S[0] if _RAY_INIT_S else 0.0

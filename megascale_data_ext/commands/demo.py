@@ -84,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
     handles = service.start()
     print(f"[demo] service up in {service.startup_seconds:.1f} s: {describe_loaders(service)}, 1 planner, "
           f"{handles.topology.num_constructors} data constructors on Ray {handles.address}", flush=True)
-    print(tree.describe(), flush=True)
+    print(handles.topology.describe(), flush=True)
     vocab = load_tokenizer(specs[0].tokenizer).vocab_size
     out = work / "ranks"
     cmd = [

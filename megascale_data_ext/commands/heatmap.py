@@ -60,7 +60,7 @@ def plan_costs(service_config: Any, tree: Any, steps: int) -> dict[str, Any]:
         for loader in service.loaders:
             loader.close()
     axis = summaries[0] if summaries else {}
-    return {"layout": sizes, "axis": str(service.topology.axis.value), "strategy": service_config.strategy,
+    return {"layout": sizes, "axis": str(service.topology.distribution.axis.value), "strategy": service_config.strategy,
             "buckets": int(axis.get("buckets", 0)), "samples": samples, "vanilla": np.asarray(vanilla),
             "balanced": np.asarray(balanced), "summaries": summaries}
 

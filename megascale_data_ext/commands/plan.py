@@ -45,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         cfg = compose_from_args(args)
         tree, sizes = layout_tree(cfg, args, what="plan")
-        service_cfg = load_config(cfg.data, context_parallel_size=int(sizes["cp"])).to_service_config()
+        service_cfg = load_config(cfg, context_parallel_size=int(sizes["cp"])).to_service_config()
     except MegascaleDataError as exc:
         return fail(exc)
     if service_cfg.replay_dir is not None:

@@ -73,7 +73,7 @@ def build(args: argparse.Namespace) -> tuple[Any, Any, dict[str, int | None], Va
     tree, sizes = layout_tree(cfg, args, what="serve")
     if "data" not in cfg:
         raise ConfigError("the composed config has no `data` node; add `data: megascale` to its defaults list")
-    data = load_config(cfg.data, context_parallel_size=int(sizes["cp"]))
+    data = load_config(cfg, context_parallel_size=int(sizes["cp"]))
     validation = None
     if run.train is not None and run.train.eval_interval > 0:
         valid_cfg = data.validation_service_config()
@@ -182,13 +182,12 @@ def actors_left(topology: Any) -> list[str]:
 
 def join_ray(ray_cfg: Any) -> None:
     """Start the embedded Ray or join ``data.ray.address``; a refusal is one `ConfigError` naming the key."""
-    import ray
-
+    from megascale_data_ext.runtime.embedded_ray import init_ray
     from megascale_data_ext.runtime.ray_address import check_reachable
 
     check_reachable(ray_cfg.address)
     try:
-        ray.init(**ray_cfg.init_kwargs(), log_to_driver=True, configure_logging=False)
+        init_ray(ray_cfg, log_to_driver=True)
     except ConnectionError as exc:
         cause = str(exc.__cause__ or exc).strip().splitlines()[0]
         raise ConfigError(f"`data.ray.address` {ray_cfg.address!r}: cannot join the Ray cluster there ({cause}); "

@@ -34,10 +34,11 @@ Per GPU count two Planners plan the same steps over the same sources: the defaul
 Times: `plan()` of `--steps` steps after one warm-up step, median. ``planner_s`` is plan()
 minus the time spent inside the simulated ``summarize`` (generating metadata stands in for a
 loader RPC and is reported as ``summarize_s``); ``plan_call_s`` is the whole call and
-``planner_cpu_s`` the planner's thread CPU time (wall time on a shared machine includes waiting
-for a core and page faults; CPU time excludes the waiting). ``serve_s`` is what the Planner
-actor also does per step, measured: every constructor's and loader's view of the plan, pickled
-as Ray ships a reply (`serving_seconds`); ``planner_with_serving_s`` adds it. For Table 2
+``planner_cpu_s`` the planner's thread CPU time (wall time includes waiting for a core).
+``serve_s`` is what the Planner actor also does per step, measured: every constructor's and
+loader's view of the plan, pickled as Ray ships a reply (`serving_seconds`);
+``planner_with_serving_s`` adds it, ``planner_with_rpc_s`` also the step's calls answered over Ray,
+each round trip measured with a reply of its size (`_plan_rpc`; one loader actor per source). For Table 2
 the cost() and balance() phases are also timed with `bench planner`'s own helper
 (`time_setup`) on an equal-size navit batch. ``plan_peak_mib`` is the tracemalloc peak of one
 more plan() call.
@@ -68,6 +69,7 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
+from megascale_data_ext.commands._plan_rpc import rpc_cost, start_ray
 from megascale_data_ext.commands.bench_planner import FILL, TABLE2, Setup, time_setup
 from megascale_data_ext.dataplane.placetree import ClientPlaceTree
 from megascale_data_ext.dataplane.plan import StepPlan
@@ -323,6 +325,7 @@ def simulate_row(gpus: int, args: argparse.Namespace, bar: tqdm) -> dict[str, An
         })
     last = planners["tp"][0].plan(steps)
     serve_s = serving_seconds(last, planners["tp"][0].topology, len(sources))
+    rpc = rpc_cost(last, planners["tp"][0].topology, loader_actors=len(sources)) if args.rpc else {}
     tracemalloc.start()
     planners["tp"][0].plan(steps + 1)
     _, peak = tracemalloc.get_traced_memory()
@@ -355,6 +358,8 @@ def simulate_row(gpus: int, args: argparse.Namespace, bar: tqdm) -> dict[str, An
         "planner_cpu_s": statistics.median(own_cpu_s),
         "serve_s": serve_s,
         "planner_with_serving_s": statistics.median(own_s["tp"]) + serve_s,
+        **rpc,
+        "planner_with_rpc_s": statistics.median(own_s["tp"]) + serve_s + rpc["rpc_per_step_s"] if rpc else None,
         "balancers": {"backbone": effective["method"], "encoder": effective["encoder_method"]},
         "plan_call_s": statistics.median(plan_s["tp"]),
         "summarize_s": statistics.median(summ_s),
@@ -398,9 +403,9 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     lines = [
         "| GPUs | layout | samples / images per step | m | paper cost() / balance() s (iteration s) "
         "| bench cost() + balance() ms | planner s wall / CPU "
-        "(plan() s) | + serving s | fetchers TP → TP·CP | GB/step TP → TP·CP | of which sequence fields GB | encoder GB/step "
+        "(plan() s) | + serving s | + RPC s | fetchers TP → TP·CP | GB/step TP → TP·CP | of which sequence fields GB | encoder GB/step "
         "| plan MiB (peak) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lay = Layout(**r["layout"])
@@ -410,6 +415,7 @@ def format_table(rows: list[dict[str, Any]]) -> str:
             f"{r['gpus']:,}", str(lay), f"{r['samples_per_step']:,} / {r['images_per_step']:,.0f}",
             str(r["microbatches_per_dp"]), paper, f"{r['bench_cost_s'] * 1e3:.2f} + {r['bench_balance_s'] * 1e3:.2f}",
             f"{r['planner_s']:.3f} / {r['planner_cpu_s']:.3f} ({r['plan_call_s']:.3f})", f"{r['serve_s']:.3f}",
+            "—" if r["planner_with_rpc_s"] is None else f"{r['rpc_per_step_s']:.3f}",
             f"{r['fetchers']:,} → {r['fetchers_selective']:,}",
             f"{_gb(r['bytes_per_step'])} → {_gb(r['bytes_per_step_selective'])}",
             _gb(r["bytes_breakdown"]["sequence"]), _gb(r["encoder_bytes_per_step"]),
@@ -431,7 +437,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--middle-stage-masks", action="store_true",
                         help="middle pipeline stages fetch cu_seqlens too (the runtime's default); "
                              "off = Megatron's ends")
-    parser.add_argument("--quick", action="store_true", help="smoke test: 64 GPUs unless --gpus is given, 2 steps")
+    parser.add_argument("--quick", action="store_true",
+                        help="smoke test: 64 GPUs unless --gpus is given, 2 steps, no Ray round trips")
+    parser.add_argument("--no-rpc", action="store_true",
+                        help="leave out the measured Ray round trips of the Planner's replies (no Ray started)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -440,12 +449,18 @@ def run(args: argparse.Namespace) -> int:
             args.gpus = [64]
         args.steps, args.bench_repeats = min(args.steps, 2), 1
     layouts = [layout_for(g, args.pp) for g in args.gpus]  # fail fast on sizes that do not split
+    args.rpc = not (args.quick or args.no_rpc)
     per_row = 2 * (max(1, args.steps) + 1) + 2
     rows = []
-    with tqdm(total=per_row * len(layouts), desc="simulate", unit="plan", file=sys.stderr) as bar:
-        for lay in layouts:
-            bar.set_postfix_str(f"{lay.world} GPUs ({lay})")
-            rows.append(simulate_row(lay.world, args, bar))
+    ray = start_ray() if args.rpc else None
+    try:
+        with tqdm(total=per_row * len(layouts), desc="simulate", unit="plan", file=sys.stderr) as bar:
+            for lay in layouts:
+                bar.set_postfix_str(f"{lay.world} GPUs ({lay})")
+                rows.append(simulate_row(lay.world, args, bar))
+    finally:
+        if ray is not None:
+            ray.shutdown()
     print(format_table(rows))
     print(f"\nplanner s = median plan() over {max(1, args.steps)} steps after a warm-up, minus the simulated "
           "summarize(); bench = bench planner's helper on an equal-size navit batch; "

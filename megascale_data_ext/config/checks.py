@@ -208,8 +208,8 @@ def check_strategy(cfg: MegascaleDataConfig, path: str, problems: Problems) -> N
         if key in arg_choices and isinstance(value, str):
             allowed = arg_choices[key]()
             norm = value.upper() if key.endswith("axis") else value.strip().lower() if key.endswith("model") else value
-            if key.endswith("model") and norm.startswith("calibrated:"):
-                continue  # a fitted cost model's file: building the strategy below loads and checks it
+            if key.endswith("model") and norm.startswith(("calibrated:", "transformer:")):
+                continue  # a fitted cost model's file or a shape: building the strategy below checks it
             if norm not in allowed:
                 problems.add(f"{where}.args.{key}", f"got {value!r}; {did_you_mean(value, allowed)}allowed: {allowed}")
     args = strategy_args(name, sc.args, num_microbatches=cfg.num_microbatches, seq_length=cfg.seq_length)

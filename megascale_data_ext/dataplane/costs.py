@@ -299,14 +299,45 @@ def get_cost_model(
         return _REGISTRY[key]()
     if key.startswith("vit:"):
         return ViTCost(TransformerConfig.preset(key[4:]))
+    if key.startswith(SHAPE_PREFIX):
+        return (kind or TransformerCost)(parse_shape(key))
     if key in _PRESETS:
         return (kind or (ViTCost if key.startswith("vit") else TransformerCost))(_PRESETS[key])
     raise ConfigError(f"unknown cost model {name_or_callable!r}; known: {cost_model_names()}, or pass a callable")
 
 
 def cost_model_names() -> list[str]:
-    """The names `get_cost_model` accepts: registered names, presets, "vit:<preset>", "calibrated:<path>"."""
-    return sorted(_REGISTRY) + sorted(_PRESETS) + ["vit:<preset>", f"{CALIBRATED_PREFIX}<path>"]
+    """The names `get_cost_model` accepts: registered names, presets, "vit:<preset>", "calibrated:<path>",
+    "transformer:layers=..,hidden=..,heads=.." (any `TransformerConfig` field)."""
+    return sorted(_REGISTRY) + sorted(_PRESETS) + ["vit:<preset>", f"{CALIBRATED_PREFIX}<path>",
+                                                   f"{SHAPE_PREFIX}layers=<n>,hidden=<n>,heads=<n>"]
+
+
+SHAPE_PREFIX = "transformer:"
+"""A cost model given by its shape: ``transformer:layers=2,hidden=64,heads=4`` (what a config's
+``model.*`` derives, `shape_name`)."""
+
+
+def shape_name(**fields: int | bool) -> str:
+    """The cost-model name of a transformer shape (`TransformerConfig` fields; zero/None left out)."""
+    return SHAPE_PREFIX + ",".join(f"{k}={int(v)}" for k, v in fields.items() if v)
+
+
+def parse_shape(name: str) -> TransformerConfig:
+    """`TransformerConfig` of a ``transformer:key=value,...`` name."""
+    allowed = {f.name for f in dataclasses.fields(TransformerConfig)} - {"name"}
+    fields: dict[str, int | bool] = {}
+    for part in filter(None, name.strip()[len(SHAPE_PREFIX):].split(",")):
+        key, _, value = part.partition("=")
+        key = key.strip().lower()
+        if key not in allowed or not value.strip().lstrip("-").isdigit():
+            raise ConfigError(f"cost model {name!r}: {part!r} is not <field>=<integer> with a field of "
+                              f"{sorted(allowed)}; e.g. {SHAPE_PREFIX}layers=32,hidden=4096,heads=32")
+        fields[key] = bool(int(value)) if key == "swiglu" else int(value)
+    missing = [k for k in ("layers", "hidden", "heads") if k not in fields]
+    if missing:
+        raise ConfigError(f"cost model {name!r} lacks {missing}; e.g. {SHAPE_PREFIX}layers=32,hidden=4096,heads=32")
+    return TransformerConfig(name=name.strip(), **fields)
 
 
 def replace_config(config: TransformerConfig, **changes: object) -> TransformerConfig:

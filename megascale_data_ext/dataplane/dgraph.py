@@ -27,9 +27,10 @@ from typing import Any
 import numpy as np
 
 from megascale_data_ext.dataplane.balancers import balance_step
+from megascale_data_ext.dataplane.distribution import Distribution
 from megascale_data_ext.dataplane.plan import EncoderPlan, StepPlan
 from megascale_data_ext.dataplane.summary import BufferSummary
-from megascale_data_ext.errors import PlanError
+from megascale_data_ext.errors import PlanError, ShortBufferError
 
 CostFn = Callable[[Any], np.ndarray]
 
@@ -177,8 +178,9 @@ class ImageDGraph(_GraphBase):
 class DGraph(_GraphBase):
     """Metadata graph of one step's samples; see the module docstring for the primitive chain."""
 
-    def __init__(self, summary: BufferSummary, tree: Any, *, step: int):
+    def __init__(self, summary: BufferSummary, tree: Any, *, step: int, distribution: Distribution | None = None):
         self.summary = summary
+        self.distribution = Distribution() if distribution is None else distribution
         sources = summary.sources
         parts = [p for p in sources if len(p)]  # a step's graph at 1,000+ sources holds rows of few
         offs = [p.image_offsets for p in parts]
@@ -210,8 +212,11 @@ class DGraph(_GraphBase):
         self._record(f"buffer({len(self)} samples from {len(sources)} sources)")
 
     @classmethod
-    def from_summary(cls, summary: BufferSummary, tree: Any, *, step: int) -> DGraph:
-        return cls(summary, tree, step=step)
+    def from_summary(cls, summary: BufferSummary, tree: Any, *, step: int,
+                     distribution: Distribution | None = None) -> DGraph:
+        """The step's graph over `summary` on the mesh `tree`; `distribution` (the service's broadcast
+        dims and reading stages) decides the plan's fetching ranks unless `broadcast_at` overrides it."""
+        return cls(summary, tree, step=step, distribution=distribution)
 
     # -- primitives -------------------------------------------------------------------
     def mix(self, mixer: Any, *, batch_size: int) -> DGraph:
@@ -223,17 +228,18 @@ class DGraph(_GraphBase):
         counts = np.asarray(mixer.counts(self.step, batch_size), dtype=np.int64)
         order = np.asarray(mixer.order(self.step, counts), dtype=np.int64)
         src = self.cols["source"]
+        held = np.bincount(src, minlength=len(counts)) if len(src) else np.zeros(len(counts), np.int64)
+        short = {s: int(n) for s, n in enumerate(counts.tolist()) if n > held[s]}
+        if short:
+            s, n = next(iter(short.items()))
+            raise ShortBufferError(
+                f"step {self.step}: source {self.summary.sources[s].name!r} has {int(held[s])} buffered samples but "
+                f"the mixture needs {n}; raise the loader buffer size (buffer_size) or lower the batch size", short)
         picked = np.empty(len(order), dtype=np.int64)
         for s, n in enumerate(counts.tolist()):
             if n == 0:
                 continue
             rows = np.flatnonzero(src == s)
-            if len(rows) < n:
-                name = self.summary.sources[s].name
-                raise PlanError(
-                    f"step {self.step}: source {name!r} has {len(rows)} buffered samples but the mixture needs {n}; "
-                    f"raise the loader buffer size (buffer_size) or lower the batch size"
-                )
             rows = rows[np.argsort(self.cols["position"][rows], kind="stable")][:n]
             picked[order == s] = rows
         self._select(picked)
@@ -282,9 +288,10 @@ class DGraph(_GraphBase):
 
     def plan(self) -> StepPlan:
         raw = self.plan_raw()
-        tree = self.tree.with_broadcast(self.broadcast_dims) if self.broadcast_dims else self.tree
         layout = self.layout
-        fetch = tuple(sorted(tree.fetch_ranks(layout.axis)))
+        own = self.distribution  # the service's, with the axis distributed on and the program's broadcast_at
+        fetching = Distribution(layout.axis, self.broadcast_dims or own.broadcast, own.stages)
+        fetch = tuple(fetching.fetch_ranks(self.tree))
         return StepPlan(
             step=self.step,
             axis=layout.axis,

@@ -153,6 +153,10 @@ class _Unit:
     memory: int  # access state + buffer of this shard
 
 
+SHOWN_PROBLEMS = 5
+"""Sources a partition error names one by one (the rest are counted)."""
+
+
 def _split(profiles: Sequence[SourceProfile], weights: Sequence[float], lim: PartitionLimits) -> list[_Unit]:
     """Step 1: every source as shards that fit one actor (memory and w_actor)."""
     total = float(sum(weights))
@@ -183,8 +187,10 @@ def _split(profiles: Sequence[SourceProfile], weights: Sequence[float], lim: Par
             continue
         units += [_Unit(ShardRef(source=i, shard=k, num_shards=n), p.cost_s, load / n,
                         int(p.access_state_bytes + buffer / n)) for k in range(n)]
-    if problems:
-        raise ConfigError("cannot partition the sources:\n  - " + "\n  - ".join(problems))
+    if problems:  # a few named, then how many more: a blend of 1,000+ sources fails alike
+        shown = problems[:SHOWN_PROBLEMS] + ([f"... and {len(problems) - SHOWN_PROBLEMS} more sources like these"]
+                                             if len(problems) > SHOWN_PROBLEMS else [])
+        raise ConfigError(f"cannot partition {len(problems)} of {len(profiles)} sources:\n  - " + "\n  - ".join(shown))
     return units
 
 
@@ -200,15 +206,18 @@ def _group(units: list[_Unit], lim: PartitionLimits) -> list[list[_Unit]]:
     """Step 2: pack shards in ascending latency into actors under the memory cap and w_actor."""
     groups: list[list[_Unit]] = []
     current: list[_Unit] = []
+    load, memory, sources = 0.0, 0, set()  # of `current`, kept as it grows: linear in the shards
     for u in sorted(units, key=lambda u: (u.cost_s, u.shard.source, u.shard.shard)):
-        trial = current + [u]
-        w = _workers(sum(x.load_s for x in trial), lim)
-        fits = (w <= lim.max_workers_per_actor and _memory(trial, w, lim) <= lim.actor_memory_bytes
-                and all(x.shard.source != u.shard.source for x in current))
+        w = _workers(load + u.load_s, lim)
+        fits = (w <= lim.max_workers_per_actor
+                and lim.actor_base_bytes + w * lim.worker_bytes + memory + u.memory <= lim.actor_memory_bytes
+                and u.shard.source not in sources)
         if current and not fits:
             groups.append(current)
-            trial = [u]
-        current = trial
+            current, load, memory, sources = [], 0.0, 0, set()
+        current.append(u)
+        load, memory = load + u.load_s, memory + u.memory
+        sources.add(u.shard.source)
     if current:
         groups.append(current)
     return groups

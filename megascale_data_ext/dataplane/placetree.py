@@ -1,8 +1,9 @@
 """ClientPlaceTree: the trainer device mesh as the data plane sees it.
 
 The tree answers, for every global rank, which (tp, cp, dp, pp, ep) coordinates it has, which
-Megatron process groups it belongs to, which consumer bucket it reads from, and whether it
-fetches data itself or receives it by a trainer-side broadcast. Rank order is Megatron's own
+Megatron process groups it belongs to and which consumer bucket of an axis it belongs to. It
+describes Megatron's layout only: which ranks fetch and which receive by broadcast is the
+service's decision (`dataplane.distribution.Distribution`, owned by `ServiceTopology`). Rank order is Megatron's own
 (`RankGenerator` in ``megatron/core/parallel_state.py``): for an order string the first token
 varies fastest, so with the default ``"tp-cp-ep-dp-pp"``
 ``rank = tp + TP * (cp + CP * (dp + DP * pp))``.
@@ -22,8 +23,8 @@ from __future__ import annotations
 import enum
 import importlib
 import itertools
-from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -39,7 +40,7 @@ from megascale_data_ext.dataplane.rank_order import (
 )
 from megascale_data_ext.errors import ParallelLayoutError
 
-__all__ = ["DEFAULT_ORDER", "BucketAxis", "BucketLayout", "ClientPlaceTree", "FetchStages", "GroupName"]
+__all__ = ["DEFAULT_ORDER", "BucketAxis", "BucketLayout", "ClientPlaceTree", "GroupName"]
 
 
 class BucketAxis(str, enum.Enum):
@@ -57,14 +58,6 @@ class BucketAxis(str, enum.Enum):
             allowed = [a.value for a in cls]
             msg = f"bucket axis must be one of {allowed} (case-insensitive), got {value!r}"
             raise ParallelLayoutError(msg) from None
-
-
-class FetchStages(str, enum.Enum):
-    """Which pipeline stages read data: Megatron's GPT reads on the first and last stage only."""
-
-    ENDS = "ends"
-    FIRST = "first"
-    ALL = "all"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -100,18 +93,13 @@ class ClientPlaceTree:
     """The trainer device mesh: WORLD -> DP -> CP -> TP leaves, PP stages alongside.
 
     An immutable value object (safe to share between threads and to ship to Ray actors);
-    derived arrays are cached per instance. Build it with ``from_sizes`` or ``from_megatron``;
-    ``with_broadcast`` and ``with_encoder`` return modified copies.
+    derived arrays are cached per instance. Build it with ``from_sizes`` or ``from_megatron``.
 
     Attributes:
         tp, cp, pp, dp: Dense-layer parallel sizes (``dp`` includes the expert-parallel ranks).
         ep, etp: Expert model / expert tensor parallel sizes (etp defaults to tp).
         vpp: Virtual pipeline size (interleaved schedule) or None.
         order: Megatron's rank order string.
-        broadcast_dims: Dims along which rank 0 broadcasts to the rest on the trainer side.
-        consumer_axis: Default bucket axis for ``fetch_ranks``/``must_fetch``.
-        fetch_stages: Which pipeline stages read data.
-        encoder: Optional tree of a separately parallelised encoder (VLM ViT).
     """
 
     tp: int = 1
@@ -122,10 +110,6 @@ class ClientPlaceTree:
     etp: int | None = None
     vpp: int | None = None
     order: str = DEFAULT_ORDER
-    broadcast_dims: tuple[str, ...] = ("tp",)
-    consumer_axis: BucketAxis = BucketAxis.DP
-    fetch_stages: FetchStages = FetchStages.ENDS
-    encoder: ClientPlaceTree | None = None
     _decoder: Mesh = field(init=False, repr=False, compare=False)
     _expert: Mesh = field(init=False, repr=False, compare=False)
     _cache: dict[Any, Any] = field(init=False, repr=False, compare=False)
@@ -135,18 +119,10 @@ class ClientPlaceTree:
         problems, meshes = check_layout(
             tp=self.tp, cp=self.cp, pp=self.pp, dp=self.dp, ep=self.ep, etp=etp, vpp=self.vpp, order=self.order
         )
-        dims = tuple(self.broadcast_dims) if isinstance(self.broadcast_dims, (tuple, list)) else None
-        if dims is None or any(d not in BROADCAST_DIMS for d in dims) or len(set(dims)) != len(dims):
-            problems.append(
-                f"`broadcast_dims` must be distinct dims from {list(BROADCAST_DIMS)}, got {self.broadcast_dims!r}"
-            )
         if problems or meshes is None:
             raise ParallelLayoutError("invalid parallel layout:\n  - " + "\n  - ".join(problems))
-        for name, value in (
-            ("etp", int(etp)), ("order", self.order.lower()), ("broadcast_dims", dims),
-            ("consumer_axis", BucketAxis.parse(self.consumer_axis)), ("fetch_stages", FetchStages(self.fetch_stages)),
-            ("_decoder", meshes[0]), ("_expert", meshes[1]), ("_cache", {}),
-        ):
+        for name, value in (("etp", int(etp)), ("order", self.order.lower()), ("_decoder", meshes[0]),
+                            ("_expert", meshes[1]), ("_cache", {})):
             object.__setattr__(self, name, value)
 
     # ------------------------------------------------------------------ construction
@@ -242,28 +218,6 @@ class ClientPlaceTree:
                 return f"group {name!r} {self.group(name, rank)} != Megatron's {sorted(ranks)}"
         return None
 
-    def with_broadcast(self, dims: Sequence[str]) -> ClientPlaceTree:
-        """Copy where trainer-side broadcasting happens along ``dims``.
-
-        ``("tp",)`` is Megatron's TP-rank-0 broadcast; ``("tp", "cp")`` is selective
-        broadcasting (only tp0/cp0 fetch and broadcast over the tp-cp group); ``()`` makes every
-        rank on a data-reading stage fetch for itself.
-        """
-        return replace(self, broadcast_dims=tuple(dims))
-
-    def with_encoder(self, axis: str | BucketAxis = "WORLD") -> ClientPlaceTree:
-        """Copy carrying an ``encoder`` tree for a VLM encoder distributed over ``axis``.
-
-        With ``"WORLD"`` the encoder is data parallel over every rank: one bucket per rank and
-        every rank fetches its own images. With ``"DP"``/``"CP"`` it keeps the backbone's
-        broadcasting and reads on the first stage (where the ViT lives).
-        """
-        ax = BucketAxis.parse(axis)
-        world = ax is BucketAxis.WORLD
-        enc = replace(self, consumer_axis=ax, broadcast_dims=() if world else self.broadcast_dims,
-                      fetch_stages=FetchStages.ALL if world else FetchStages.FIRST, encoder=None)
-        return replace(self, encoder=enc)
-
     # ------------------------------------------------------------------ coordinates and groups
     @property
     def world_size(self) -> int:
@@ -274,14 +228,15 @@ class ClientPlaceTree:
         """Expert data-parallel size (``get_expert_data_parallel_world_size()``)."""
         return self.world_size // (int(self.etp) * self.ep * self.pp)  # type: ignore[arg-type]
 
-    def _check_rank(self, rank: int) -> int:
+    def check_rank(self, rank: int) -> int:
+        """`rank` as an int, or a ParallelLayoutError naming the world."""
         if not isinstance(rank, (int, np.integer)) or isinstance(rank, bool) or not 0 <= rank < self.world_size:
             raise ParallelLayoutError(f"rank must be an int in [0, {self.world_size}), got {rank!r}")
         return int(rank)
 
     def coords(self, rank: int) -> dict[str, int]:
         """``{"tp", "cp", "dp", "pp", "ep"}`` coordinates of a global rank, as Megatron's get_*_rank."""
-        r = self._check_rank(rank)
+        r = self.check_rank(rank)
         out = {t: int(self._decoder.coord(r, t)) for t in ("tp", "cp", "dp", "pp")}
         out["ep"] = int(self._expert.coord(r, "ep"))
         return out
@@ -305,9 +260,10 @@ class ClientPlaceTree:
             raise ParallelLayoutError(f"group axis must be one of {sorted(GROUPS)}, got {axis!r}")
         mesh_name, tokens = GROUPS[axis]
         mesh = self._decoder if mesh_name == "decoder" else self._expert
-        return mesh.group(self._check_rank(rank), tokens)
+        return mesh.group(self.check_rank(rank), tokens)
 
-    def _coord_array(self, token: str) -> np.ndarray:
+    def coord_array(self, token: str) -> np.ndarray:
+        """Every rank's coordinate along `token` (``tp``, ``cp``, ``dp``, ``pp``, ``ep``), cached."""
         key = ("coord", token)
         if key not in self._cache:
             mesh = self._expert if token == "ep" else self._decoder
@@ -315,13 +271,13 @@ class ClientPlaceTree:
         return self._cache[key]
 
     # ------------------------------------------------------------------ consumer buckets
-    def buckets(self, axis: str | BucketAxis | None = None, group_size: int | None = None) -> BucketLayout:
+    def buckets(self, axis: str | BucketAxis, group_size: int | None = None) -> BucketLayout:
         """Buckets created by ``distribute(axis, group_size)`` (paper Sec. 4).
 
         ``"DP"``: bucket d serves every rank with dp coordinate d. ``"CP"``: bucket
         ``dp * CP + cp`` serves the tp/pp ranks of that (dp, cp). ``"WORLD"``: bucket r is rank r.
         """
-        ax = self.consumer_axis if axis is None else BucketAxis.parse(axis)
+        ax = BucketAxis.parse(axis)
         if group_size is not None and not is_pos_int(group_size):
             raise ParallelLayoutError(f"`group_size` must be None or a positive int, got {group_size!r}")
         key = ("buckets", ax, group_size)
@@ -329,14 +285,14 @@ class ClientPlaceTree:
             return self._cache[key]
         world = np.arange(self.world_size, dtype=np.int64)
         if ax is BucketAxis.DP:
-            ids, n = self._coord_array("dp"), self.dp
+            ids, n = self.coord_array("dp"), self.dp
             coords = tuple({"dp": d} for d in range(n))
         elif ax is BucketAxis.CP:
-            ids, n = self._coord_array("dp") * self.cp + self._coord_array("cp"), self.dp * self.cp
+            ids, n = self.coord_array("dp") * self.cp + self.coord_array("cp"), self.dp * self.cp
             coords = tuple({"dp": b // self.cp, "cp": b % self.cp} for b in range(n))
         else:
             ids, n = world, self.world_size
-            arrays = [(t, self._coord_array(t).tolist()) for t in ("tp", "cp", "dp", "pp", "ep")]
+            arrays = [(t, self.coord_array(t).tolist()) for t in ("tp", "cp", "dp", "pp", "ep")]
             coords = tuple({t: a[r] for t, a in arrays} for r in range(n))
         order = np.argsort(ids, kind="stable")
         members = np.split(world[order], np.cumsum(np.bincount(ids, minlength=n))[:-1])
@@ -348,62 +304,12 @@ class ClientPlaceTree:
         self._cache[key] = layout
         return layout
 
-    # ------------------------------------------------------------------ who fetches
-    def effective_broadcast_dims(self, axis: str | BucketAxis | None = None) -> tuple[str, ...]:
-        """The dims data is broadcast along for consumers of ``axis`` (default: the consumer axis):
-        none over WORLD, and never ``cp`` when every cp rank is its own bucket."""
-        axis = self.consumer_axis if axis is None else BucketAxis.parse(axis)
-        if axis is BucketAxis.WORLD:
-            return ()  # every rank is its own consumer
-        if axis is BucketAxis.CP:
-            return tuple(d for d in self.broadcast_dims if d != "cp")  # cp ranks get distinct buckets
-        return self.broadcast_dims
-
-    def _stage_mask(self, axis: BucketAxis) -> np.ndarray:
-        pp = self._coord_array("pp")
-        if axis is BucketAxis.WORLD or self.fetch_stages is FetchStages.ALL:
-            return np.ones(self.world_size, dtype=bool)
-        if self.fetch_stages is FetchStages.FIRST:
-            return pp == 0
-        return (pp == 0) | (pp == self.pp - 1)
-
-    def _fetch_mask(self, axis: BucketAxis) -> np.ndarray:
-        key = ("fetch", axis)
-        if key not in self._cache:
-            mask = self._stage_mask(axis).copy()
-            for dim in self.effective_broadcast_dims(axis):
-                mask &= self._coord_array(dim) == 0
-            self._cache[key] = mask
-        return self._cache[key]
-
-    def fetch_ranks(self, axis: str | BucketAxis | None = None) -> list[int]:
-        """Global ranks that pull data from a Data Constructor themselves, ascending."""
-        ax = self.consumer_axis if axis is None else BucketAxis.parse(axis)
-        return np.flatnonzero(self._fetch_mask(ax)).tolist()
-
-    def must_fetch(self, rank: int, axis: str | BucketAxis | None = None) -> bool:
-        """Whether ``rank`` fetches (otherwise it receives by broadcast or needs no data)."""
-        ax = self.consumer_axis if axis is None else BucketAxis.parse(axis)
-        return bool(self._fetch_mask(ax)[self._check_rank(rank)])
-
-    def needs_data(self, rank: int, axis: str | BucketAxis | None = None) -> bool:
-        """Whether ``rank`` consumes data at all (middle pipeline stages do not)."""
-        ax = self.consumer_axis if axis is None else BucketAxis.parse(axis)
-        return bool(self._stage_mask(ax)[self._check_rank(rank)])
-
-    def broadcast_source(self, rank: int, dim: str | Sequence[str] | None = None) -> int:
-        """Rank that ``rank`` receives its data from: coordinate 0 along the broadcast dims.
-
-        Args:
-            rank: Global rank.
-            dim: ``"tp"``, ``"cp"``, ``"tp-cp"`` or a sequence of them; default: this tree's
-                broadcast dims for its consumer axis. A fetching rank is its own source.
-        """
-        r = self._check_rank(rank)
-        if dim is None:
-            dims: Sequence[str] = self.effective_broadcast_dims(self.consumer_axis)
-        else:
-            dims = dim.split("-") if isinstance(dim, str) else tuple(dim)
+    # ------------------------------------------------------------------ broadcasting
+    def broadcast_source(self, rank: int, dim: str | Sequence[str]) -> int:
+        """Rank that ``rank`` receives its data from when broadcasting along `dim`: its coordinate 0
+        there (``"tp"``, ``"cp"``, ``"tp-cp"`` or a sequence of them; ``()``: itself)."""
+        r = self.check_rank(rank)
+        dims = dim.split("-") if isinstance(dim, str) else tuple(dim)
         bad = [d for d in dims if d not in BROADCAST_DIMS]
         if bad:
             raise ParallelLayoutError(f"broadcast dim must be among {list(BROADCAST_DIMS)}, got {dim!r}")
@@ -416,16 +322,15 @@ class ClientPlaceTree:
                 "ep": self.ep, "etp": self.etp, "vpp": self.vpp, "order": self.order}
 
     def __repr__(self) -> str:
-        enc = f", encoder={self.encoder.consumer_axis.value}" if self.encoder is not None else ""
         return (
             f"ClientPlaceTree(world={self.world_size}, tp={self.tp}, cp={self.cp}, pp={self.pp}, dp={self.dp}, "
-            f"ep={self.ep}, etp={self.etp}, vpp={self.vpp}, order={self.order!r}, "
-            f"broadcast={self.broadcast_dims}, axis={self.consumer_axis.value}{enc})"
+            f"ep={self.ep}, etp={self.etp}, vpp={self.vpp}, order={self.order!r})"
         )
 
-    def describe(self, *, max_dp: int = 4) -> str:
-        """Readable tree: WORLD -> DP -> CP -> TP leaves per PP stage; ``*`` marks fetching ranks."""
-        fetch = self._fetch_mask(self.consumer_axis)
+    def describe(self, *, fetching: Collection[int] = (), max_dp: int = 4) -> str:
+        """Readable tree: WORLD -> DP -> CP -> TP leaves per PP stage; ``*`` marks the `fetching` ranks
+        (`ServiceTopology.describe` passes the service's)."""
+        fetch = frozenset(int(r) for r in fetching)
         lines = [repr(self), f"WORLD ({self.world_size} ranks; * = fetches, [ ] = TP group per PP stage)"]
         shown = min(self.dp, max_dp)
         for d in range(shown):
@@ -435,14 +340,11 @@ class ClientPlaceTree:
                 stages = []
                 for p in range(self.pp):
                     ranks = [self.rank_of(tp=t, cp=c, dp=d, pp=p) for t in range(self.tp)]
-                    stages.append(f"pp{p}: [" + " ".join(f"{r}{'*' if fetch[r] else ''}" for r in ranks) + "]")
+                    stages.append(f"pp{p}: [" + " ".join(f"{r}{'*' if r in fetch else ''}" for r in ranks) + "]")
                 lines.append(f"{'   ' if last_dp else '│  '}{'└─' if c == self.cp - 1 else '├─'} CP {c}  "
                              + "  ".join(stages))
         if shown < self.dp:
             lines.append(f"└─ ... {self.dp - shown} more DP replicas")
-        if self.encoder is not None:
-            lines.append(f"encoder: axis={self.encoder.consumer_axis.value}, fetching ranks="
-                         f"{len(self.encoder.fetch_ranks())}/{self.world_size}")
         return "\n".join(lines)
 
 

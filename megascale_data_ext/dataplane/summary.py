@@ -53,6 +53,12 @@ class SourceSummary:
     def __len__(self) -> int:
         return int(self.positions.shape[0])
 
+    @classmethod
+    def empty(cls, source: int, name: str) -> SourceSummary:
+        """No samples of `source`: its part of a step that draws nothing of it."""
+        z = np.zeros(0, dtype=np.int64)
+        return cls(source=source, name=name, positions=z, indices=z, text_tokens=z)
+
     def image_patches_total(self) -> np.ndarray:
         """Patches per sample (all its images together)."""
         if not len(self.image_patch_counts):

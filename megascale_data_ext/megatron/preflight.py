@@ -109,7 +109,8 @@ def preflight(cfg: Any, *, world_size: int | None = None, check_ray: bool = True
     from megascale_data_ext.config import load_config
 
     cp = int(_get(_get(cfg, "parallel"), "context_parallel_size", 1))
-    loaded = load_config(data, context_parallel_size=cp)
+    whole = isinstance(cfg, Mapping) and _get(cfg, "model") is not None  # its `model` gives the cost model
+    loaded = load_config(cfg if whole else data, context_parallel_size=cp)
     eval_interval = int(_get(_get(cfg, "train"), "eval_interval", 0) or 0)
     if eval_interval > 0 and not loaded.validation.sources:
         raise ConfigError(f"`train.eval_interval`={eval_interval} needs held-out sources to evaluate on: list them "

@@ -150,8 +150,8 @@ def remote_source(topology: ServiceTopology, config: ProviderConfig) -> Microbat
     return RemoteConstructors(topology, config.address)
 
 
-def service_topology(tree: ClientPlaceTree, config: ProviderConfig) -> ServiceTopology:
-    """The configured topology, else the running service's; it must match Megatron's layout."""
+def find_topology(tree: ClientPlaceTree, config: ProviderConfig, *, trainer: str = "Megatron") -> ServiceTopology:
+    """The configured topology, else the running service's; it must match the trainer's layout."""
     topology = config.topology
     if topology is None:
         from megascale_data_ext.runtime.remote import fetch_topology
@@ -159,7 +159,13 @@ def service_topology(tree: ClientPlaceTree, config: ProviderConfig) -> ServiceTo
         topology = fetch_topology(config.address, config.namespace)
     if topology.tree.layout() != tree.layout():
         raise ConfigError(f"the data service in namespace {config.namespace!r} plans for {topology.tree.layout()} "
-                          f"but Megatron runs {tree.layout()}: start the service with this job's parallel layout")
+                          f"but {trainer} runs {tree.layout()}: start the service with this job's parallel layout")
+    return topology
+
+
+def service_topology(tree: ClientPlaceTree, config: ProviderConfig) -> ServiceTopology:
+    """`find_topology`, checked against Megatron-LM's ``get_batch`` (it broadcasts over TP itself)."""
+    topology = find_topology(tree, config)
     dims = topology.broadcast_dims
     if set(dims) - {"tp"} or (tree.tp > 1 and "tp" not in dims):
         raise ConfigError(f"the data service broadcasts along {list(dims)}, but Megatron-LM's get_batch broadcasts "
@@ -345,7 +351,7 @@ class DatasetProvider:
     def _iterator(self, config: ProviderConfig, tree: ClientPlaceTree, vp_stage: int | None, num_microbatches: int,
                   start: int, delivery_log: str | None = None) -> MicrobatchIterator:
         """This rank's iterator over the service `config` names, from step `start`."""
-        rank = _global_rank()
+        rank = global_rank()
         topology = self.topology_factory(tree, config)
         reads = _chunk_reads_data(tree, rank, vp_stage)
         fetches = reads and topology.fetches(rank) and topology.needs_data(rank)
@@ -484,7 +490,8 @@ def _megatron_num_microbatches() -> int | None:
         return None
 
 
-def _global_rank() -> int:
+def global_rank() -> int:
+    """This process's global rank: torch.distributed's, else Megatron's TP group's member for it."""
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return torch.distributed.get_rank()
     ps = importlib.import_module("megatron.core.parallel_state")

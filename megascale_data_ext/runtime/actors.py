@@ -22,12 +22,15 @@ sends itself (fault injection).
 from __future__ import annotations
 
 import functools
+import time
 import warnings
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import ray
 
+from megascale_data_ext.dataplane.plan import ConstructorPlan
 from megascale_data_ext.dataplane.scaling import ScalingPolicy
 from megascale_data_ext.runtime.autoscale_plan import AutoscalePlan
 from megascale_data_ext.runtime.autoscaler import AutoScaler
@@ -38,10 +41,11 @@ from megascale_data_ext.runtime.constructor import EncoderRows, encoder_rows
 from megascale_data_ext.runtime.fault_injection import crash_self
 from megascale_data_ext.runtime.fault_tolerance import FaultToleranceConfig
 from megascale_data_ext.runtime.loader_group import spawn_loader_groups, spawn_shadows
-from megascale_data_ext.runtime.metrics import record_plan
+from megascale_data_ext.runtime.metrics import service_metrics
 from megascale_data_ext.runtime.placement import constructor_homes
 from megascale_data_ext.runtime.planner import Planner
 from megascale_data_ext.runtime.planner_recovery import PlannerRecovery
+from megascale_data_ext.runtime.ray_actor import Held, resolve
 from megascale_data_ext.runtime.shadows import Replica
 from megascale_data_ext.runtime.topology import ServiceTopology
 
@@ -66,6 +70,17 @@ def delivery_horizon(config: ServiceConfig, ft: FaultToleranceConfig) -> int:
     return 2 * (config.prefetch + ft.client_prefetch) + 4
 
 
+@dataclass(frozen=True, slots=True)
+class ConstructorStep:
+    """All a constructor needs from the Planner to build a step, in one reply
+    (`PlannerActor.constructor_step`)."""
+
+    plans: list[ConstructorPlan]  # one per bucket asked for, in that order
+    sources: list[int]  # every source those plans read
+    routes: list[list[Replica]]  # per source of `sources`: its shards' loader actors (shard k at k)
+    encoder: EncoderRows | None  # the buckets' images per encoder rank; None: no images this step
+
+
 class PlannerActor:
     """The Planner in its own process; holds handles to the loaders for `summary_buffer`.
 
@@ -83,14 +98,15 @@ class PlannerActor:
 
     RAY_OPTIONS = {"num_cpus": 0, "max_concurrency": ACTOR_CONCURRENCY}  # `runtime.ray_actor.actor` adds the rest
 
-    def __init__(self, config: ServiceConfig, topology: ServiceTopology, loaders: AutoscalePlan,
+    def __init__(self, config: ServiceConfig | Held, topology: ServiceTopology, loaders: AutoscalePlan | Held,
                  ft: FaultToleranceConfig | None = None, checkpoint_dir: str | None = None):
+        config, loaders = resolve(config), resolve(loaders)  # by reference for a large blend (`Held`)
         self._topology = topology
         pc = config.placement
         self._constructor_homes = constructor_homes(pc.trainer_nodes, pc.ranks_per_node, topology)
         self.ft = ft or NO_FAULT_TOLERANCE
         checkpoints = PlannerCheckpoints(checkpoint_dir, self.ft.checkpoint_keep) if checkpoint_dir else None
-        self.calls = CallCounter()
+        self.calls, self.metrics = CallCounter(), service_metrics()  # this actor process's registry
         restarted = reconstructed()
         self.scaler = self._start_loaders(config, loaders, checkpoints if restarted else None)
         self._horizon = delivery_horizon(config, self.ft)
@@ -105,20 +121,46 @@ class PlannerActor:
         me = ray.get_runtime_context().current_actor
         n = len(config.sources)
         scaler = AutoScaler(config.sources, ScalingPolicy(plan.scaling, plan.initial_shards(n)),
-                            spawn=spawn_loader_groups(config, me, plan.restart_options),
+                            spawn=spawn_loader_groups(config, me, plan.restart_options, self._topology.job),
                             kill=lambda h: ray.kill(h, no_restart=True), interval_steps=plan.interval_steps,
                             lead_steps=plan.lead_steps, workers=plan.shard_workers,
                             shard_options=plan.shard_options or None, online=plan.online,
-                            spawn_shadow=spawn_shadows(config, me, plan.restart_options) if plan.shadows else None)
+                            spawn_shadow=(spawn_shadows(config, me, plan.restart_options, self._topology.job)
+                                          if plan.shadows else None))
         scaler.start(plan.actors)
-        ray.get([h.ready.remote() for h in scaler.live() + scaler.live_shadows()])  # sources open (or fail, named) now
-        saved = restored_from.autoscaler() if restored_from is not None else None
-        if saved is not None:  # back to the shard counts it had scaled to (the old actors died with it)
-            scaler.load_state_dict(saved)
+        self._loaders_ready = False
+        if restored_from is not None:  # restarted: its loaders open (or fail, named) before anything else
+            self._wait_loaders_ready(scaler)
+            saved = restored_from.autoscaler()
+            if saved is not None:  # back to the shard counts it had scaled to (the old actors died with it)
+                scaler.load_state_dict(saved)
         return scaler
 
+    def _wait_loaders_ready(self, scaler: AutoScaler) -> None:
+        """Until every loader actor opened its sources; a source that cannot open raises here, named.
+        A fresh Planner returns from ``__init__`` with its loaders only asked for, so that the
+        service's constructors start while they open (`DataService` asks `loader_actors` next)."""
+        if self._loaders_ready:
+            return
+        # a loader that Ray is restarting (its node lost while this Planner restarts) is waited for,
+        # up to the recovery timeout; one that cannot start (a source that cannot open) raises now
+        pending, deadline = scaler.live() + scaler.live_shadows(), time.monotonic() + self.ft.recovery_timeout_s
+        while pending:
+            refs = [(h, h.ready.remote()) for h in pending]
+            pending = []
+            for h, ref in refs:
+                try:
+                    ray.get(ref)
+                except ray.exceptions.ActorUnavailableError:
+                    if time.monotonic() > deadline:
+                        raise
+                    pending.append(h)
+            if pending:
+                time.sleep(0.2)
+        self._loaders_ready = True
+
     def _on_planned(self, plan: Any, seconds: float) -> None:
-        record_plan(plan, seconds)
+        self.metrics.record_plan(plan, seconds)
         # under the planner's lock, so routing sees the decision in order
         decided = self.scaler.observe(plan.step, np.bincount(plan.source, minlength=len(self.scaler.specs)))
         if decided or self.scaler.steps % self.scaler.interval_steps == 0:
@@ -156,6 +198,25 @@ class PlannerActor:
 
     def constructor_plan(self, step: int, bucket: int):
         return self._plan(step).constructor_do_plan(bucket)
+
+    def constructor_plans(self, step: int, buckets: list[int]) -> list[ConstructorPlan]:
+        """The ConstructorPlans of `buckets` at `step`, in that order."""
+        plan = self._plan(step)
+        return [plan.constructor_do_plan(b) for b in buckets]
+
+    def constructor_step(self, step: int, buckets: list[int], constructor: int,
+                         floor: int | None = None) -> ConstructorStep:
+        """A constructor's one call per step: its buckets' plans, the routes of every source they
+        read and the encoder rows, instead of a call per bucket plus ``routes`` and ``encoder_plan``;
+        `floor` (its slowest consumer's step, when it rose since the last call) rides along
+        instead of a ``constructor_floor`` call. Floors only free plans and loaders, so one that
+        arrives a step late keeps them a step longer."""
+        if floor is not None:
+            self.planner.constructor_floor(constructor, floor)
+        plan = self._plan(step)  # plans (and observes) up to `step` first, so its layout is decided
+        plans = [plan.constructor_do_plan(b) for b in buckets]
+        sources = np.unique(np.concatenate([p.rows[:, 1] for p in plans])).tolist() if plans else []
+        return ConstructorStep(plans, sources, self.scaler.routes(step, sources), encoder_rows(plan, buckets))
 
     def encoder_plan(self, step: int, buckets: list[int]) -> EncoderRows | None:
         """The EncoderPlan rows (images, their (source, position), encoder rank) of `buckets`' samples."""
@@ -197,7 +258,8 @@ class PlannerActor:
         return self.scaler.newest(source)
 
     def loader_actors(self) -> list[Any]:
-        """Every live loader actor, once."""
+        """Every live loader actor, once (the first call waits until they opened their sources)."""
+        self._wait_loaders_ready(self.scaler)
         return self.scaler.live()
 
     def shadow_actors(self) -> list[Any]:

@@ -267,18 +267,25 @@ class AutoScaler:
                                     layouts=self.layout_table(), counts=self.counts.tolist(), steps=self.steps)
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore the policy and the newest layout of each source (fresh actors where the shape differs)."""
+        """Restore the policy and every live layout of each source, with fresh actors where the
+        running ones (the offline partition's) have another shard count. Not only the newest: a
+        Planner that dies after deciding to scale down at a later step still serves the steps
+        before it at the scaled-up count it had, and constructors rebuilding older steps find
+        them routed (the oldest layout starts at step 0)."""
         fields = self.STATE.check(state, {"sources": [s.name for s in self.specs]})
         with self._lock:
             self.policy.load_state_dict(fields["policy"])
             self.counts = np.asarray(fields["counts"], dtype=np.int64)
             self.steps = int(fields["steps"])
             for s, saved in enumerate(fields["layouts"]):
-                from_step, n = saved[-1]
-                cur = self.layouts[s][-1] if self.layouts[s] else None
-                if cur is None or len(cur.actors) != n:
-                    self.layouts[s] = [_Layout(0, self._spawn_shards(s, self.specs[s], n))]
-                else:
-                    self.layouts[s] = [_Layout(0, cur.actors)]
+                running = [lay.actors for lay in self.layouts[s]]
+                restored = []
+                for i, (from_step, n) in enumerate(saved):
+                    reuse = next((a for a in running if len(a) == n), None)
+                    if reuse is not None:
+                        running.remove(reuse)
+                    actors = reuse if reuse is not None else self._spawn_shards(s, self.specs[s], n)
+                    restored.append(_Layout(0 if i == 0 else int(from_step), actors))
+                self.layouts[s] = restored
             self.release(-1)
-            self.events.append({"event": "restored", "shards": [len(live[-1].actors) for live in self.layouts]})
+            self.events.append({"event": "restored", "layouts": self.layout_table()})

@@ -28,7 +28,6 @@ fields ``step`` and ``microbatch`` of the next microbatch to deliver.
 from __future__ import annotations
 
 import hashlib
-import os
 import time
 from collections import deque
 from collections.abc import Iterator, Mapping
@@ -41,7 +40,7 @@ import torch.distributed as dist
 from megascale_data_ext.dataplane.cp_slicing import slice_for_cp
 from megascale_data_ext.errors import ConfigError, MegascaleDataError, ResumeError, root_cause
 from megascale_data_ext.runtime.constructor import EncoderImages
-from megascale_data_ext.runtime.metrics import service_metrics
+from megascale_data_ext.runtime.metrics import ServiceMetrics, service_metrics
 from megascale_data_ext.runtime.topology import ServiceTopology
 from megascale_data_ext.state import StateSchema
 
@@ -100,13 +99,35 @@ def raise_service_error(exc: BaseException) -> None:
     printing the remote traceback again; our own errors (`SourceError`, `PlanError`, ...) come
     out unwrapped, chained to the Ray error (``__cause__``) so a full log still shows where they
     were raised. The steps this rank prefetched fail with the same cause: Ray would print each
-    one's traceback when it is dropped, so those reports are turned off (RAY_IGNORE_UNHANDLED_ERRORS).
+    one's traceback when it is dropped, so its handler of unhandled errors skips ours from then on
+    (`quiet_repeats_of_our_errors`).
     """
     cause = root_cause(exc)
     if cause is exc or not isinstance(cause, MegascaleDataError):
         raise exc
-    os.environ.setdefault("RAY_IGNORE_UNHANDLED_ERRORS", "1")
+    quiet_repeats_of_our_errors()
     raise cause from exc
+
+
+def quiet_repeats_of_our_errors() -> None:
+    """Make Ray's handler of dropped, never-read errors skip ours (other errors still print).
+
+    Not ``RAY_IGNORE_UNHANDLED_ERRORS``, which would silence every error, and which this would
+    add to the environment while Ray's threads run: adding a variable reallocates C's
+    ``environ`` under a concurrent ``getenv`` (see `trainer.model.settle_model_environ`).
+    """
+    import ray._private.worker as ray_worker
+
+    previous = getattr(ray_worker, "_unhandled_error_handler", None)
+    if previous is None or getattr(previous, "skips_megascale_errors", False):
+        return
+
+    def handler(error: BaseException) -> None:
+        if not isinstance(root_cause(error), MegascaleDataError):
+            previous(error)
+
+    handler.skips_megascale_errors = True  # type: ignore[attr-defined]
+    ray_worker._unhandled_error_handler = handler
 
 
 def digest(batch: Mapping[str, torch.Tensor]) -> str:
@@ -132,6 +153,10 @@ class Client:
             broadcasts itself, as Megatron-LM's `get_batch` does over TP).
         record_digests: Keep a SHA-1 of every delivered microbatch (tests, debugging).
         history: Most records (delivery infos, fetch latencies, digests) kept between drains.
+        metrics: Where fetch latencies are recorded (default: this process's `service_metrics()`).
+        cp_slice: With whole packs broadcast over CP (``cp`` among the broadcast dims), cut this
+            rank's CP slice; False hands the whole pack on, for a trainer that slices itself
+            (Megatron-Bridge's ``get_batch``).
     """
 
     STATE = StateSchema("data_position", 2, ("step", "microbatch"),
@@ -148,22 +173,19 @@ class Client:
         broadcast: bool = True,
         record_digests: bool = False,
         history: int = 1024,
+        metrics: ServiceMetrics | None = None,
+        cp_slice: bool = True,
     ) -> None:
         if not isinstance(num_microbatches, int) or num_microbatches < 1:
             raise ConfigError(f"num_microbatches must be a positive integer, got {num_microbatches!r}")
-        self.topology = topology
-        self.tree = topology.tree
-        self.rank = rank
-        self.source = source
-        self.num_microbatches = num_microbatches
-        self.broadcast_group = broadcast_group
-        self.broadcast = broadcast
-        self.record_digests = record_digests
-        self.fetches = topology.fetches(rank)
-        self.needs_data = topology.needs_data(rank)
-        self.src = topology.broadcast_source(rank)
-        self.group_size = len(topology.broadcast_group(rank))
-        self.cp_rank = self.tree.coords(rank)["cp"]
+        self.topology, self.rank, self.source, self.num_microbatches = topology, rank, source, num_microbatches
+        self.broadcast_group, self.broadcast, self.record_digests = broadcast_group, broadcast, record_digests
+        self.metrics = service_metrics() if metrics is None else metrics
+        self.cp_slice = cp_slice and topology.client_slices_cp
+        # this rank's part in the service's distribution: fetches, or receives from `src` over `group_size` ranks
+        self.fetches, self.needs_data = topology.fetches(rank), topology.needs_data(rank)
+        self.src, self.group_size = topology.broadcast_source(rank), len(topology.broadcast_group(rank))
+        self.cp_rank = topology.tree.coords(rank)["cp"]
         self.step, self.microbatch = 0, 0
         self.last_info: dict[str, Any] | None = None
         """Delivery info (step, bucket, samples, tokens...) of the last microbatch delivered."""
@@ -194,7 +216,7 @@ class Client:
             raise_service_error(exc)
         seconds = time.perf_counter() - t0
         self.fetch_seconds.append(seconds)
-        service_metrics().fetch_latency(seconds, self.rank)
+        self.metrics.fetch_latency(seconds, self.rank)
         return batch, info
 
     def _broadcast(self, batch: dict[str, torch.Tensor] | None, info: dict | None):
@@ -212,7 +234,7 @@ class Client:
 
     def _own_cp_slice(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """This rank's CP slice of a whole pack (selective broadcasting over cp)."""
-        return to_torch(slice_for_cp({k: v.numpy() for k, v in batch.items()}, cp_size=self.tree.cp,
+        return to_torch(slice_for_cp({k: v.numpy() for k, v in batch.items()}, cp_size=self.topology.tree.cp,
                                      cp_rank=self.cp_rank))
 
     def get(self, step: int, microbatch: int) -> dict[str, torch.Tensor] | None:
@@ -231,7 +253,7 @@ class Client:
             batch = to_torch(raw)
         if broadcast:
             batch, info = self._broadcast(batch, info)
-        if self.topology.client_slices_cp:
+        if self.cp_slice:
             batch = self._own_cp_slice(batch)
         self.last_info = info
         self.delivered.append(info)

@@ -128,7 +128,7 @@ class DataConstructor:
         buckets: DP buckets this constructor serves.
         config: Service config (seq length, microbatches, prefetch, attention mask).
         topology: The service topology (who fetches, CP/PP coordinates of clients).
-        get_plan: ``(step, bucket) -> ConstructorPlan`` (the Planner).
+        get_plans: ``(step, buckets) -> [ConstructorPlan per bucket]`` (the Planner: one call a step).
         fetch: ``(step, source_ids, buckets) -> {source_id: samples}`` (the Source Loaders, `FetchFn`).
         pad_id: Padding / masked-label token.
         image_token_id: Image placeholder token (VLM); None for text-only.
@@ -150,7 +150,7 @@ class DataConstructor:
         config: ServiceConfig,
         topology: ServiceTopology,
         *,
-        get_plan: Callable[[int, int], ConstructorPlan],
+        get_plans: Callable[[int, list[int]], Sequence[ConstructorPlan]],
         fetch: FetchFn,
         pad_id: int,
         image_token_id: int | None = None,
@@ -163,14 +163,9 @@ class DataConstructor:
     ) -> None:
         if max_lead is not None and max_lead < 1:
             raise ValueError(f"max_lead must be >= 1 or None, got {max_lead!r}")
-        self.buckets = list(buckets)
-        self.config = config
-        self.topology = topology
-        self.tree = topology.tree
-        self.get_plan = get_plan
-        self.fetch = fetch
-        self.pad_id = pad_id
-        self.image_token_id = image_token_id
+        self.buckets, self.config, self.topology = list(buckets), config, topology
+        self.get_plans, self.fetch = get_plans, fetch  # where plans and samples come from
+        self.pad_id, self.image_token_id = pad_id, image_token_id
         # transformation reordering: images of sources with decode_images="constructor" are decoded here
         self.decode = DeferredDecoder.of(config.sources)
         self.split_loss = config.feedback_mixing  # per-token source ids so the loss splits per source
@@ -197,7 +192,7 @@ class DataConstructor:
     def _build(self, step: int) -> tuple[_BuiltStep, Takers]:
         """The step's microbatches and encoder images, and what each consumer has to take of them."""
         t0 = time.perf_counter()
-        plans = {b: self.get_plan(step, b) for b in self.buckets}
+        plans = dict(zip(self.buckets, self.get_plans(step, self.buckets), strict=True))
         sources = sorted({ref.source for p in plans.values() for mb in p.microbatches for ref in mb})
         pool: dict[tuple[int, int], Any] = {}
         fetched = self.fetch(step, sources, self.buckets)
@@ -212,7 +207,7 @@ class DataConstructor:
             pool = self._decoded(step, pool)
         wants_images = self.get_encoder_plan is not None and any(p.encoder for p in plans.values())
         rows = self.get_encoder_plan(step, self.buckets) if wants_images else None  # no round trip for text
-        mult = self.config.pad_to_multiple_of * 2 * self.tree.cp
+        mult = self.config.pad_to_multiple_of * 2 * self.topology.tree.cp
         built, takers = _BuiltStep(batches={}, info={}), {}
         for b, plan in plans.items():
             for j, refs in enumerate(plan.microbatches):
@@ -331,10 +326,10 @@ class DataConstructor:
         self.skip_to(step)
         built = self.held.get_or_build(step, self._build)
         batch, info = built.batches[(bucket, microbatch)], built.info[(bucket, microbatch)]
-        coords = self.tree.coords(rank)
-        if self.tree.cp > 1 and not self.topology.client_slices_cp:  # else every rank slices after the broadcast
-            batch = slice_for_cp(batch, cp_size=self.tree.cp, cp_rank=coords["cp"])
-        batch = fields_for_stage(batch, pp_rank=coords["pp"], pp_size=self.tree.pp,
+        coords = self.topology.tree.coords(rank)
+        if self.topology.tree.cp > 1 and not self.topology.client_slices_cp:  # else every rank slices after the broadcast
+            batch = slice_for_cp(batch, cp_size=self.topology.tree.cp, cp_rank=coords["cp"])
+        batch = fields_for_stage(batch, pp_rank=coords["pp"], pp_size=self.topology.tree.pp,
                                  middle_stage_masks=self.config.middle_stage_masks)
         self.held.take(step, rank, (bucket, microbatch))
         return batch, {**info, "lead": self.held.lead()}  # how far this constructor is ahead of its slowest fetcher

@@ -90,5 +90,5 @@ def read_buckets(loader: SourceLoader, plan: LoaderPlan, buckets: Sequence[int])
 def missing_buckets(plan: LoaderPlan, buckets: Sequence[int], got: dict[str, list]) -> list[int]:
     """Buckets the plan gives samples of this source but `got` (a pop) returned none for."""
     have = {b for b, _, _ in got["samples"]} | {b for b, _, _ in got["skipped"]}
-    planned = set(np.unique(plan.bucket).tolist())
+    planned = set(plan.bucket.tolist())  # a few dozen rows: a set beats np.unique's sort
     return [b for b in buckets if b in planned and b not in have]

@@ -105,8 +105,10 @@ class SourceLoader:
 
     def indices_at(self, positions: np.ndarray) -> np.ndarray:
         positions = np.asarray(positions, dtype=np.int64)
-        out = np.empty(len(positions), dtype=np.int64)
         epochs = positions // self.size
+        if len(positions) and epochs.min() == epochs.max():  # one epoch, as in most steps
+            return self._perm(int(epochs[0]))[positions - int(epochs[0]) * self.size]
+        out = np.empty(len(positions), dtype=np.int64)
         for e in np.unique(epochs).tolist():
             sel = epochs == e
             out[sel] = self._perm(int(e))[positions[sel] % self.size]

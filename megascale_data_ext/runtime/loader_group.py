@@ -46,7 +46,7 @@ from megascale_data_ext.runtime.failover import missing_buckets, read_buckets
 from megascale_data_ext.runtime.fault_injection import crash_self
 from megascale_data_ext.runtime.loader import SourceLoader
 from megascale_data_ext.runtime.metrics import rss_bytes, samples_in, service_metrics
-from megascale_data_ext.runtime.ray_actor import actor
+from megascale_data_ext.runtime.ray_actor import Held, actor, resolve
 from megascale_data_ext.sources.base import SourceSpec
 
 #: ``(members, workers, ray options) -> actor handle``: a ready loader (group) actor with its plans wired.
@@ -239,10 +239,11 @@ class LoaderGroupActor:
 
     RAY_OPTIONS = {"num_cpus": 0, "max_concurrency": GROUP_CONCURRENCY}  # `runtime.ray_actor.actor` adds the rest
 
-    def __init__(self, members: list[tuple[ShardRef, SourceSpec]], seed: int, shuffle: bool, workers: int = 1,
+    def __init__(self, members: list[tuple[ShardRef, SourceSpec]] | Held, seed: int, shuffle: bool, workers: int = 1,
                  planner: Any = None, direct: bool = False):
+        members = resolve(members)  # by reference: hundreds of sources' specs (`runtime.ray_actor.Held`)
         self._planner = planner
-        self.calls = CallCounter()
+        self.calls, self.metrics = CallCounter(), service_metrics()
         self.group = LoaderGroup(members, seed=seed, shuffle=shuffle, workers=workers, get_plans=self._get_plans,
                                  direct=direct)
 
@@ -270,8 +271,8 @@ class LoaderGroupActor:
         out = self.group.fetch_many(step, sources, buckets)
         for s, got in out.items():
             samples, tokens, skipped = samples_in(got)
-            service_metrics().source_read(self.group.loaders[s].spec.name, samples=samples, tokens=tokens,
-                                          skipped=skipped)
+            self.metrics.source_read(self.group.loaders[s].spec.name, samples=samples, tokens=tokens,
+                                     skipped=skipped)
         return out
 
     def stats(self) -> dict:
@@ -295,7 +296,7 @@ def merge_fetches(parts: Sequence[Mapping[str, list]]) -> dict[str, list]:
     return {"samples": samples, "skipped": skipped}
 
 
-def spawn_loader_groups(config: Any, planner: Any, restart_options: dict[str, Any]) -> Spawn:
+def spawn_loader_groups(config: Any, planner: Any, restart_options: dict[str, Any], job: str) -> Spawn:
     """The `Spawn` of a Planner actor: restartable `LoaderGroupActor`s with its plans.
 
     Returns at once (the actor starts in the background): the partition's actors start side by
@@ -305,17 +306,17 @@ def spawn_loader_groups(config: Any, planner: Any, restart_options: dict[str, An
 
     def spawn(members: list[tuple[ShardRef, SourceSpec]], workers: int, options: dict) -> Any:
         return actor(LoaderGroupActor, **restart_options, **options).remote(
-            members, config.seed, config.shuffle, workers, planner)
+            Held.put(members, owner=job), config.seed, config.shuffle, workers, planner)
 
     return spawn
 
 
-def spawn_shadows(config: Any, planner: Any, restart_options: dict[str, Any]) -> Callable[[list], Any]:
+def spawn_shadows(config: Any, planner: Any, restart_options: dict[str, Any], job: str) -> Callable[[list], Any]:
     """The shadow spawner of a Planner actor (``fault_tolerance.shadow_loaders``): a direct-reading
     `LoaderGroupActor` of the same members, spread by Ray away from its primary where it can."""
 
     def spawn(members: list[tuple[ShardRef, SourceSpec]]) -> Any:
         return actor(LoaderGroupActor, **restart_options, scheduling_strategy="SPREAD").remote(
-            members, config.seed, config.shuffle, 1, planner, True)
+            Held.put(members, owner=job), config.seed, config.shuffle, 1, planner, True)
 
     return spawn

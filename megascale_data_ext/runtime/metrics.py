@@ -11,11 +11,12 @@ What is measured (Ray exports each as ``ray_<name>``), and where it is recorded:
   (the plan), ``vanilla`` (the same samples split Megatron-style) or ``encoder`` (hybrid
   strategies); ``megascale_plan_last_step`` (gauge) is the newest planned step.
 - ``megascale_source_samples_total`` / ``_tokens_total`` / ``_skipped_total`` (counters, tag
-  ``source``): what Source Loaders hand to constructors (`SourceLoaderActor.fetch`); their
+  ``source``): what Source Loaders hand to constructors (`LoaderGroup.fetch`); their
   Prometheus ``rate()`` is the per-source throughput.
 
-`ServiceMetrics` is the facade every part records through (`service_metrics()` gives the
-process-wide one). It exports through :mod:`ray.util.metrics` only when Ray is already
+`ServiceMetrics` is the facade every part records through; each part is handed one
+(`service_metrics()` is the process's, which the actors and the in-process wiring pass on: Ray's
+metric objects are per process, so a second registry would export the same series twice). It exports through :mod:`ray.util.metrics` only when Ray is already
 imported and initialised in the process (Ray actors, a trainer rank that joined the service);
 otherwise (unit tests, `InProcessService`) that side is a no-op. Whatever happens, it also
 keeps an in-process registry (`snapshot()`), and it never raises: a metric that cannot be
@@ -206,6 +207,13 @@ class ServiceMetrics:
         if steps is not None:
             self.record(CONSTRUCTOR_LEAD, steps, {"constructor": constructor})
 
+    def record_plan(self, plan: Any, seconds: float) -> None:
+        """`Planner`'s ``on_planned`` hook: one newly planned step's time and balance."""
+        try:
+            self.plan_made(seconds, plan.summary())
+        except Exception as exc:  # plan.summary() of an odd plan: never fail planning for a metric
+            self._disable(PLAN_SECONDS, exc)
+
     def plan_made(self, seconds: float, summary: Mapping[str, Any]) -> None:
         """One planned step: its planning time and balance (`StepPlan.summary()`)."""
         self.record(PLAN_SECONDS, seconds)
@@ -233,14 +241,6 @@ def service_metrics() -> ServiceMetrics:
             if _PROCESS_METRICS is None:
                 _PROCESS_METRICS = ServiceMetrics()
     return _PROCESS_METRICS
-
-
-def record_plan(plan: Any, seconds: float) -> None:
-    """`Planner`'s ``on_planned`` hook: one newly planned step's time and balance."""
-    try:
-        service_metrics().plan_made(seconds, plan.summary())
-    except Exception as exc:  # plan.summary() of an odd plan: never fail planning for a metric
-        service_metrics()._disable(PLAN_SECONDS, exc)
 
 
 def rss_bytes() -> int:

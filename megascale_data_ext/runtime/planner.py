@@ -40,19 +40,21 @@ from megascale_data_ext.dataplane.mixing import Mixer, build_schedule
 from megascale_data_ext.dataplane.plan import LoaderPlan, StepPlan
 from megascale_data_ext.dataplane.plan_store import PlanStore
 from megascale_data_ext.dataplane.summary import BufferSummary, SourceSummary
-from megascale_data_ext.errors import CapacityError, ConfigError, PlanError, ResumeError
+from megascale_data_ext.errors import CapacityError, ConfigError, PlanError, ResumeError, ShortBufferError
 from megascale_data_ext.runtime.config import Overflow, ServiceConfig
 from megascale_data_ext.runtime.loss_feedback import LossReports
 from megascale_data_ext.runtime.token_budget import TokenBudget
 from megascale_data_ext.runtime.topology import ServiceTopology, make_strategy
-from megascale_data_ext.state import StateSchema
+from megascale_data_ext.state import Fingerprint, StateSchema
 
 Summarize = Callable[[int, int, int], SourceSummary]
 SummaryRequest = tuple[int, int, int]
 """``(source_id, start_position, count)``: metadata of `count` stream positions from `start_position`."""
 SummarizeMany = Callable[[Sequence[SummaryRequest]], Sequence[SourceSummary]]
-SUMMARY_EXTRA = 4096
-"""Samples of metadata fetched beyond the buffer per loader round trip (see `Planner._window`)."""
+SUMMARY_AHEAD_STEPS = 32
+"""A source's metadata is fetched for its draws of the step and about this many more (`Planner._window`)."""
+SUMMARY_MIN_ROWS = 64
+"""...and at least this many samples, so a rarely drawn source is not asked again every time."""
 
 
 class Planner:
@@ -74,7 +76,7 @@ class Planner:
             far others ran ahead. None = no constructors (simulation): `keep` alone decides.
         report_timeout_s: Longest wait for a loss report a feedback schedule needs.
         on_planned: Called with each newly planned (or replayed) step and its planning seconds
-            (metrics: `runtime.metrics.record_plan`); it must not raise.
+            (metrics: `ServiceMetrics.record_plan`); it must not raise.
     """
 
     STATE = StateSchema("planner", 5, ("step", "cursors", "mixer", "reports", "carry", "cost_model"),
@@ -97,6 +99,7 @@ class Planner:
         self.strategy = make_strategy(config)
         self.cost_model: dict[str, Any] | None = None  # an adopted fit (`adopt_cost_model`), as saved
         names = config.source_names
+        self._empty = [SourceSummary.empty(s, name) for s, name in enumerate(names)]  # a source not drawn
         self.mixer = Mixer(
             build_schedule(config.mixing_config(), source_names=names), names, seed=config.seed, mode=config.mix_mode
         )
@@ -106,13 +109,14 @@ class Planner:
         self._floors: dict[int, int] | None = None if constructors is None else dict.fromkeys(range(constructors), 0)
         self.on_planned = on_planned
         self.reports = LossReports(self.mixer, names, timeout_s=report_timeout_s, keep=keep)
+        self._fingerprint = Fingerprint.of({**config.fingerprint(), "world": self.tree.layout()})
         self.replay = PlanStore(config.replay_dir) if config.replay_dir else None
         if self.replay is not None:
             self.replay.check(self.fingerprint())
         self._states: dict[int, tuple[dict[str, Any], int]] = {}
         self._lock = threading.RLock()
         self.budget = None if config.tokens_per_step is None else TokenBudget(
-            config, self.strategy, self.tree, self.mixer, num_buckets=topology.layout.num_buckets)
+            config, self.strategy, topology, self.mixer)
 
     @property
     def carry(self) -> list[list]:
@@ -136,7 +140,7 @@ class Planner:
     # -- planning ------------------------------------------------------------------
     def fingerprint(self) -> dict[str, Any]:
         """What a saved state must have been planned with: the stream-deciding config and the layout."""
-        return {**self.config.fingerprint(), "world": self.tree.layout()}
+        return self._fingerprint  # shared by every state (`Fingerprint`): read-only
 
     def _snapshot(self) -> tuple[dict[str, Any], int]:
         """The state before the next step, without its reports, and the last report step applied."""
@@ -200,11 +204,27 @@ class Planner:
         """Plan `step` live: buffer summaries -> mix -> strategy (deferring what does not fit).
         Returns the plan and, in token mode, the documents drawn per source (else None: the plan's)."""
         self.reports.apply(step)
-        summaries = self._window(self.config.buffer_size)
+        want = self._wanted(step)
+        while True:
+            try:
+                return self._planned_from(step, self._window(want))
+            except ShortBufferError as short:  # a step drew more of some sources than their windows hold
+                if max(short.needs.values()) > self.config.buffer_size:
+                    raise
+                for s, n in short.needs.items():
+                    want[s] = min(self.config.buffer_size, max(n, 2 * int(want[s])))
+
+    def _wanted(self, step: int) -> np.ndarray:
+        """Samples of each source `step` draws, as far as known before its metadata: the mixer's
+        counts (token-budget steps: for about as many documents as the last step drew)."""
+        n = self.config.samples_per_step if self.budget is None else self.budget.draw_estimate()
+        return np.minimum(self.mixer.preview(step, n), self.config.buffer_size).astype(np.int64)
+
+    def _planned_from(self, step: int, summaries: list[SourceSummary]) -> tuple[StepPlan, np.ndarray | None]:
         if self.budget is not None:
             return self.budget.plan(step, summaries)
         buffer = BufferSummary.of(summaries)
-        graph = DGraph.from_summary(buffer, self.tree, step=step)
+        graph = self._graph(buffer, step)
         graph = graph.mix(self.mixer, batch_size=self.config.samples_per_step)
         try:
             plan = self.strategy(graph).plan()
@@ -215,21 +235,31 @@ class Planner:
             self.mixer.settle(step, plan.counts_per_source())
         return plan, None
 
-    def _window(self, count: int) -> list[SourceSummary]:
-        """Metadata of the next `count` samples of every source (from its cursor), from cached windows.
+    def _graph(self, buffer: BufferSummary, step: int) -> DGraph:
+        """The step's DGraph on the trainer mesh, fetching as this service distributes."""
+        return DGraph.from_summary(buffer, self.tree, step=step, distribution=self.topology.distribution)
 
-        A stream's metadata is a pure function of the position (seed, epoch permutation), so
-        the planner asks for ``SUMMARY_EXTRA`` more samples than the buffer and slices steps out
-        of them; the sources whose window ran out are asked together (`summarize_many`), so a
-        step costs at most one round trip per loader actor, and most steps none.
+    def _window(self, want: np.ndarray) -> list[SourceSummary]:
+        """Metadata of the next `want[s]` samples of every source `s` (from its cursor), from cached windows.
+
+        A stream's metadata is a pure function of the position (seed, epoch permutation), so the
+        planner asks for about ``SUMMARY_AHEAD_STEPS`` steps of a source's draws at once and slices
+        steps out of them; the sources whose window ran out are asked together (`summarize_many`),
+        so a step costs at most one round trip per loader actor, and most steps none. What is asked
+        follows what the mixture draws, not the buffer size: a blend of 1,000+ sources draws few
+        samples of each per step, and a start-up that asked every source for thousands of rows
+        shipped millions of them before the first plan.
         """
+        counts = want.tolist()
+
         def covered(s: int, start: int) -> bool:
             cached = self._summaries.get(s)
-            return cached is not None and len(cached) > 0 and cached.positions[0] <= start \
-                and start + count <= cached.positions[-1] + 1
+            return counts[s] == 0 or (cached is not None and len(cached) > 0 and cached.positions[0] <= start
+                                      and start + counts[s] <= cached.positions[-1] + 1)
 
         starts = self.cursors.tolist()
-        requests = [(s, start, count + SUMMARY_EXTRA) for s, start in enumerate(starts) if not covered(s, start)]
+        requests = [(s, start, counts[s] * (1 + SUMMARY_AHEAD_STEPS) + SUMMARY_MIN_ROWS)
+                    for s, start in enumerate(starts) if not covered(s, start)]
         if requests:
             got = list(self.summarize_many(requests))
             if len(got) != len(requests):
@@ -242,9 +272,13 @@ class Planner:
                 self._summaries[s] = summ
         out = []
         for s, start in enumerate(starts):  # a source whose cursor did not move keeps its window
+            n = counts[s]
+            if n == 0:
+                out.append(self._empty[s])
+                continue
             summ, known = self._summaries[s], self._windows.get(s)
-            if known is None or known[0] != (start, count) or known[1] is not summ:
-                known = self._windows[s] = ((start, count), summ, summ.window(start - int(summ.positions[0]), count))
+            if known is None or known[0] != (start, n) or known[1] is not summ:
+                known = self._windows[s] = ((start, n), summ, summ.window(start - int(summ.positions[0]), n))
             out.append(known[2])
         return out
 
@@ -258,7 +292,7 @@ class Planner:
         capacity = self.topology.layout.num_buckets * self.config.num_microbatches * self.config.seq_length
         n = int(np.searchsorted(np.cumsum(tokens), capacity, side="right"))
         while n > 0:
-            graph = DGraph.from_summary(buffer, self.tree, step=step).select(rows[:n], note="mix-fit")
+            graph = self._graph(buffer, step).select(rows[:n], note="mix-fit")
             try:
                 return self.strategy(graph).plan()
             except CapacityError:

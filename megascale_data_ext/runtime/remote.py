@@ -231,7 +231,13 @@ class RemoteConstructors:
                 if timed_out:  # alive but slow (a rebuild, a loader failover): keep waiting on the same call
                     continue
                 retry.pause()
-                handle = self._handle(index, fresh=True)  # the restarted actor, by name
+                try:
+                    handle = self._handle(index, fresh=True)  # the restarted actor, by name
+                except ValueError as gone:  # no actor of that name: the service was stopped, not restarted
+                    raise ServiceUnavailableError(
+                        f"constructor/{index} (serving rank {rank}) is gone from Ray namespace "
+                        f"{self.topology.namespace!r}: the data service was stopped while step {step} was asked for "
+                        "(when a rank that started it failed, that rank's error line says why)") from gone
                 ref = handle.get_step.remote(step, rank, step, job=self.topology.job)
                 self._resend_failed(handle, rank, step)
 

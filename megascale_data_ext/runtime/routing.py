@@ -1,7 +1,8 @@
 """Routing: a constructor's fetch of a step from the loader actors that hold it.
 
 The Planner's `AutoScaler` knows which actors hold each source's shards at each step (its
-layouts); a constructor asks it once per step for every source it needs (`PlannerActor.routes`),
+layouts); a constructor gets every source's routes with the step's plans
+(`PlannerActor.constructor_step`, `prime`) or, after a failure, asks afresh (`PlannerActor.routes`),
 then each loader actor once for all the (shards of) sources it holds (`fetch_many`, the actors
 concurrently), and merges each source's shards' disjoint results. Each shard is a `Replica`:
 with shadow loaders its shadow answers when the primary is down or slow (`runtime.shadows`).
@@ -51,14 +52,22 @@ class RoutedFetch:
         """Calls a primary failed or was out-run by its shadow."""
         return self.suspects.failovers
 
+    def prime(self, step: int, sources: list[int], routes: list[list[Replica]]) -> None:
+        """Take routes the caller already has (they came with the step's plans: no ``routes`` call)."""
+        self._cache.setdefault(step, {}).update(zip(sources, routes, strict=True))
+        self._trim()
+
+    def _trim(self) -> None:
+        while len(self._cache) > CACHED_STEPS:
+            self._cache.popitem(last=False)
+
     def _replicas(self, step: int, sources: list[int], fresh: bool) -> dict[int, list[Replica]]:
         """Each source's shard replicas at `step`, from the cache unless `fresh`."""
         known = self._cache.setdefault(step, {})
         need = sources if fresh else [s for s in sources if s not in known]
         if need:
             known.update(zip(need, self.route(step, need), strict=True))
-        while len(self._cache) > CACHED_STEPS:
-            self._cache.popitem(last=False)
+        self._trim()
         return {s: known[s] for s in sources}
 
     def _counted(self) -> None:

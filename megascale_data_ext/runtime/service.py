@@ -39,8 +39,9 @@ from megascale_data_ext.runtime.checkpoints import PlannerCheckpoints
 from megascale_data_ext.runtime.config import ServiceConfig
 from megascale_data_ext.runtime.fault_tolerance import FaultToleranceConfig
 from megascale_data_ext.runtime.handles import ServiceHandles
-from megascale_data_ext.runtime.malloc import cap_arenas_for_embedded_ray
+from megascale_data_ext.runtime.embedded_ray import init_ray
 from megascale_data_ext.runtime.ray_address import check_reachable
+from megascale_data_ext.runtime.ray_actor import Held
 from megascale_data_ext.runtime.remote import find_planner
 from megascale_data_ext.runtime.topology import ServiceTopology
 from megascale_data_ext.runtime.wiring import start_constructors, start_planner
@@ -125,6 +126,7 @@ class DataService:
         self.checkpoint_dir: str | None = None
         self._owns_ray = False
         self._owns_dir = False
+        self._held: list[Any] = []  # large actor arguments by reference (`runtime.ray_actor.Held`)
         self._stopping = threading.Event()
         self._home_watch: threading.Thread | None = None
 
@@ -159,7 +161,9 @@ class DataService:
         """`start` with the actors started on a thread, so the caller builds its model meanwhile:
         a `Future` of the `ServiceHandles` (its exception is `start`'s). Ray is joined or started
         here, on the calling thread, which must outlive the service (Ray's driver state is
-        tied to the thread that ran ``ray.init``)."""
+        tied to the thread that ran ``ray.init``). Meanwhile the caller must add no environment
+        variable: the thread's C ``getenv`` (pyarrow, Ray) would race the reallocation
+        (`trainer.model.settle_model_environ` writes megatron's model-build variables first)."""
         t0 = time.perf_counter()
         self._init_ray()
         pool = ThreadPoolExecutor(1, thread_name_prefix="megascale-service-start")
@@ -172,9 +176,7 @@ class DataService:
         if not ray.is_initialized():
             check_reachable(cfg.ray.address)  # a named error in seconds, not ray.init retrying for minutes
             quiet_token_auth_notice()
-            if cfg.ray.address is None:  # the Ray we start inherits it: flat memory in every actor
-                cap_arenas_for_embedded_ray()
-            ray.init(**cfg.ray.init_kwargs(), log_to_driver=True, configure_logging=False)
+            init_ray(cfg.ray, log_to_driver=True)  # embedded: its workers inherit the arena cap and preloads
             self._owns_ray = True
         self.ray_init_seconds = time.perf_counter() - t0
 
@@ -199,19 +201,25 @@ class DataService:
 
                 plan = per_source_plan(cfg, loader_opts)
             plan.shadows = ft.shadow_loaders
-            self.planner = start_planner(cfg, topo, plan, ft, ckpt)
+            # by reference, kept here for as long as the actors may restart (`runtime.ray_actor.Held`)
+            self._held = [Held.put(cfg, owner=topo.job), Held.put(plan, owner=topo.job)]
+            self.planner = start_planner(self._held[0], topo, self._held[1], ft, ckpt)
+            start_step = 0 if state is None else int(state["step"])
+            if state is None:  # nothing to restore first: constructor processes start beside the loaders'
+                ray.get(self.planner.__ray_ready__.remote())  # its loaders asked for first (warm workers)
+                self.constructors = start_constructors(cfg, topo, self.planner, ft, start_step=0, placement=placement,
+                                                       held_config=self._held[0])
             loaders, shadows = ray.get([self.planner.loader_actors.remote(),  # surfaces source errors now
                                         self.planner.shadow_actors.remote()])
             self._phase("loaders up", t0, f" ({len(loaders)} loader actors" +
                         (f" + {len(shadows)} shadows" if shadows else "") + ", started by the planner)")
-            start_step = 0
             if state is not None:
                 ray.get(self.planner.load_state_dict.remote(state, reshard))
-                start_step = int(state["step"])
             self._phase("planner up", t0, f" (step {start_step}{', resharded' if reshard and state else ''})")
             first_plan = self.planner.plan_summary.remote(start_step)  # planned while the constructors start
-            self.constructors = start_constructors(cfg, topo, self.planner, ft, start_step=start_step,
-                                                   placement=placement)
+            if state is not None:  # after the restore: a constructor asks for plans from its first call
+                self.constructors = start_constructors(cfg, topo, self.planner, ft, start_step=start_step,
+                                                       placement=placement, held_config=self._held[0])
             ray.get(first_plan)
             self._phase("first plan", t0)
             ray.get([c.stats.remote() for c in self.constructors])
@@ -347,9 +355,16 @@ class DataService:
                 loaders = loaders[0] + loaders[1]
             except Exception:  # a planner that failed to start: its loaders died with it
                 loaders = []
-        for h in self.constructors + loaders + ([self.planner] if self.planner is not None else []):
+        for h in self.constructors + loaders:
             ray.kill(h, no_restart=True)
-        self.constructors, self.planner = [], None
+        # the loaders gone before the Planner: a loader's read-ahead still asking the Planner for plans
+        # would otherwise log a retried task (`PlannerActor.loader_plans failed`) at every stop
+        ray.wait([h.ready.remote() for h in loaders], num_returns=len(loaders), timeout=5.0)
+        if self.planner is not None:
+            ray.kill(self.planner, no_restart=True)
+        if self._held:  # after the actors that could restart from them: ours and the Planner's
+            Held.release_all(self.topology.job)
+        self.constructors, self.planner, self._held = [], None, []
 
     def stop(self) -> None:
         self._stopping.set()

@@ -9,6 +9,7 @@ part of the Planner's checkpoint. Plain numpy: no Ray or torch.
 from __future__ import annotations
 
 import dataclasses
+from collections import deque
 from typing import Any
 
 import numpy as np
@@ -36,22 +37,21 @@ class TokenBudget:
         config: The service config (``tokens_per_step``, ``seq_length``, ``num_microbatches``,
             ``split_documents``, source names).
         strategy: The balancing strategy's factory (``strategy(graph).plan()``).
-        tree: The mesh plans are made for.
+        topology: The `ServiceTopology` plans are made for (its buckets must hold the budget).
         mixer: The Planner's `Mixer` (previews, counts and orders the draws).
-        num_buckets: Buckets of a step (the budget must fit them).
     """
 
-    def __init__(self, config: Any, strategy: Any, tree: Any, mixer: Any, *, num_buckets: int) -> None:
+    def __init__(self, config: Any, strategy: Any, topology: Any, mixer: Any) -> None:
+        num_buckets = topology.layout.num_buckets
         capacity = num_buckets * config.num_microbatches * config.seq_length
         if config.tokens_per_step > capacity:
             raise ConfigError(f"`tokens_per_step` = {config.tokens_per_step} exceeds what one step holds: "
                               f"{num_buckets} buckets x num_microbatches {config.num_microbatches} "
                               f"x seq_length {config.seq_length} = {capacity}; lower it or raise the batch shape")
-        self.config, self.strategy, self.tree, self.mixer = config, strategy, tree, mixer
+        self.config, self.strategy, self.topology, self.mixer = config, strategy, topology, mixer
         self.carry: list[list] = []  # [source, position, index, start, length, [patches]] not placed yet
-        z = np.zeros(0, dtype=np.int64)
-        self._empties = [SourceSummary(source=s, name=name, positions=z, indices=z, text_tokens=z)
-                         for s, name in enumerate(config.source_names)]
+        self.recent_draws: deque[int] = deque(maxlen=8)  # fresh documents of the last steps (sizes metadata)
+        self._empties = [SourceSummary.empty(s, name) for s, name in enumerate(config.source_names)]
 
     def plan(self, step: int, summaries: list[SourceSummary]) -> tuple[StepPlan, np.ndarray]:
         """Plan `step` to its token budget: carry + fresh draws -> balanced prefix -> filled rooms.
@@ -66,6 +66,7 @@ class TokenBudget:
         # Slack beyond the budget gives the room filling documents to choose from.
         need = target + SLACK_MICROBATCHES * length - int(carry.seq_len.sum())
         n = draw_size(lambda b: self.mixer.preview(step, b), seq, need)
+        self.recent_draws.append(n)
         counts = self.mixer.counts(step, n)
         pool = carry.concat(_fresh(summaries, counts, self.mixer.order(step, counts)))
         if cfg.split_documents:
@@ -97,6 +98,15 @@ class TokenBudget:
                                     f"carry {len(carried)})",))
         return planned, counts
 
+    def draw_estimate(self) -> int:
+        """About how many fresh documents the next step draws: the most of the last steps, with room;
+        before any, as if documents were 256 tokens (metadata windows grow when a step needs more,
+        `Planner._planned`)."""
+        if not self.recent_draws:
+            return max(1, -(-int(self.config.tokens_per_step) // 256))
+        most = max(self.recent_draws)
+        return most + most // 2 + 4
+
     def _balance_prefix(self, step: int, pool: Pool, target: int) -> tuple[StepPlan, int]:
         """The strategy's plan of the longest pool prefix it places under the cap, and its length."""
         budget, seq = OFFER_FRACTION * target, pool.seq_len
@@ -113,20 +123,22 @@ class TokenBudget:
 
     def _graph(self, pool: Pool, k: int, step: int) -> DGraph:
         """A DGraph of the first `k` pool rows, selected back in pool order."""
+        src = pool.source[:k]
+        by_source = np.argsort(src, kind="stable")  # graph row j is pool row by_source[j]
         parts = list(self._empties)  # a source without rows in the prefix: most of 1,000+ in a step
-        for s in np.unique(pool.source[:k]).tolist():
-            name = self.config.source_names[s]
-            sel = np.flatnonzero(pool.source[:k] == s)
+        drawn, firsts, counts = np.unique(src[by_source], return_index=True, return_counts=True)
+        for s, first, n in zip(drawn.tolist(), firsts.tolist(), counts.tolist(), strict=True):
+            sel = by_source[first:first + n]  # source s's rows, in pool order (one sort, not a scan per source)
             patches = [pool.patches[i] for i in sel.tolist()]
             parts[s] = SourceSummary(
-                source=s, name=name, positions=pool.position[sel], indices=pool.index[sel],
+                source=s, name=self._empties[s].name, positions=pool.position[sel], indices=pool.index[sel],
                 text_tokens=pool.length[sel],
                 image_offsets=np.concatenate([[0], np.cumsum([len(p) for p in patches])]).astype(np.int64),
                 image_patch_counts=np.asarray([x for p in patches for x in p], dtype=np.int64))
-        by_source = np.argsort(pool.source[:k], kind="stable")  # graph row j is pool row by_source[j]
         rows = np.empty(k, dtype=np.int64)
         rows[by_source] = np.arange(k)
-        return DGraph.from_summary(BufferSummary.of(parts), self.tree, step=step).select(rows, note="token-budget")
+        return DGraph.from_summary(BufferSummary.of(parts), self.topology.tree, step=step,
+                                   distribution=self.topology.distribution).select(rows, note="token-budget")
 
     def _cost_of(self, seq_len: np.ndarray) -> np.ndarray:
         """Backbone cost of added spans, by the strategy's own cost model when it exposes one."""

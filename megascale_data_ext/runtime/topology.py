@@ -7,11 +7,11 @@ them itself. `ServiceTopology.of(config, tree)` derives them once; the service, 
 wiring, the actors, the handles that travel to trainer ranks and the client all read this one
 value (plain data: no Ray, no torch, picklable).
 
-The tree it carries is the *service tree*: the trainer's `ClientPlaceTree` with its consumer
-axis set to the strategy's distribution axis, its broadcast dims set to the strategy's
-(selective broadcasting: ``("tp",)`` is Megatron's TP-rank-0 broadcast, ``("tp", "cp")`` makes
-one rank per TP x CP group fetch), and, with ``middle_stage_masks``, every pipeline stage
-reading (middle stages get only the masks). When ``cp`` is among the broadcast dims the
+It is the one owner of the service's decisions on the trainer's mesh (`distribution`): the
+strategy's distribution axis, its broadcast dims (selective broadcasting: ``("tp",)`` is
+Megatron's TP-rank-0 broadcast, ``("tp", "cp")`` makes one rank per TP x CP group fetch), and,
+with ``middle_stage_masks``, every pipeline stage reading (middle stages get only the masks).
+The `tree` it carries is Megatron's layout only. When ``cp`` is among the broadcast dims the
 fetcher receives the whole packed microbatch and every rank cuts its own CP slice after the
 broadcast (`client_slices_cp`).
 """
@@ -19,10 +19,11 @@ broadcast (`client_slices_cp`).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
-from megascale_data_ext.dataplane.placetree import BucketAxis, BucketLayout, ClientPlaceTree, FetchStages
+from megascale_data_ext.dataplane.distribution import Distribution, FetchStages
+from megascale_data_ext.dataplane.placetree import BucketAxis, BucketLayout, ClientPlaceTree
 from megascale_data_ext.dataplane.strategies import build_strategy, strategy_args
 
 DEFAULT_BROADCAST_DIMS: tuple[str, ...] = ("tp",)
@@ -59,8 +60,8 @@ class ServiceTopology:
     """The service's shape for one trainer layout.
 
     Attributes:
-        tree: The service tree (consumer axis = the strategy's axis, runtime broadcast dims,
-            reading stages).
+        tree: The trainer's mesh (Megatron's layout).
+        distribution: Consumer axis (the strategy's), broadcast dims and reading stages.
         constructor_groups: Buckets served by each Data Constructor, in constructor order.
         num_sources: Sources (their loader actors are the Planner's, found through it).
         namespace: Ray namespace of the named actors (the Planner and the constructors).
@@ -70,6 +71,7 @@ class ServiceTopology:
     """
 
     tree: ClientPlaceTree
+    distribution: Distribution
     constructor_groups: tuple[tuple[int, ...], ...]
     num_sources: int
     namespace: str
@@ -79,25 +81,18 @@ class ServiceTopology:
     def of(cls, config: Any, tree: ClientPlaceTree, strategy: Any = None) -> ServiceTopology:
         """Derive the topology of `config` (a `ServiceConfig`) on the trainer mesh `tree`."""
         strategy = make_strategy(config) if strategy is None else strategy
-        stages = tree.fetch_stages
-        if config.middle_stage_masks and tree.pp > 2 and stages is FetchStages.ENDS:
-            stages = FetchStages.ALL
-        service_tree = replace(tree, consumer_axis=strategy_axis(strategy), broadcast_dims=strategy_broadcast(strategy),
-                               fetch_stages=stages)
-        n, g = service_tree.buckets().num_buckets, config.constructor_group
+        stages = FetchStages.ALL if config.middle_stage_masks and tree.pp > 2 else FetchStages.ENDS
+        dist = Distribution(strategy_axis(strategy), strategy_broadcast(strategy), stages)
+        n, g = tree.buckets(dist.axis).num_buckets, config.constructor_group
         groups = tuple(tuple(range(i, min(i + g, n))) for i in range(0, n, g))
-        return cls(tree=service_tree, constructor_groups=groups, num_sources=len(config.sources),
+        return cls(tree=tree, distribution=dist, constructor_groups=groups, num_sources=len(config.sources),
                    namespace=config.ray.namespace)
 
     # -- distribution ----------------------------------------------------------------
     @property
-    def axis(self) -> BucketAxis:
-        return self.tree.consumer_axis
-
-    @property
     def broadcast_dims(self) -> tuple[str, ...]:
         """The dims fetched microbatches are broadcast along (none over WORLD; never ``cp`` on the CP axis)."""
-        return self.tree.effective_broadcast_dims(self.axis)
+        return self.distribution.broadcast_dims
 
     @property
     def client_slices_cp(self) -> bool:
@@ -113,30 +108,34 @@ class ServiceTopology:
     @property
     def layout(self) -> BucketLayout:
         """The buckets of the distribution axis and the ranks each serves."""
-        return self.tree.buckets(self.axis)
-
-    @property
-    def fetch_stages(self) -> FetchStages:
-        return self.tree.fetch_stages
+        return self.tree.buckets(self.distribution.axis)
 
     def fetch_ranks(self) -> list[int]:
         """Ranks that pull from a Data Constructor, ascending."""
-        return self.tree.fetch_ranks(self.axis)
+        return self.distribution.fetch_ranks(self.tree)
 
     def fetchers(self, bucket: int) -> list[int]:
         """The fetching ranks bucket `bucket`'s microbatches go to."""
-        return [r for r in self.layout.bucket_ranks[bucket] if self.tree.must_fetch(r, self.axis)]
+        mask = self.distribution.fetch_mask(self.tree)
+        return [r for r in self.layout.bucket_ranks[bucket] if mask[r]]
 
     def fetches(self, rank: int) -> bool:
-        return self.tree.must_fetch(rank, self.axis)
+        return self.distribution.fetches(self.tree, rank)
 
     def needs_data(self, rank: int) -> bool:
         """False on pipeline stages that read nothing (middle stages without masks)."""
-        return self.tree.needs_data(rank, self.axis)
+        return self.distribution.needs_data(self.tree, rank)
 
     def broadcast_source(self, rank: int) -> int:
         """The fetching rank `rank` receives its microbatches from (itself when it fetches)."""
-        return self.tree.broadcast_source(rank, self.broadcast_dims)
+        return self.distribution.broadcast_source(self.tree, rank)
+
+    def describe(self, *, max_dp: int = 4) -> str:
+        """The trainer's tree with this service's fetching ranks marked, and how it distributes."""
+        d = self.distribution
+        return (self.tree.describe(fetching=self.fetch_ranks(), max_dp=max_dp)
+                + f"\nconsumers: {d.axis.value}, broadcast over {list(self.broadcast_dims)}, stages reading: "
+                f"{d.stages.value}")
 
     # -- constructors and actor names ------------------------------------------------
     @property

@@ -32,7 +32,8 @@ def start_planner(config: Any, topology: Any, loaders: Any, ft: Any, checkpoint_
                   named: bool = True) -> Any:
     """The Planner actor (restartable per `ft`, retrying calls in flight: it is idempotent); it
     starts the loader actors of `loaders` (`AutoscalePlan`). `named`: under the topology's names,
-    where clients joining the running service find it."""
+    where clients joining the running service find it. `config` and `loaders` may be `Held`
+    references the caller keeps (a large blend's)."""
     from megascale_data_ext.runtime.actors import PlannerActor
     from megascale_data_ext.runtime.topology import PLANNER_NAME
 
@@ -42,9 +43,11 @@ def start_planner(config: Any, topology: Any, loaders: Any, ft: Any, checkpoint_
 
 
 def start_constructors(config: Any, topology: Any, planner: Any, ft: Any, *, start_step: int = 0,
-                       placement: Any = None, groups: Sequence[int] | None = None, named: bool = True) -> list[Any]:
+                       placement: Any = None, groups: Sequence[int] | None = None, named: bool = True,
+                       held_config: Any = None) -> list[Any]:
     """The Data Constructor actors of `topology` (`groups`: only these constructor indices), each
-    with the concurrency its buckets need and, with `placement`, on its trainer node."""
+    with the concurrency its buckets need and, with `placement`, on its trainer node. `held_config`:
+    `config` as a `runtime.ray_actor.Held` the caller keeps (else it travels by value)."""
     from megascale_data_ext.runtime.constructor_actor import DataConstructorActor, constructor_concurrency
     from megascale_data_ext.runtime.remote import PlannerIn
 
@@ -60,7 +63,7 @@ def start_constructors(config: Any, topology: Any, planner: Any, ft: Any, *, sta
         out.append(actor(DataConstructorActor, **names, **ft.actor_options(retry_tasks=False),
                          max_concurrency=constructor_concurrency(topology, buckets, ft, image_id is not None),
                          **(placement.constructor(sidecar[j]) if sidecar else {})).remote(
-            buckets, config, topology, planner_arg, pad_id, image_id, start_step, ft))
+            buckets, held_config or config, topology, planner_arg, pad_id, image_id, start_step, ft))
     return out
 
 
@@ -80,19 +83,19 @@ def in_process_parts(config: Any, topology: Any, *, max_lead: int | None = None,
     `DataConstructor` per constructor group, calling each other directly (no Ray)."""
     from megascale_data_ext.runtime.constructor import DataConstructor, encoder_rows
     from megascale_data_ext.runtime.loader import SourceLoader
-    from megascale_data_ext.runtime.metrics import record_plan
+    from megascale_data_ext.runtime.metrics import service_metrics
     from megascale_data_ext.runtime.planner import Planner
 
     loaders = [SourceLoader(i, s, seed=config.seed, shuffle=config.shuffle) for i, s in enumerate(config.sources)]
     planner = Planner(config, topology, lambda s, start, n: loaders[s].summary_buffer(start, n),
-                      on_planned=record_plan, constructors=topology.num_constructors)
+                      on_planned=service_metrics().record_plan, constructors=topology.num_constructors)
     for loader in loaders:
         loader.get_plan = planner.loader_plan
     pad_id, image_id = constructor_tokens(config)
     constructors = [
         DataConstructor(
             list(buckets), config, topology,
-            get_plan=lambda step, b: planner.plan(step).constructor_do_plan(b),
+            get_plans=lambda step, bs: [planner.plan(step).constructor_do_plan(b) for b in bs],
             fetch=lambda step, ss, bs: {s: loaders[s].fetch(step, bs) for s in ss},
             pad_id=pad_id, image_token_id=image_id,
             get_encoder_plan=lambda step, bs: encoder_rows(planner.plan(step), bs),

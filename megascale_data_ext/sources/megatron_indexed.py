@@ -332,7 +332,7 @@ class MegatronIndexedSource(RowSource):
 
     def _raw_rows(self, indices: np.ndarray) -> list[RawSample]:
         which = np.searchsorted(self._ds_start, indices, side="right") - 1
-        for d_i in np.unique(which).tolist():
+        for d_i in dict.fromkeys(which.tolist()):  # the files read, once each
             if not self._datasets[d_i].refresh():
                 self.file_faults.removed_but_open(self._datasets[d_i].bin_path)
         out = []

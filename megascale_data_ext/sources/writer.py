@@ -73,13 +73,9 @@ class PreparedParquetWriter:
             )
         self.out_dir = str(out_dir)
         os.makedirs(self.out_dir, exist_ok=True)
-        self.kind = kind
-        self.tokenizer = tokenizer
-        self.patch_size = patch_size
-        self.max_image_patches = max_image_patches
-        self.row_group_rows = row_group_rows
-        self.rows_per_file = rows_per_file
-        self.prefix = prefix
+        self.kind, self.tokenizer, self.prefix = kind, tokenizer, prefix
+        self.patch_size, self.max_image_patches = patch_size, max_image_patches
+        self.row_group_rows, self.rows_per_file = row_group_rows, rows_per_file
         self.summary = WriteSummary()
         fields = [pa.field(TEXT_COLUMN, pa.string()), pa.field(TOKENS_COLUMN, pa.int32())]
         if kind == "image-text":

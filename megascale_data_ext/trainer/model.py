@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
+from types import SimpleNamespace
 from typing import Any, Literal
 
 import os
@@ -58,6 +59,7 @@ __all__ = [
     "init_layout_invariant",
     "initialize_parallel",
     "loss_func",
+    "settle_model_environ",
     "set_random_seed",
     "stage_batch_keys",
 ]
@@ -191,6 +193,26 @@ def initialize_parallel(cfg: GPTModelConfig, *, backend: str | None = None) -> l
                                              virtual_pipeline_model_parallel_size=cfg.vpp, context_parallel_size=cfg.cp)
     set_random_seed(cfg.seed)
     return shims
+
+
+def settle_model_environ(cfg: GPTModelConfig) -> None:
+    """Write now the environment variables that building the model and its optimizer would write,
+    so that doing so later adds none.
+
+    Adding a variable reallocates C's ``environ``; a ``getenv`` on another thread at that moment
+    reads freed memory. Rank 0 builds while the data service starts on its thread, and that
+    crashed it (SIGSEGV in ``getenv`` under pyarrow). The writers: ``LanguageModule.__init__``
+    sets ``NVTE_{FLASH,FUSED,UNFUSED}_ATTN`` from the attention backend (megatron's own function
+    sets them here, so they keep its values), and the first torch optimizer imports Dynamo, which
+    sets ``TORCHINDUCTOR_CACHE_DIR`` (imported here instead: the same import, earlier). Call it
+    before starting any thread.
+    """
+    import torch._dynamo  # noqa: F401  (torch.optim's first param group would import it)
+    from megatron.core.models.common.language_module.language_module import LanguageModule
+
+    set_backend = getattr(LanguageModule, "_set_attention_backend", None)
+    if set_backend is not None:
+        set_backend(SimpleNamespace(config=cfg.to_transformer_config()))
 
 
 def set_random_seed(seed: int) -> None:

@@ -151,7 +151,7 @@ class TrainingSession:
 
     def __init__(self, cfg: Any, service_cfg: Any, model_cfg: Any, valid_cfg: Any = None) -> None:
         from megascale_data_ext.dataplane.placetree import ClientPlaceTree
-        from megascale_data_ext.trainer.model import initialize_parallel
+        from megascale_data_ext.trainer.model import initialize_parallel, settle_model_environ
 
         self.cfg, self.service_cfg = cfg, service_cfg
         self.eval_interval = int(cfg.train.get("eval_interval") or 0)
@@ -168,6 +168,7 @@ class TrainingSession:
         if self.load_dir:
             self.start = latest_step(self.load_dir)
             state = load_data_state(self.load_dir, self.start) if self.rank == 0 else None
+        settle_model_environ(model_cfg)  # before the service's start-up thread: the model build then adds no variable
         self.service, self._pending = begin_serve(service_cfg, self.tree, state=state)
         # The validation service (held-out sources, its own namespace) starts beside it, on the same Ray.
         self.valid_service, self._valid_pending = (None, None) if self.valid_cfg is None else begin_serve(
@@ -425,7 +426,7 @@ def pretrain_gpt(cfg: Any) -> list[dict]:
     from megascale_data_ext.sources.tokenizer import load_tokenizer
 
     cp = int(cfg.parallel.get("context_parallel_size", 1))
-    data = load_config(cfg.data, context_parallel_size=cp)
+    data = load_config(cfg, context_parallel_size=cp)  # its `model` gives the cost model
     service_cfg = data.to_service_config()
     vocab = load_tokenizer(service_cfg.sources[0].tokenizer).vocab_size
     model_cfg = gpt_model_config(cfg, service_cfg, vocab)

@@ -61,7 +61,7 @@ def pretrain_vlm(cfg: Any) -> list[dict]:
         raise ConfigError(f"`train.eval_interval`={cfg.train.eval_interval}: the VLM example does not evaluate yet "
                           "(its image encoder feed serves the training service only); set train.eval_interval=0 "
                           "(GPT pretraining evaluates data.validation.sources)")
-    service_cfg = load_config(cfg.data, context_parallel_size=cp).to_service_config()
+    service_cfg = load_config(cfg, context_parallel_size=cp).to_service_config()
     if service_cfg.strategy != "vlm_balance":
         raise ConfigError(f"`data.strategy.name` is {service_cfg.strategy!r}; pretrain_vlm needs the hybrid "
                           "`vlm_balance` strategy (images balanced over WORLD, sequences over DP)")

@@ -20,6 +20,7 @@ from typing import Any
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
+from megascale_data_ext.dataplane.distribution import Distribution
 from megascale_data_ext.dataplane.placetree import ClientPlaceTree
 
 _KEYS = {"tp": "tensor_model_parallel_size", "pp": "pipeline_model_parallel_size", "cp": "context_parallel_size",
@@ -82,10 +83,12 @@ def check_layout(layout: str) -> list[str]:
             problems.append(f"vpp {tree.vpp} != megatron {ps.get_virtual_pipeline_model_parallel_world_size()}")
         first, last = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
         expect_fetch = (first or last) and coords["tp"] == 0
-        if tree.must_fetch(rank) != expect_fetch:
-            problems.append(f"must_fetch {tree.must_fetch(rank)} but first={first} last={last} tp={coords['tp']}")
-        if tree.broadcast_source(rank) != ps.get_tensor_model_parallel_src_rank():
-            problems.append(f"broadcast_source {tree.broadcast_source(rank)} != "
+        megatron_way = Distribution()  # Megatron's get_batch: TP rank 0 of the first and last stage reads
+        if megatron_way.fetches(tree, rank) != expect_fetch:
+            problems.append(f"fetches {megatron_way.fetches(tree, rank)} but first={first} last={last} "
+                            f"tp={coords['tp']}")
+        if megatron_way.broadcast_source(tree, rank) != ps.get_tensor_model_parallel_src_rank():
+            problems.append(f"broadcast_source {megatron_way.broadcast_source(tree, rank)} != "
                             f"get_tensor_model_parallel_src_rank() {ps.get_tensor_model_parallel_src_rank()}")
         # Every rank must have built the same tree (the inferred order may differ in spelling
         # only if it gives identical groups, so compare the per-rank group tables).
@@ -95,7 +98,7 @@ def check_layout(layout: str) -> list[str]:
         if any(t != tables[0] for t in tables):
             problems.append("ranks built different trees")
         if rank == 0:
-            print(f"[{layout}] -> {tree!r}\n{tree.describe()}", flush=True)
+            print(f"[{layout}] -> {tree!r}\n{tree.describe(fetching=megatron_way.fetch_ranks(tree))}", flush=True)
         return [f"rank {rank} [{layout}]: {p}" for p in problems]
     finally:
         ps.destroy_model_parallel()

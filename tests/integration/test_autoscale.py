@@ -17,6 +17,7 @@ from megascale_data_ext.runtime.placement import ClusterNodes
 from megascale_data_ext.runtime.service import DataService
 from megascale_data_ext.sources.demo_data import make_demo_data
 from megascale_data_ext.sources.profiling import source_fingerprint
+from tests.integration.conftest import own_ray
 
 pytestmark = pytest.mark.slow
 
@@ -32,6 +33,7 @@ def test_service_places_loaders_by_partition_and_constructors_beside_their_ranks
     from ray.cluster_utils import Cluster
 
     # three nodes (the head is one of them): fewer raylets on a small test box
+    own_ray()  # not the modules' shared local Ray: a cluster of its own
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "resources": {"msd_node:trainer-0": 1}})
     for i in (1, 2):
         cluster.add_node(num_cpus=2, resources={f"msd_node:trainer-{i}": 1})

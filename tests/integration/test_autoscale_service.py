@@ -13,6 +13,7 @@ import pytest
 import ray
 
 from megascale_data_ext.dataplane.partitioner import MiB
+from megascale_data_ext.dataplane.distribution import Distribution
 from megascale_data_ext.dataplane.placetree import ClientPlaceTree
 from megascale_data_ext.dataplane.profiles import ProfileJournal, SourceProfile
 from megascale_data_ext.errors import ConfigError
@@ -21,6 +22,7 @@ from megascale_data_ext.runtime.inprocess import InProcessService
 from megascale_data_ext.runtime.service import DataService
 from megascale_data_ext.sources.demo_data import make_demo_data
 from megascale_data_ext.sources.profiling import source_fingerprint
+from tests.integration.conftest import shared_ray
 
 pytestmark = pytest.mark.slow
 STEPS = 28
@@ -59,7 +61,7 @@ def ramp_config(specs, profiles, **autoscale) -> ServiceConfig:
 def delivered(service, tree, step) -> tuple[list, list]:
     """(per fetching rank and microbatch: the tokens, every (source, position) delivered) of `step`."""
     tokens, keys = [], []
-    for rank in tree.fetch_ranks("DP"):
+    for rank in service.topology.fetch_ranks():
         h = service.constructors[service.topology.constructor_of_rank(rank)]
         for batch, info in ray.get(h.get_step.remote(step, rank)):
             tokens.append(batch["tokens"])
@@ -73,34 +75,31 @@ def test_autoscaled_service_groups_scales_survives_a_kill_and_delivers_every_sam
     tree = ClientPlaceTree.from_sizes(dp=2)
     reference = InProcessService(cfg, tree)  # the same stream, one loader per source, never rescaled
     lines: list[str] = []
-    ray.init(address="local", num_cpus=2, include_dashboard=False, configure_logging=False, log_to_driver=False)
-    try:
-        service = DataService(cfg, tree, progress=lines.append)
-        service.start()
-        assert any(line.startswith(f"profiles: {SOURCES} from the journal, 0 measured") for line in lines), lines
-        first = len(service.loader_actors())
-        assert first < SOURCES, f"{first} loader actors for {SOURCES} light sources: nothing grouped"
-        seen: Counter = Counter()
-        planned: Counter = Counter()
-        live = []
-        for step in range(STEPS):
-            if step == 7:  # kill the actors serving source 0 now (mid-ramp: its shards)
-                for h in ray.get(service.planner.loaders_of.remote(0)):
-                    h.crash.remote()
-            got, keys = delivered(service, tree, step)
-            want, _ = delivered_reference(reference, tree, step)
-            for a, b in zip(got, want, strict=True):
-                assert np.array_equal(a, b), f"step {step}: a microbatch differs from the never-rescaled run"
-            seen.update(keys)
-            for s in range(SOURCES):
-                plan = reference.planner.loader_plan(step, s)
-                planned.update((s, int(p)) for p in plan.positions)
-            live.append(len(service.loader_actors()))
-        events = ray.get(service.planner.scaling_events.remote())
-        stats = service.stats()
-        service.stop()
-    finally:
-        ray.shutdown()
+    shared_ray()
+    service = DataService(cfg, tree, progress=lines.append)
+    service.start()
+    assert any(line.startswith(f"profiles: {SOURCES} from the journal, 0 measured") for line in lines), lines
+    first = len(service.loader_actors())
+    assert first < SOURCES, f"{first} loader actors for {SOURCES} light sources: nothing grouped"
+    seen: Counter = Counter()
+    planned: Counter = Counter()
+    live = []
+    for step in range(STEPS):
+        if step == 7:  # kill the actors serving source 0 now (mid-ramp: its shards)
+            for h in ray.get(service.planner.loaders_of.remote(0)):
+                h.crash.remote()
+        got, keys = delivered(service, tree, step)
+        want, _ = delivered_reference(reference, tree, step)
+        for a, b in zip(got, want, strict=True):
+            assert np.array_equal(a, b), f"step {step}: a microbatch differs from the never-rescaled run"
+        seen.update(keys)
+        for s in range(SOURCES):
+            plan = reference.planner.loader_plan(step, s)
+            planned.update((s, int(p)) for p in plan.positions)
+        live.append(len(service.loader_actors()))
+    events = ray.get(service.planner.scaling_events.remote())
+    stats = service.stats()
+    service.stop()
     assert max(seen.values()) == 1, "a sample was delivered twice"
     assert set(seen) == set(planned), "a planned sample was never delivered"
     created = [e for e in events if e["event"] == "created" and e["source"] == 0]
@@ -113,7 +112,7 @@ def test_autoscaled_service_groups_scales_survives_a_kill_and_delivers_every_sam
 
 def delivered_reference(reference, tree, step):
     tokens, keys = [], []
-    for rank in tree.fetch_ranks("DP"):
+    for rank in Distribution().fetch_ranks(tree):
         for batch, info in reference.constructor_of(rank).get_step(step, rank):
             tokens.append(batch["tokens"])
             keys += [(int(s), int(p)) for s, p, *_ in info["samples"].tolist()]
@@ -123,14 +122,11 @@ def delivered_reference(reference, tree, step):
 def test_partition_that_cannot_fit_names_the_config_key(specs, tmp_path):
     profiles = journal(specs, tmp_path / "p.json", latency_s=[1e-4] * SOURCES)
     cfg = ramp_config(specs, profiles, actor_memory_mib=1.0, actor_base_mib=80.0)
-    ray.init(address="local", num_cpus=2, include_dashboard=False, configure_logging=False, log_to_driver=False)
-    try:
-        with pytest.raises(ConfigError, match=r"autoscale\.actor_memory_mib"):
-            DataService(cfg, ClientPlaceTree.from_sizes(dp=2), progress=None).start()
-        with pytest.raises(ValueError):  # refused before any actor started: no Planner to find
-            ray.get_actor("planner", namespace=cfg.ray.namespace)
-    finally:
-        ray.shutdown()
+    shared_ray()
+    with pytest.raises(ConfigError, match=r"autoscale\.actor_memory_mib"):
+        DataService(cfg, ClientPlaceTree.from_sizes(dp=2), progress=None).start()
+    with pytest.raises(ValueError):  # refused before any actor started: no Planner to find
+        ray.get_actor("planner", namespace=cfg.ray.namespace)
 
 
 def test_injected_planner_and_loader_kills_through_the_client_lose_nothing(specs, tmp_path):
@@ -147,29 +143,28 @@ def test_injected_planner_and_loader_kills_through_the_client_lose_nothing(specs
                               fault_tolerance=FaultToleranceConfig(inject="planner@8,loader:0@11"))
     tree = ClientPlaceTree.from_sizes(dp=2)
     reference = InProcessService(cfg, tree)
-    ray.init(address="local", num_cpus=2, include_dashboard=False, configure_logging=False, log_to_driver=False)
-    try:
-        service = DataService(cfg, tree, progress=None)
-        service.start()
-        before = set(service.loader_actors())  # handles compare by actor id
-        client = RemoteConstructors(service.topology)
-        seen: Counter = Counter()
-        for step in range(14):
-            for rank in tree.fetch_ranks("DP"):
-                want = reference.constructor_of(rank).get_step(step, rank)
-                for j, (batch, info) in enumerate(want):
-                    got, got_info = client.get(step, j, rank)
-                    assert np.array_equal(got["tokens"], batch["tokens"]), f"step {step} rank {rank} differs"
-                    seen.update((int(s), int(p)) for s, p, _ in got_info["samples"].tolist())
-        after = set(service.loader_actors())
-        fired = [(e.component, e.step) for e in client.injector.events]
-        planner = service.stats()["planner"]
-        restored = planner["restored_from"]
-        back = [e for e in planner["autoscale"]["events"] if e["event"] == "restored"]
-        service.stop()
-    finally:
-        ray.shutdown()
+    shared_ray()
+    service = DataService(cfg, tree, progress=None)
+    service.start()
+    before = set(service.loader_actors())  # handles compare by actor id
+    client = RemoteConstructors(service.topology)
+    seen: Counter = Counter()
+    for step in range(14):
+        for rank in Distribution().fetch_ranks(tree):
+            want = reference.constructor_of(rank).get_step(step, rank)
+            for j, (batch, info) in enumerate(want):
+                got, got_info = client.get(step, j, rank)
+                assert np.array_equal(got["tokens"], batch["tokens"]), f"step {step} rank {rank} differs"
+                seen.update((int(s), int(p)) for s, p, _ in got_info["samples"].tolist())
+    after = set(service.loader_actors())
+    fired = [(e.component, e.step) for e in client.injector.events]
+    planner = service.stats()["planner"]
+    restored = planner["restored_from"]
+    back = [e for e in planner["autoscale"]["events"] if e["event"] == "restored"]
+    service.stop()
     assert max(seen.values()) == 1
     assert ("planner", 8) in fired and ("loader", 11) in fired, fired
     assert restored is not None and not before & after, "the restarted Planner did not start a new fleet"
-    assert back and back[0]["shards"][0] > 1, f"restarted at the partition's layout, not the scaled one: {back}"
+    # killed at step 8, between the scale-up (decided at step 5) and its reclaim (after the scale-down
+    # for step 12 or later): source 0 comes back with the 3 shards it had, not the partition's one
+    assert back and max(n for _, n in back[0]["layouts"][0]) == 3, f"not restarted at the scaled layout: {back}"

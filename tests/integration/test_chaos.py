@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 
 from megascale_data_ext.commands.bench_chaos import chaos_schedule, run_chaos
+from tests.integration.conftest import own_ray
 
 pytestmark = pytest.mark.slow
 
@@ -24,6 +25,7 @@ def test_chaos_schedule_is_seeded_and_spaced():
 
 
 def test_two_double_kills_lose_nothing(tmp_path):
+    own_ray()  # run_chaos starts a cluster of its own
     result = run_chaos(tmp_path, steps=40, schedule=[(6, "planner+loader"), (18, "constructor+loader")])
     assert result["totals"] == {"lost": 0, "duplicated": 0, "order_mismatches": 0, "errors": 0}, result["errors"]
     assert [len(r["victims"]) for r in result["rows"]] == [2, 2]

@@ -19,6 +19,7 @@ import pytest
 import ray
 
 from tests.dist import launch
+from tests.integration.conftest import shared_ray
 
 pytestmark = pytest.mark.slow
 RUNS = itertools.count()  # each run's own Ray namespace: a stopped run's actor names are not reused
@@ -27,9 +28,8 @@ RUNS = itertools.count()  # each run's own Ray namespace: a stopped run's actor 
 @pytest.fixture(scope="module")
 def ray_cluster():
     """(address, env) of a local Ray the example's rank 0 joins; the RAY_AUTH_* env lets it in."""
-    ray.init(address="local", include_dashboard=False, configure_logging=False, log_to_driver=False)
+    shared_ray()
     yield ray.get_runtime_context().gcs_address, {k: v for k, v in os.environ.items() if k.startswith("RAY_AUTH_")}
-    ray.shutdown()
 
 
 @pytest.fixture

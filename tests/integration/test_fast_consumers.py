@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-import ray
 
 from megascale_data_ext.commands.bench_consumers import lockstep, race
 from megascale_data_ext.dataplane.placetree import ClientPlaceTree
@@ -43,11 +42,6 @@ def specs(tmp_path_factory):
     return [dataclasses.replace(s, truncate=True, max_tokens=1024 - (64 if s.image_column else 0)) for s in out]
 
 
-@pytest.fixture(scope="module")
-def ray_local():
-    ray.init(address="local", num_cpus=2, include_dashboard=False, configure_logging=False, log_to_driver=False)
-    yield
-    ray.shutdown()
 
 
 def config(specs, strategy: str) -> ServiceConfig:

@@ -11,7 +11,6 @@ import dataclasses
 from collections import Counter
 
 import pytest
-import ray
 
 from megascale_data_ext.commands.bench_faults import compare, consume, documents
 from megascale_data_ext.dataplane.placetree import ClientPlaceTree
@@ -34,11 +33,6 @@ def text_spec(tmp_path_factory):
     return dataclasses.replace(spec, truncate=True)
 
 
-@pytest.fixture(scope="module")
-def ray_local():
-    ray.init(address="local", num_cpus=2, include_dashboard=False, configure_logging=False, log_to_driver=False)
-    yield
-    ray.shutdown()
 
 
 def config(spec, sources: int, namespace: str) -> ServiceConfig:

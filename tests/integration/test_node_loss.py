@@ -31,6 +31,7 @@ from megascale_data_ext.runtime.remote import RemoteConstructors, actor_crasher
 from megascale_data_ext.runtime.service import DataService
 from megascale_data_ext.sources.demo_data import make_demo_data
 from megascale_data_ext.sources.profiling import source_fingerprint
+from tests.integration.conftest import own_ray
 
 pytestmark = pytest.mark.slow
 STEPS = 20
@@ -75,6 +76,7 @@ def status(handles) -> list[dict]:
 def test_planner_kill_then_node_loss_then_node_back_lose_nothing_and_raise_nothing(specs, tmp_path):
     from ray.cluster_utils import Cluster
 
+    own_ray()  # not the modules' shared local Ray: a cluster of its own
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2})
     cluster.add_node(num_cpus=2, labels={"msd-node": "trainer-0"})
     lost = cluster.add_node(num_cpus=2, labels={"msd-node": "trainer-1"})
@@ -96,7 +98,7 @@ def test_planner_kill_then_node_loss_then_node_back_lose_nothing_and_raise_nothi
         want = {}
         reference = InProcessService(cfg, tree)
         for step in range(STEPS):
-            for rank in tree.fetch_ranks("DP"):
+            for rank in reference.topology.fetch_ranks():
                 want[(rank, step)] = digest([reference.get(step, j, rank) for j in range(cfg.num_microbatches)])
 
         ft = FaultToleranceConfig(client_prefetch=4, checkpoint_dir=str(tmp_path / "ckpt"))
@@ -108,7 +110,7 @@ def test_planner_kill_then_node_loss_then_node_back_lose_nothing_and_raise_nothi
             assert placed["constructor/1"]["node_id"] == lost_id  # beside rank 1, on the node about to go
             assert any(a["node_id"] == lost_id for a in service.actors() if a["role"].startswith("loader"))
             topo = handles.topology
-            clients = {r: RemoteConstructors(topo, fault_tolerance=ft) for r in tree.fetch_ranks("DP")}
+            clients = {r: RemoteConstructors(topo, fault_tolerance=ft) for r in topo.fetch_ranks()}
             got = {}
             for step in range(STEPS):
                 if step == KILL_PLANNER:

@@ -32,11 +32,6 @@ def specs(tmp_path_factory):
     return [dataclasses.replace(s, truncate=True, max_tokens=1024 - (128 if s.image_column else 0)) for s in out]
 
 
-@pytest.fixture(scope="module")
-def ray_local():
-    ray.init(address="local", num_cpus=2, include_dashboard=False, configure_logging=False, log_to_driver=False)
-    yield
-    ray.shutdown()
 
 
 def config(specs, namespace="t", **kw):
@@ -63,7 +58,7 @@ def train_workers(handles, out, *args: str) -> dict[int, dict]:
 def consume(service, tree, steps):
     out = {}
     for step in range(steps):
-        for rank in tree.fetch_ranks("DP"):
+        for rank in service.topology.fetch_ranks():
             h = service.constructors[service.topology.constructor_of_rank(rank)]
             got = ray.get([h.get.remote(step, j, rank) for j in range(service.config.num_microbatches)])
             out[(step, rank)] = [tuple(k) for _, info in got for k in info["samples"].tolist()]
@@ -179,3 +174,22 @@ def test_selective_broadcast_over_tp_and_cp_only_planned_ranks_fetch(specs, ray_
         for step, entry in enumerate(log["steps"]):
             bad += [(rank, step, j) for j in range(2) if entry["digests"][j] != want[(step, j, src)]]
     assert bad == []
+
+
+def test_a_client_whose_service_was_stopped_gets_one_named_error(specs, ray_local):
+    """A rank still asking after the service was stopped (another rank failed first and stopped
+    it) gets `ServiceUnavailableError` saying the constructor is gone, not Ray's lookup ValueError
+    (clean-clone run 38 printed that traceback)."""
+    from megascale_data_ext.errors import ServiceUnavailableError
+    from megascale_data_ext.runtime.fault_tolerance import FaultToleranceConfig
+    from megascale_data_ext.runtime.remote import RemoteConstructors
+
+    tree = ClientPlaceTree.from_sizes(dp=2)
+    svc = DataService(config(specs, namespace="stopped-under-a-client"), tree,
+                      fault_tolerance=FaultToleranceConfig(client_prefetch=0))
+    handles = svc.start()
+    client = RemoteConstructors(handles.topology)
+    client.get(0, 0, 0)
+    svc.stop()
+    with pytest.raises(ServiceUnavailableError, match=r"constructor/0 \(serving rank 0\) is gone .*stopped"):
+        client.get(40, 0, 0)

@@ -5,7 +5,6 @@ them decoded by the Source Loader actors, and both are what the in-process servi
 from __future__ import annotations
 
 import pytest
-import ray
 
 from megascale_data_ext.dataplane.placetree import ClientPlaceTree
 from megascale_data_ext.runtime.inprocess import InProcessService
@@ -23,11 +22,6 @@ def data_root(tmp_path_factory):
     return make_vlm_demo_data(tmp_path_factory.mktemp("vlm"))
 
 
-@pytest.fixture(scope="module")
-def ray_local():
-    ray.init(address="local", num_cpus=2, include_dashboard=False, configure_logging=False, log_to_driver=False)
-    yield
-    ray.shutdown()
 
 
 def on_ray(cfg, tree):

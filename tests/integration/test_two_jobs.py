@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-import ray
 
 from megascale_data_ext.commands.bench_consumers import step_digest
 from megascale_data_ext.dataplane.placetree import ClientPlaceTree
@@ -23,6 +22,7 @@ from megascale_data_ext.runtime.inprocess import InProcessService
 from megascale_data_ext.runtime.remote import RemoteConstructors
 from megascale_data_ext.runtime.service import DataService
 from megascale_data_ext.sources.demo_data import make_demo_data
+from tests.integration.conftest import shared_ray
 
 pytestmark = pytest.mark.slow
 STEPS = 6
@@ -48,7 +48,7 @@ def test_two_jobs_side_by_side_and_a_foreign_client_is_refused(tmp_path):
     want = {name: steps_of(InProcessService(cfg, tree), InProcessService(cfg, tree).topology, range(STEPS + 2))
             for name, cfg in cfgs.items()}
     assert want["job-a"] != want["job-b"]
-    ray.init(address="local", num_cpus=2, include_dashboard=False, configure_logging=False, log_to_driver=False)
+    shared_ray()
     services = {}
     try:
         for name, cfg in cfgs.items():
@@ -80,4 +80,3 @@ def test_two_jobs_side_by_side_and_a_foreign_client_is_refused(tmp_path):
     finally:
         for svc in services.values():
             svc.stop()
-        ray.shutdown()

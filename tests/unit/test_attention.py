@@ -180,3 +180,35 @@ def test_packed_seq_params_takes_batch_tensors_as_well_as_arrays():
     from_tensors = packed_seq_params({"cu_seqlens": torch.as_tensor(cu), "max_seqlen": torch.tensor([11])}, "cpu")
     assert from_arrays.max_seqlen_q == 8 and from_tensors.max_seqlen_q == 11
     torch.testing.assert_close(from_arrays.cu_seqlens_q, from_tensors.cu_seqlens_q)
+
+
+def test_model_build_adds_no_environment_variable_once_settled(megatron_1proc, monkeypatch):
+    """Rank 0 builds its models while the data service starts on another thread: a variable the
+    build adds (C ``setenv`` reallocating ``environ``) races that thread's ``getenv`` (a SIGSEGV in
+    CI). Unsettled, megatron's GPTModel adds NVTE_*; after `settle_model_environ` the GPT and VLM
+    builds, DDP and the optimizer leave the environment exactly as it was."""
+    import os
+
+    from omegaconf import OmegaConf
+
+    from megascale_data_ext.trainer.model import (GPTModelConfig, build_gpt_model, build_model_chunks,
+                                                  settle_model_environ)
+    from megascale_data_ext.trainer.optimizer import build_optimizer
+    from megascale_data_ext.trainer.vlm import FrozenViT, ViTConfig, build_vlm_chunks
+
+    written = ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN")
+    cfg = GPTModelConfig(vocab_size=128, hidden_size=32, num_layers=2, num_attention_heads=4, seq_length=64)
+    for name in written:
+        monkeypatch.delenv(name, raising=False)
+    build_gpt_model(cfg, pre_process=True, post_process=True)
+    assert all(name in os.environ for name in written)  # what the settling is for
+
+    for name in written:
+        monkeypatch.delenv(name)
+    settle_model_environ(cfg)
+    before = dict(os.environ)
+    chunks = build_model_chunks(cfg)
+    build_optimizer(chunks, OmegaConf.create({"lr": 1e-3, "train_iters": 4}))
+    build_vlm_chunks(cfg, vision_hidden=16, image_token_id=127)
+    FrozenViT(ViTConfig(patch_dim=12, hidden_size=16, num_layers=1, num_attention_heads=2))
+    assert dict(os.environ) == before

@@ -14,7 +14,7 @@ from megascale_data_ext.runtime.calls import CallCounter, calls_per_step, sum_ca
 from megascale_data_ext.runtime.config import ServiceConfig
 from megascale_data_ext.runtime.inprocess import InProcessService
 from megascale_data_ext.runtime.loader_group import LoaderGroup
-from megascale_data_ext.runtime.planner import SUMMARY_EXTRA, Planner
+from megascale_data_ext.runtime.planner import SUMMARY_AHEAD_STEPS, SUMMARY_MIN_ROWS, Planner
 from megascale_data_ext.sources.demo_data import make_demo_data
 
 
@@ -64,8 +64,11 @@ def test_planner_asks_for_metadata_once_per_step_for_every_source(specs) -> None
     for step in range(6):
         plan = planner.plan(step)
         np.testing.assert_array_equal(plan.position, svc.planner.plan(step).position)  # same plans as per source
-    assert batches[0] == [(s, 0, 32 + SUMMARY_EXTRA) for s in range(len(specs))]  # one batch, every source
-    assert len(batches) == 1  # the windows cover the next steps: no more calls
+    drawn = svc.planner.plan(0).counts_per_source().tolist()
+    assert all(drawn) and svc.config.buffer_size > max(drawn)  # every source drawn at step 0
+    # one batch, every source, sized by what the step draws of it (not the buffer size) ...
+    assert batches[0] == [(s, 0, n * (1 + SUMMARY_AHEAD_STEPS) + SUMMARY_MIN_ROWS) for s, n in enumerate(drawn)]
+    assert len(batches) == 1  # ... and covering the next steps: no more calls
     with pytest.raises(ValueError, match="summarize"):
         Planner(svc.config, svc.topology, None)
 

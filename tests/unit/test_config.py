@@ -8,6 +8,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -536,3 +537,42 @@ def test_fault_tolerance_node_reaches_the_service_config_and_bad_values_are_name
     assert any(p.startswith("`data.fault_tolerance.shadows`: unknown key") for p in problems), problems
     assert any("client_prefetch" in p and "must be an integer >= 0" in p for p in problems), problems
     assert "router" in _one({**base, "fault_tolerance": {"inject": "router@3"}}, "data.fault_tolerance.inject")
+
+
+# --------------------------------------------------------------------------- one place for the model's shape
+def test_the_cost_model_comes_from_model_unless_the_strategy_names_one() -> None:
+    from megascale_data_ext.dataplane.costs import TransformerConfig, TransformerCost, get_cost_model
+
+    derived = load_config(compose_config(["data.strategy.args.model=null", "model.num_layers=6", "model.hidden_size=256",
+                                          "model.num_attention_heads=8"]), check_paths=False).to_service_config()
+    assert derived.strategy_args["model"] == "transformer:layers=6,hidden=256,heads=8"
+    lengths = np.asarray([10, 300, 2000])
+    want = TransformerCost(TransformerConfig(layers=6, hidden=256, heads=8))(lengths)
+    np.testing.assert_allclose(make_strategy(derived).cost_model(lengths), want)
+    np.testing.assert_allclose(get_cost_model("transformer:layers=6,hidden=256,heads=8")(lengths), want)
+    named = load_config(compose_config(["model.num_layers=6"]), check_paths=False).to_service_config()
+    assert named.strategy_args["model"] == "gpt-tiny"  # train_gpt.yaml names its cost model: it wins
+    data_only = load_config(compose_config(["data.strategy.args.model=null"]).data, check_paths=False)
+    assert "model" not in data_only.strategy.args  # no model node: the strategy's default (llama-12b)
+    assert make_strategy(data_only.to_service_config()).model == "llama-12b"
+
+
+@pytest.mark.parametrize(("name", "fragment"), [
+    ("transformer:layers=2,hidden=64", "lacks ['heads']"),
+    ("transformer:layers=2,hidden=64,heads=4,depth=3", "'depth=3' is not <field>=<integer>"),
+])
+def test_a_bad_shape_name_is_one_line_with_an_example(name: str, fragment: str) -> None:
+    from megascale_data_ext.dataplane.costs import get_cost_model
+
+    with pytest.raises(ConfigError, match=re.escape(fragment)):
+        get_cost_model(name)
+
+
+def test_a_user_strategy_without_a_cost_model_gets_none_from_model(base: dict[str, Any]) -> None:
+    """The shape of `model.*` goes only to strategies that take a `model` argument."""
+    strategy = {"name": None, "_target_": f"{__name__}.CustomStrategy", "args": {"level": "x"}}
+    whole = {"data": {**base, "strategy": strategy},
+             "model": {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4}}
+    loaded = load_config(whole)
+    assert "model" not in loaded.strategy.args
+    assert make_strategy(loaded.to_service_config()) == CustomStrategy(num_microbatches=2, cap=512, level="x")

@@ -10,6 +10,7 @@ from collections import Counter
 import numpy as np
 import pytest
 
+from megascale_data_ext.dataplane.distribution import Distribution
 from megascale_data_ext.dataplane.placetree import ClientPlaceTree
 from megascale_data_ext.errors import PlanError
 from megascale_data_ext.runtime.config import ServiceConfig
@@ -46,7 +47,7 @@ def packed_images(tree, cons, step):
     """{key: patches} of the images in the step's packed microbatches (first-stage fetchers)."""
     out = {}
     layout = tree.buckets("DP")
-    for rank in tree.fetch_ranks("DP"):
+    for rank in Distribution().fetch_ranks(tree):
         if tree.coords(rank)["pp"] != 0:
             continue
         c = next(c for c in cons if layout.bucket_of_rank(rank) in c.buckets)
@@ -94,7 +95,7 @@ def test_encoder_images_no_rank_asks_for_are_let_go_and_a_late_ask_is_refused(sp
     tree = ClientPlaceTree.from_sizes(dp=2)
     cfg, _, cons = wire(specs, tree)
     for step in range(12):  # a GPT-only loop never asks for encoder images
-        for rank in tree.fetch_ranks("DP"):
+        for rank in Distribution().fetch_ranks(tree):
             for j in range(cfg.num_microbatches):
                 cons[rank].get(step, j, rank)
     # rank 0 moved on (its own constructor released its shares); rank 1 never asked constructor 0

@@ -12,6 +12,7 @@ pipeline_parallel = pytest.importorskip("megatron.core.pipeline_parallel")
 import numpy as np  # noqa: E402
 
 from megascale_data_ext import Client, ClientPlaceTree, ServiceTopology  # noqa: E402
+from megascale_data_ext.dataplane.distribution import Distribution  # noqa: E402
 from megascale_data_ext.errors import ConfigError, ResumeError  # noqa: E402
 from megascale_data_ext.megatron.hooks import Installation, install  # noqa: E402
 from tests.harness import check_save_load  # noqa: E402
@@ -26,7 +27,8 @@ class StepSource:
 
 def FakeClient(num_microbatches=3):  # noqa: N802 - a real Client over a fake source
     tree = ClientPlaceTree.from_sizes(dp=1)
-    topo = ServiceTopology(tree=tree, constructor_groups=((0,),), num_sources=1, namespace="t")
+    topo = ServiceTopology(tree=tree, distribution=Distribution(), constructor_groups=((0,),), num_sources=1,
+                           namespace="t")
     return Client(topo, 0, source=StepSource(), num_microbatches=num_microbatches)
 
 

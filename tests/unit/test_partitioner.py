@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import Counter
 
@@ -96,6 +97,12 @@ def test_unmeetable_caps_name_the_source_or_node_and_what_to_raise() -> None:
     lim = PartitionLimits(samples_per_step=8, step_seconds=1.0, actor_memory_bytes=1024 * MiB)
     with pytest.raises(ConfigError, match="'webdataset'.*raise the actor memory cap"):
         partition([huge_state], [1.0], nodes(1), lim)
+    many = [dataclasses.replace(huge_state, name=f"wds{i}") for i in range(40)]
+    with pytest.raises(ConfigError) as err:
+        partition(many, [1.0] * 40, nodes(1), lim)
+    lines = str(err.value).splitlines()
+    assert lines[0] == "cannot partition 40 of 40 sources:" and len(lines) == 7  # 5 named, then a count
+    assert "'wds4'" in lines[5] and lines[6] == "  - ... and 35 more sources like these"
     slow = SourceProfile(name="slow", fingerprint="x", num_samples=1, samples_profiled=1, latency_s=10.0,
                          access_state_bytes=1, bytes_per_sample=1, throughput=0.1)
     with pytest.raises(ConfigError, match="'slow' needs 80 workers.*max_workers_per_source"):

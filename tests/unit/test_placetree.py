@@ -18,7 +18,6 @@ from megascale_data_ext.dataplane.placetree import (
     BucketAxis,
     BucketLayout,
     ClientPlaceTree,
-    FetchStages,
 )
 from megascale_data_ext.errors import ConfigError, ParallelLayoutError
 
@@ -149,8 +148,6 @@ def test_big_world_is_vectorised_and_consistent() -> None:
     dp = tree.buckets("DP", group_size=8)
     assert dp.num_buckets == 64 and len(dp.groups) == 8
     assert sorted(r for b in dp.bucket_ranks for r in b) == list(range(4096))
-    # tp0 of every cp index, first and last stage, of every dp replica
-    assert len(tree.fetch_ranks()) == 2 * 64 * 2
     assert tree.buckets("DP", group_size=8) is dp  # cached
 
 
@@ -203,50 +200,12 @@ def test_bucket_errors_name_allowed_values() -> None:
         tree.buckets("DP").bucket_of_rank(4)
 
 
-# ---------------------------------------------------------------- who fetches
-def test_default_fetch_is_tp0_of_first_and_last_stage() -> None:
-    tree = ClientPlaceTree.from_sizes(tp=2, cp=2, pp=3, world_size=24)
-    expected = [r for r in range(24) if tree.coords(r)["tp"] == 0 and tree.coords(r)["pp"] in (0, 2)]
-    assert tree.fetch_ranks() == expected == tree.fetch_ranks("CP")
-    assert [tree.must_fetch(r) for r in range(24)] == [r in expected for r in range(24)]
-    middle = [r for r in range(24) if tree.coords(r)["pp"] == 1]
-    assert not any(tree.must_fetch(r) or tree.needs_data(r) for r in middle)
-    for r in range(24):
-        assert tree.broadcast_source(r) == tree.group("tp", r)[0] == tree.broadcast_source(r, "tp")
-
-
-def test_selective_broadcast_over_tp_cp() -> None:
-    tree = ClientPlaceTree.from_sizes(tp=2, cp=2, pp=2, world_size=16).with_broadcast(("tp", "cp"))
-    assert tree.fetch_ranks("DP") == [0, 4, 8, 12]
-    # CP buckets are distinct consumers, so cp cannot be broadcast over: each cp index of tp0 fetches.
-    assert tree.fetch_ranks("CP") == [0, 2, 4, 6, 8, 10, 12, 14]
-    for r in range(16):
-        assert tree.broadcast_source(r) == tree.group("tp-cp", r)[0]
-    assert tree.broadcast_source(7, "tp") == 6 and tree.broadcast_source(7, "cp") == 5
-
-
-def test_no_broadcast_every_rank_of_first_and_last_stage_fetches() -> None:
-    tree = ClientPlaceTree.from_sizes(tp=2, pp=4, world_size=8).with_broadcast(())
-    assert tree.fetch_ranks() == [0, 1, 6, 7]
-    assert tree.broadcast_source(3) == 3
-
-
-def test_encoder_over_world_every_rank_fetches_its_own() -> None:
-    tree = ClientPlaceTree.from_sizes(tp=2, cp=2, pp=2, world_size=16).with_encoder("world")
-    enc = tree.encoder
-    assert enc is not None and enc.consumer_axis is BucketAxis.WORLD and enc.fetch_stages is FetchStages.ALL
-    assert enc.fetch_ranks() == list(range(16))
-    assert enc.buckets().num_buckets == 16
-    assert all(enc.broadcast_source(r) == r for r in range(16))
-    assert tree.fetch_ranks() == [0, 2, 4, 6, 8, 10, 12, 14]  # backbone unchanged
-    assert "encoder: axis=WORLD" in tree.describe()
-    dp_enc = tree.with_encoder("DP").encoder
-    assert dp_enc is not None and dp_enc.fetch_ranks() == [0, 2, 4, 6]  # first stage only
-
-
+# ---------------------------------------------------------------- inspection
 def test_describe_shows_tree_and_fetchers() -> None:
-    text = ClientPlaceTree.from_sizes(tp=2, cp=2, pp=2, world_size=16).describe()
+    tree = ClientPlaceTree.from_sizes(tp=2, cp=2, pp=2, world_size=16)
+    text = tree.describe(fetching=[6, 14])
     assert "DP 1" in text and "CP 1  pp0: [6* 7]  pp1: [14* 15]" in text
+    assert "*" not in tree.describe().split("\n", 2)[2]  # nothing marked: the tree alone decides no fetching
     big = ClientPlaceTree.from_sizes(tp=8, pp=4, world_size=4096).describe(max_dp=2)
     assert "126 more DP replicas" in big and len(big.splitlines()) < 20
     assert repr(ClientPlaceTree.from_sizes(dp=2)).startswith("ClientPlaceTree(world=2")
@@ -288,8 +247,6 @@ def test_query_errors() -> None:
         tree.rank_of(tp=2)
     with pytest.raises(ParallelLayoutError, match="group axis must be one of"):
         tree.group("xp", 0)
-    with pytest.raises(ParallelLayoutError, match="broadcast_dims"):
-        tree.with_broadcast(("dp",))
     with pytest.raises(ParallelLayoutError, match="broadcast dim"):
         tree.broadcast_source(0, "pp")
 
@@ -378,13 +335,13 @@ def test_from_megatron_raises_on_uninitialised_and_on_foreign_groups(monkeypatch
 
 def test_tree_is_an_immutable_value() -> None:
     a = ClientPlaceTree.from_sizes(tp=2, world_size=8)
-    assert a == ClientPlaceTree.from_sizes(tp=2, dp=4) and a != a.with_broadcast(())
+    assert a == ClientPlaceTree.from_sizes(tp=2, dp=4) and a != ClientPlaceTree.from_sizes(tp=4, dp=2)
     with pytest.raises(AttributeError):
         a.tp = 4  # type: ignore[misc]
     assert a.layout() == {"world_size": 8, "tp": 2, "cp": 1, "pp": 1, "dp": 4, "ep": 1, "etp": 2, "vpp": None,
                           "order": DEFAULT_ORDER}
     assert a.coords(np.int64(3)) == a.coords(3)
     # Ray ships trees to actors: a round trip keeps the value and a working cache.
-    b = pickle.loads(pickle.dumps(a.with_encoder()))
-    assert b == a.with_encoder() and b.encoder is not None and b.encoder.fetch_ranks() == list(range(8))
+    b = pickle.loads(pickle.dumps(a))
+    assert b == a and b.coords(5) == a.coords(5)
     assert b.buckets("CP").bucket_ranks == a.buckets("CP").bucket_ranks

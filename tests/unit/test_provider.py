@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import types
 from typing import Any
@@ -11,6 +12,7 @@ import pytest
 import torch
 
 from megascale_data_ext import Client, ClientPlaceTree, ServiceTopology
+from megascale_data_ext.dataplane.distribution import Distribution
 from megascale_data_ext.errors import ConfigError, ParallelLayoutError, ResumeError
 from megascale_data_ext.megatron import provider as prov
 from megascale_data_ext.megatron.provider import MicrobatchIterator, ProviderConfig, megatron_view
@@ -67,8 +69,8 @@ class FakeSource:
 def own_topology(tree: ClientPlaceTree, config: ProviderConfig) -> ServiceTopology:
     """The topology a service started for this layout would have (one constructor per DP rank)."""
     n = tree.buckets("DP").num_buckets
-    return ServiceTopology(tree=tree, constructor_groups=tuple((b,) for b in range(n)), num_sources=1,
-                           namespace=config.namespace)
+    return ServiceTopology(tree=tree, distribution=Distribution(), constructor_groups=tuple((b,) for b in range(n)),
+                           num_sources=1, namespace=config.namespace)
 
 
 def configure(config: ProviderConfig, **kw: Any) -> prov.DatasetProvider:
@@ -299,7 +301,8 @@ def test_megatrons_rerun_wrapper_drives_the_iterator() -> None:
 
 def test_a_service_broadcasting_other_than_over_tp_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     """Megatron-LM's get_batch broadcasts over TP itself: the service must fetch at TP rank 0 only."""
-    everyone = own_topology(ClientPlaceTree.from_sizes(tp=2, dp=2).with_broadcast(()), ProviderConfig(namespace="s"))
+    tp_wide = own_topology(ClientPlaceTree.from_sizes(tp=2, dp=2), ProviderConfig(namespace="s"))
+    everyone = dataclasses.replace(tp_wide, distribution=tp_wide.distribution.with_broadcast(()))
     provider = prov.configure(ProviderConfig(namespace="s", num_microbatches=2, topology=everyone),
                               source_factory=FakeSource)
     with pytest.raises(ConfigError, match=r"broadcasts along \[\], but Megatron-LM's get_batch broadcasts over TP"):

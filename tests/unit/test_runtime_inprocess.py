@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from megascale_data_ext.dataplane.cp_slicing import reassemble_cp
+from megascale_data_ext.dataplane.distribution import Distribution
 from megascale_data_ext.dataplane.placetree import ClientPlaceTree
 from megascale_data_ext.errors import CapacityError, ResumeError
 from megascale_data_ext.runtime.config import ServiceConfig
@@ -36,7 +37,7 @@ def consume(tree, cons, steps, start=0):
     out = {}
     layout = tree.buckets("DP")
     for step in range(start, start + steps):
-        for rank in tree.fetch_ranks("DP"):
+        for rank in Distribution().fetch_ranks(tree):
             c = cons[layout.bucket_of_rank(rank)]
             keys = []
             for j in range(c.config.num_microbatches):

@@ -99,10 +99,12 @@ def test_autoscaler_reshards_in_process_with_exact_accounting(tmp_path) -> None:
     policy = ScalingPolicy(ScalingConfig(capacity=(0.3, 1.0), window=1, patience=1, max_shards=3))
     scaler = AutoScaler(cfg.sources, policy, spawn=spawn, kill=killed.append, interval_steps=1, lead_steps=1)
     scaler.start()
-    shards = []
+    shards, mid_ramp = [], None
     for step in range(14):
         plan = svc.planner.plan(step)
         scaler.observe(step, np.bincount(plan.source, minlength=2))
+        if mid_ramp is None and len(scaler.layout_table()[0]) > 1:
+            mid_ramp = json.loads(json.dumps(scaler.state_dict()))  # a change decided, not yet in force
         for s in range(2):
             got = merge_fetches([r.primary.fetch(s, step, [0, 1]) for r in scaler.routes(step, [s])[0]])
             want = svc.loaders[s].fetch(step, [0, 1])
@@ -117,3 +119,11 @@ def test_autoscaler_reshards_in_process_with_exact_accounting(tmp_path) -> None:
     fresh = AutoScaler(cfg.sources, ScalingPolicy(policy.config), spawn=spawn, kill=killed.append)
     fresh.load_state_dict(json.loads(json.dumps(state)))
     assert fresh.layout_table() == [[[0, 1]], [[0, 1]]] and fresh.policy.shards == policy.shards
+    # restored mid-change (a Planner killed then): every live layout comes back, not only the newest
+    again = AutoScaler(cfg.sources, ScalingPolicy(policy.config), spawn=spawn, kill=killed.append)
+    again.start()
+    again.load_state_dict(mid_ramp)
+    saved = mid_ramp["layouts"][0]
+    assert [n for _, n in again.layout_table()[0]] == [n for _, n in saved] and len(saved) == 2, saved
+    assert again.layout_table()[0][1][0] == saved[1][0] and again.layout_table()[0][0][0] == 0
+    assert again.shards(saved[1][0] - 1, 0) == saved[0][1] != again.shards(saved[1][0], 0) == saved[1][1]

@@ -10,6 +10,7 @@ import pytest
 
 from megascale_data_ext import Client, ClientPlaceTree, InProcessService, ServiceConfig, ServiceTopology
 from megascale_data_ext.dataplane.cp_slicing import slice_for_cp
+from megascale_data_ext.dataplane.distribution import Distribution
 from megascale_data_ext.errors import PlanError
 from megascale_data_ext.sources.demo_data import make_demo_data
 
@@ -81,5 +82,6 @@ def test_a_strategy_whose_broadcast_at_disagrees_with_its_declaration_is_refused
 
 
 def test_topology_is_plain_data():
-    topo = ServiceTopology(tree=TREE, constructor_groups=((0,), (1,)), num_sources=2, namespace="x")
+    topo = ServiceTopology(tree=TREE, distribution=Distribution(), constructor_groups=((0,), (1,)), num_sources=2,
+                           namespace="x")
     assert topo.broadcast_dims == ("tp",) and topo.broadcast_group(3) == [2, 3]

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import pickle
 
 import numpy as np
+
 import pytest
 
 from megascale_data_ext.cli import main
@@ -137,3 +139,25 @@ def check_byte_model_against_packing(plan, lay: sim.Layout, *, d: int) -> None:
                   "image_patches": totals["image_patches"] + int(sum(i.shape[0] for s in samples for i in s["images"]))}
     assert got["tp"] == sim.step_bytes(totals, pp=lay.pp, copies=lay.cp, stages=2, patch_dim=d)["total"]
     assert got["tp-cp"] == sim.step_bytes(totals, pp=lay.pp, copies=1, stages=2, patch_dim=d)["total"]
+
+
+def test_rpc_cost_times_each_reply_size_and_counts_the_steps_calls() -> None:
+    """`simulate` adds the Ray round trips of the calls a Planner actor answers per step (a local Ray)."""
+    from megascale_data_ext.commands._plan_rpc import rpc_cost, start_ray
+
+    layout, sources = sim.layout_for(GPUS), sim.simulated_sources(0)
+    m = sim.microbatches_per_dp(sources, sim.WEIGHTS, sim.PER_GPU * layout.world // layout.dp)
+    planner, _ = sim.build_planner(layout, sources, seed=0, broadcast=("tp",), num_microbatches=m,
+                                   patch_size=sources[0].patch_size)
+    plan, topology = planner.plan(0), planner.topology
+    ray = start_ray()
+    try:
+        cost = rpc_cost(plan, topology, loader_actors=3)
+    finally:
+        ray.shutdown()
+    assert cost["rpc_calls_per_step"] == {"constructor_step": topology.num_constructors, "loader_plans": 3}
+    assert all(t > 0 for t in cost["rpc_call_s"].values())
+    one = len(pickle.dumps(plan.constructor_do_plan(topology.constructor_groups[0][0])))
+    assert cost["rpc_reply_bytes"]["constructor_step"] >= one * len(topology.constructor_groups[0])
+    want = sum(n * cost["rpc_call_s"][k] for k, n in cost["rpc_calls_per_step"].items())
+    assert cost["rpc_per_step_s"] == pytest.approx(want)

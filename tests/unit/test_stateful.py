@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from megascale_data_ext import Client, InProcessService, ServiceConfig, ServiceTopology, Stateful
+from megascale_data_ext.dataplane.distribution import Distribution
 from megascale_data_ext.dataplane.mixing import FeedbackSchedule, Mixer, build_schedule
 from megascale_data_ext.dataplane.placetree import ClientPlaceTree
 from megascale_data_ext.dataplane.plan import LoaderPlan
@@ -151,7 +152,8 @@ class FakeSource:
 
 def topology(tree: ClientPlaceTree) -> ServiceTopology:
     n = tree.buckets("DP").num_buckets
-    return ServiceTopology(tree=tree, constructor_groups=tuple((b,) for b in range(n)), num_sources=1, namespace="t")
+    return ServiceTopology(tree=tree, distribution=Distribution(), constructor_groups=tuple((b,) for b in range(n)),
+                           num_sources=1, namespace="t")
 
 
 def test_client_data_position():
@@ -168,7 +170,10 @@ def test_client_data_position():
 # -- fault tolerance: what a restarted actor recovers from ------------------------------------
 def test_planner_checkpoints_per_step_replay_identical_plans_after_a_restart(specs, tmp_path):
     """A Planner restored from the state file of any kept step re-plans exactly the plans it had made."""
+    import json
+
     from megascale_data_ext.runtime.checkpoints import PlannerCheckpoints
+    from megascale_data_ext.state import plain
 
     cfg = service_config(specs)
     ckpt = PlannerCheckpoints(tmp_path, keep=4)
@@ -180,6 +185,9 @@ def test_planner_checkpoints_per_step_replay_identical_plans_after_a_restart(spe
     assert ckpt.steps() == [5, 6, 7, 8]  # the newest `keep`, older ones pruned
     assert ckpt.at(2) is None and ckpt.latest()["step"] == 8
     assert not list(tmp_path.glob(".*.tmp"))  # written through a rename
+    # the fingerprint is written once, named by each step's file, and put back when read
+    assert json.loads((tmp_path / "planner-0000000008.json").read_text())["fingerprint"] == "fingerprint.json"
+    assert ckpt.at(5)["fingerprint"] == plain(ref.fingerprint()) == PlannerCheckpoints(tmp_path).at(6)["fingerprint"]
     restarted = InProcessService(cfg, TREE).planner
     restarted.load_state_dict(ckpt.at(5))  # the rewind of a constructor rebuilding step 5
     for step in (5, 6, 7):
@@ -306,3 +314,38 @@ def test_planner_recovery_restores_rewinds_concurrently_and_names_a_missing_stat
     PlannerCheckpoints(tmp_path).clear()  # the states are gone (another disk, a cleaned directory)
     with pytest.raises(ResumeError, match="checkpoint_keep"):
         again.plan(0)
+
+
+def test_plain_is_exactly_a_json_round_trip():
+    """`plain` builds the JSON-normal copy directly (the Planner stamps a state every step): the
+    same values and types as ``json.loads(json.dumps(...))``, and a copy, not the input."""
+    import enum
+    import json
+
+    from megascale_data_ext.state import Fingerprint, StateSchema, plain
+
+    class Level(enum.IntEnum):
+        HIGH = 3
+
+    class Mode(str, enum.Enum):
+        FAST = "fast"
+
+    def round_trip(value):
+        return json.loads(json.dumps(value, default=lambda o: o.tolist() if hasattr(o, "tolist") else str(o)))
+
+    cases = [1, 1.5, "a", None, True, (1, 2), [1, (2, 3)], {"a": (1,)}, {1: 2, 2.5: 3, False: 4, None: 5},
+             np.arange(4), np.float32(1.25), np.int64(7), {"k": np.zeros((2, 2))}, Level.HIGH, Mode.FAST,
+             {"e": [Level.HIGH, Mode.FAST]}, object, float("inf"), [np.bool_(True)],
+             {"nested": {"x": [np.array([1.5, 2.5]), (np.int32(3),)]}}]
+    for value in cases:
+        got, want = plain(value), round_trip(value)
+        assert json.dumps(got) == json.dumps(want) and type(got) is type(want), (value, got, want)
+    src = {"a": [1, [2]]}
+    out = plain(src)
+    out["a"][1].append(3)
+    assert src == {"a": [1, [2]]}
+    # a Fingerprint is stamped as it is (made JSON-normal once); any other mapping is copied
+    fp = Fingerprint.of({"names": ("x", "y")})
+    schema = StateSchema("t", 1, ("n",))
+    assert schema.stamp(fp, n=(1,))["fingerprint"] is fp and fp == {"names": ["x", "y"]}
+    assert schema.stamp({"names": ("x",)}, n=1) == {"kind": "t", "version": 1, "fingerprint": {"names": ["x"]}, "n": 1}

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from megascale_data_ext.errors import PlanError
+from megascale_data_ext.errors import ShortBufferError
 
 __all__ = ["OFFER_FRACTION", "SLACK_MICROBATCHES", "Placement", "Pool", "draw_size", "fill_rooms", "offer_prefix"]
 
@@ -130,8 +130,9 @@ def draw_size(preview: Callable[[int], np.ndarray], lengths: Sequence[np.ndarray
         counts = preview(n)
         short = [s for s, c in enumerate(counts.tolist()) if c > len(lengths[s])]
         if short:
-            raise PlanError(f"a token-budget step needs {need} tokens but source(s) {short} buffer only "
-                            f"{[len(lengths[s]) for s in short]} samples for the mixture: raise `buffer_size`")
+            raise ShortBufferError(f"a token-budget step needs {need} tokens but source(s) {short} buffer only "
+                                   f"{[len(lengths[s]) for s in short]} samples for the mixture: raise `buffer_size`",
+                                   {s: int(counts[s]) for s in short})
         got = tokens(counts)
         if got >= need:
             break

@@ -16,7 +16,7 @@ import numpy as np
 from megascale_data_ext.dataplane.mixing.checks import is_count, names_tuple, raise_problems
 from megascale_data_ext.dataplane.mixing.schedules import MixingSchedule
 from megascale_data_ext.errors import ConfigError, PlanError
-from megascale_data_ext.state import StateSchema
+from megascale_data_ext.state import Fingerprint, StateSchema
 
 __all__ = ["MixMode", "Mixer", "apportion"]
 
@@ -94,7 +94,7 @@ class Mixer:
     STATE = StateSchema("mixer", 2, ("next_step", "target", "consumed", "last", "schedule"),
                         hint="resume with the sources, mixing mode and seed of the saved run")
 
-    __slots__ = ("_consumed", "_last", "_next_step", "_target", "mode", "schedule", "seed", "source_names")
+    __slots__ = ("_consumed", "_fingerprint", "_last", "_next_step", "_target", "mode", "schedule", "seed", "source_names")
 
     def __init__(
         self,
@@ -120,6 +120,7 @@ class Mixer:
             problems.append(f"`mode` must be one of {[m.value for m in MixMode]}, got {mode!r}")
         raise_problems(problems, "mixer")
         self.schedule, self.source_names, self.seed, self.mode = schedule, names, int(seed), MixMode(mode)
+        self._fingerprint = Fingerprint.of({"source_names": list(names), "mode": self.mode.value, "seed": self.seed})
         self._target = np.zeros(len(names), dtype=np.float64)
         self._consumed = np.zeros(len(names), dtype=np.int64)
         self._next_step: int | None = None
@@ -219,7 +220,7 @@ class Mixer:
         return src[np.lexsort((src, pos))]
 
     def fingerprint(self) -> dict[str, Any]:
-        return {"source_names": list(self.source_names), "mode": self.mode.value, "seed": self.seed}
+        return self._fingerprint
 
     def state_dict(self) -> dict[str, Any]:
         last = None if self._last is None else {

@@ -1,0 +1,60 @@
+"""Starting Ray for the service: the environment an embedded Ray's processes inherit, and one ``ray.init``.
+
+The service, `serve` and the benches that measure them (startup, throughput, memory, faults) start
+Ray through `init_ray` (`bench chaos` starts a `Cluster` of its own). When it starts Ray
+itself (``data.ray.address: null``) the raylet and every worker inherit this process's environment,
+so two settings travel that way before ``ray.init``:
+
+* ``MALLOC_ARENA_MAX`` (`runtime.malloc`): flat memory in threaded actors.
+* ``RAY_preload_python_modules``: the raylet prestarts one worker process per CPU as it starts, and
+  these import the service's actor modules (numpy, pyarrow, the data plane: ~1 s of CPU each on a
+  small box) while ``ray.init`` is still returning. The Planner's actor and the loader actor it
+  starts then take those warm processes instead of each paying its imports in series before the
+  first batch (`bench startup`). Set the variable yourself to preload something else, or
+  ``MEGASCALE_PRELOAD=0`` to preload nothing. A cluster of your own (``ray start``) takes it from
+  the shell that started it: ``RAY_preload_python_modules=<SERVICE_MODULES, comma-separated> ray start``
+  (the README spells it out).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import MutableMapping
+from typing import Any
+
+from megascale_data_ext.runtime.malloc import cap_arenas_for_embedded_ray
+
+__all__ = ["SERVICE_MODULES", "init_ray", "prepare_embedded_ray", "preload_service_modules"]
+
+# The modules of every actor class the service starts (what a worker unpickles the class from).
+SERVICE_MODULES = (
+    "megascale_data_ext.runtime.actors",
+    "megascale_data_ext.runtime.loader_group",
+    "megascale_data_ext.runtime.constructor_actor",
+)
+PRELOAD_VARIABLE = "RAY_preload_python_modules"
+
+
+def preload_service_modules(environ: MutableMapping[str, str] = os.environ) -> str | None:
+    """Put ``RAY_preload_python_modules`` (the service's actor modules) in `environ` unless it is
+    set or ``MEGASCALE_PRELOAD=0``; returns what the Ray processes will see."""
+    if environ.get("MEGASCALE_PRELOAD", "1") != "0":
+        environ.setdefault(PRELOAD_VARIABLE, ",".join(SERVICE_MODULES))
+    return environ.get(PRELOAD_VARIABLE)
+
+
+def prepare_embedded_ray(environ: MutableMapping[str, str] = os.environ) -> None:
+    """The environment of a Ray this process is about to start (its processes inherit it)."""
+    cap_arenas_for_embedded_ray(environ)
+    preload_service_modules(environ)
+
+
+def init_ray(ray_config: Any, **kwargs: Any) -> None:
+    """``ray.init`` from a `RayConfig`: joins ``address`` as given, or starts an embedded Ray with
+    `prepare_embedded_ray`'s environment. `kwargs` go to ``ray.init`` (``log_to_driver``, ...).
+    Call it before this process starts threads: it writes environment variables."""
+    import ray
+
+    if ray_config.address is None:
+        prepare_embedded_ray()
+    ray.init(**ray_config.init_kwargs(), configure_logging=False, **kwargs)
