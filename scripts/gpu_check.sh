@@ -65,7 +65,7 @@ if [ -n "$MLM_PID" ]; then
 fi
 
 want bench && step "2. bench gpu-balance, caps 8192 and 4096"
-read -r -a BENCH_ARGS <<< "${BENCH_ARGS:---caps 8192 4096}"
+read -r -a BENCH_ARGS <<< "${BENCH_ARGS:---caps 8192 4096 --repeats 5}"
 want bench && run_timed bench 200 "${MSD[@]}" bench gpu-balance --json "$OUT/gpu_balance.json" "${BENCH_ARGS[@]}"
 
 SEQ=${SEQ:-4096}

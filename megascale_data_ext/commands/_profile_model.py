@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import statistics
 import tempfile
 import time
@@ -223,7 +224,9 @@ class ModelTimer:
             same_doc = d[:, None] == d[None, :]
             causal = torch.ones(s, s, dtype=torch.bool).tril()
             batch["attention_mask"] = ~(same_doc & causal)[None, None]
-        return {k: v.to(self.device) for k, v in batch.items()}
+        # the boundaries stay on the host, as the data client delivers them: a CUDA copy would cost
+        # forward_step a device sync per microbatch that a real step does not pay
+        return {k: v if k in ("cu_seqlens", "max_seqlen") else v.to(self.device) for k, v in batch.items()}
 
     def _fwd_bwd(self, batch: dict[str, Any]) -> None:
         from megascale_data_ext.trainer.model import forward_step
@@ -235,9 +238,18 @@ class ModelTimer:
 
     def time_rank(self, microbatches: Sequence[Sequence[int]]) -> list[float]:
         """Seconds of each microbatch's forward + backward, run serially as one rank's step."""
+        batches = [self.batch(mb) for mb in microbatches]
+        gc.collect()  # as timeit does: a collection inside the timed window is host jitter, not the model
+        gc.disable()
+        try:
+            return self._time_batches(batches)
+        finally:
+            gc.enable()
+            self.model.zero_grad(set_to_none=True)
+
+    def _time_batches(self, batches: list[dict[str, Any]]) -> list[float]:
         import torch
 
-        batches = [self.batch(mb) for mb in microbatches]
         if self.device.type == "cuda":
             events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in batches]
             for batch, (start, end) in zip(batches, events, strict=True):
@@ -252,7 +264,6 @@ class ModelTimer:
                 t0 = time.perf_counter()
                 self._fwd_bwd(batch)
                 out.append(time.perf_counter() - t0)
-        self.model.zero_grad(set_to_none=True)
         return out
 
     def reset_peak_memory(self) -> None:

@@ -101,36 +101,50 @@ def gpt_layer_spec(backend: str) -> ModuleSpec:
     return spec
 
 
-def packed_seq_params(batch: Mapping[str, Any], device: torch.device | str) -> PackedSeqParams | None:
+def packed_seq_params(batch: Mapping[str, Any], device: torch.device | str, *,
+                      host_boundaries: bool = False) -> PackedSeqParams | None:
     """THD ``PackedSeqParams`` from a batch's ``cu_seqlens`` (None when it has none).
 
     Like Megatron's ``get_thd_batch_on_this_cp_rank``: ``cu_seqlens`` are the real document
     lengths, ``cu_seqlens_padded`` (present after CP slicing) where the padded documents start;
     both global. ``max_seqlen`` bounds the padded documents.
+
+    ``host_boundaries`` keeps the boundaries as CPU tensors, for this module's attention (it
+    uploads what its kernels need once per microbatch): Megatron's unfused THD RoPE calls
+    ``.tolist()``/``.item()`` on them in every layer, and on CUDA tensors each of those is a
+    device sync that drains the launch queue (measured on an H100: the step was launch-bound).
+    TE's kernels need them on the device: ``te`` keeps the default.
     """
     cu = batch.get("cu_seqlens")
     if cu is None:
         return None
-    cu = torch.as_tensor(np.asarray(cu) if not torch.is_tensor(cu) else cu).reshape(-1).to(device, torch.int32)
+    place = torch.device("cpu") if host_boundaries else torch.device(device)
+    cu_host = _host_ints(cu)
     padded = batch.get("cu_seqlens_padded")
-    if padded is not None:
-        padded = torch.as_tensor(np.asarray(padded) if not torch.is_tensor(padded) else padded)
-        padded = padded.reshape(-1).to(device, torch.int32)
-    bounds = cu if padded is None else padded
+    padded_host = None if padded is None else _host_ints(padded)
+    bounds = cu_host if padded_host is None else padded_host
     max_seqlen = batch.get("max_seqlen")
-    longest = int(torch.diff(bounds).max()) if bounds.numel() > 1 else 0
-    # torch.as_tensor, not np.asarray: a batch moved to the GPU carries max_seqlen as a CUDA tensor
-    m = max(longest, int(torch.as_tensor(max_seqlen).max())) if max_seqlen is not None else longest
-    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=padded,
-                           cu_seqlens_kv_padded=padded, max_seqlen_q=m, max_seqlen_kv=m)
+    longest = int(np.diff(bounds).max()) if bounds.size > 1 else 0
+    m = max(longest, int(_host_ints(max_seqlen).max())) if max_seqlen is not None else longest
+    up = lambda a: torch.from_numpy(a.astype(np.int32)).to(place, non_blocking=True)  # noqa: E731
+    cu_t, padded_t = up(cu_host), None if padded_host is None else up(padded_host)
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_t, cu_seqlens_kv=cu_t, cu_seqlens_q_padded=padded_t,
+                           cu_seqlens_kv_padded=padded_t, max_seqlen_q=m, max_seqlen_kv=m)
+
+
+def _host_ints(value: Any) -> np.ndarray:
+    """A 1-D int64 host copy (a CUDA tensor is read back: one sync, so batches keep these on the host)."""
+    if torch.is_tensor(value):
+        value = value.detach().cpu().numpy()
+    return np.asarray(value).reshape(-1).astype(np.int64)
 
 
 def dense_document_mask(cu_seqlens: Any, length: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """The ``[1, 1, s, s]`` block-diagonal causal mask (True = masked) of a pack's documents."""
-    cu = torch.as_tensor(np.asarray(cu_seqlens) if not torch.is_tensor(cu_seqlens) else cu_seqlens)
-    cu = cu.reshape(-1).to(device, torch.long)
-    if int(cu[-1]) != length:
-        raise SampleError(f"`cu_seqlens` ends at {int(cu[-1])} but the sequence has {length} positions")
+    host = _host_ints(cu_seqlens)
+    if int(host[-1]) != length:
+        raise SampleError(f"`cu_seqlens` ends at {int(host[-1])} but the sequence has {length} positions")
+    cu = _upload(host, torch.device(device))
     seg = torch.repeat_interleave(torch.arange(cu.numel() - 1, device=device), torch.diff(cu))
     pos = torch.arange(length, device=device)
     allowed = (seg[:, None] == seg[None, :]) & (pos[None, :] <= pos[:, None])
@@ -141,9 +155,9 @@ class _Layout:
     """Where this rank's queries and the CP group's keys sit in the padded THD pack (host side)."""
 
     def __init__(self, params: PackedSeqParams, cp_size: int, cp_rank: int, device: torch.device) -> None:
-        cu = params.cu_seqlens_q.detach().cpu().numpy().astype(np.int64)
+        cu = _host_ints(params.cu_seqlens_q)  # no sync where packed_seq_params kept them on the host
         pad = params.cu_seqlens_q_padded
-        cu_pad = cu if pad is None else pad.detach().cpu().numpy().astype(np.int64)
+        cu_pad = cu if pad is None else _host_ints(pad)
         if cp_size > 1 and pad is None:
             raise SampleError("context parallel attention needs `cu_seqlens_padded` (slice batches with "
                               "dataplane.cp_slicing.slice_for_cp)")
@@ -155,7 +169,7 @@ class _Layout:
             parts = [thd_partition_index(cu_pad, cp_size, r) for r in range(cp_size)]
             self.q_pos = parts[cp_rank]
             # gathered[r * t + i] holds global position parts[r][i]; reorder it to global order
-            self.key_order = torch.as_tensor(np.argsort(np.concatenate(parts), kind="stable"), device=device)
+            self.key_order = _upload(np.argsort(np.concatenate(parts), kind="stable"), device)
         else:
             self.q_pos = np.arange(total)
             self.key_order = None
@@ -163,11 +177,16 @@ class _Layout:
         offset = np.arange(total) - np.repeat(cu_pad[:-1], self.padded)
         self.local_cu = cu_pad // cp_size  # each segment's queries are contiguous on this rank
         self.q_offset = offset[self.q_pos]
-        t = lambda a: torch.as_tensor(a, device=device)  # noqa: E731
+        t = lambda a: _upload(a, device)  # noqa: E731
         self.doc_q, self.off_q = t(seg[self.q_pos]), t(self.q_offset)
         self.doc_k, self.off_k, self.len_k = t(seg), t(offset), t(np.repeat(self.lens, self.padded))
         self.cu_device = t(cu.astype(np.int32))
         self.block_mask = None
+
+
+def _upload(a: np.ndarray, device: torch.device) -> torch.Tensor:
+    """Host array to `device` without a stream sync (``torch.as_tensor(a, device=...)`` copies blocking)."""
+    return torch.from_numpy(np.ascontiguousarray(a)).to(device, non_blocking=True)
 
 
 class _GatherSequence(torch.autograd.Function):

@@ -394,7 +394,7 @@ def forward_step(data_iterator: Iterator[Mapping[str, Any]] | None, model: torch
     where = next((p.device for p in model.parameters()), device())
     backend = _attention_of(model)
     tensors = {key: _to_tensor(batch[key], where) for key in BATCH_KEYS if batch.get(key) is not None}
-    packed = packed_seq_params(batch, where) if backend != "dense" else None
+    packed = packed_seq_params(batch, where, host_boundaries=backend != "te") if backend != "dense" else None
     attention_mask = None
     if packed is None:
         attention_mask = tensors.get("attention_mask")

@@ -182,6 +182,19 @@ def test_packed_seq_params_takes_batch_tensors_as_well_as_arrays():
     torch.testing.assert_close(from_arrays.cu_seqlens_q, from_tensors.cu_seqlens_q)
 
 
+def test_per_document_backends_get_host_boundaries_and_te_gets_device_ones():
+    """Megatron's unfused THD RoPE reads cu_seqlens with .tolist()/.item() in every layer: on device
+    tensors each read is a sync that drains the launch queue (the H100 run was launch-bound), so the
+    per-document backends get the boundaries on the host; TE's kernels need them on the device."""
+    cu = np.concatenate([[0], np.cumsum(LENS)]).astype(np.int32)
+    batch = {"cu_seqlens": cu, "cu_seqlens_padded": cu, "max_seqlen": np.array([8], np.int32)}
+    host = packed_seq_params(batch, "meta", host_boundaries=True)
+    device = packed_seq_params(batch, "meta")
+    assert {host.cu_seqlens_q.device.type, host.cu_seqlens_kv_padded.device.type} == {"cpu"}
+    assert {device.cu_seqlens_q.device.type, device.cu_seqlens_kv_padded.device.type} == {"meta"}
+    assert host.cu_seqlens_q.tolist() == cu.tolist() and host.max_seqlen_q == device.max_seqlen_q == max(8, *LENS)
+
+
 def test_model_build_adds_no_environment_variable_once_settled(megatron_1proc, monkeypatch):
     """Rank 0 builds its models while the data service starts on another thread: a variable the
     build adds (C ``setenv`` reallocating ``environ``) races that thread's ``getenv`` (a SIGSEGV in
