@@ -178,8 +178,9 @@ class ModelTimer:
 
     Build inside `single_process_megatron`. Each pack is one microbatch ([1, s], s = Σ lengths,
     documents separated by `cu_seqlens` and, for dense attention, a block-diagonal causal
-    mask). Gradients accumulate over a rank's microbatches like a real step and are dropped
-    after it. Not thread-safe.
+    mask). Gradients accumulate over a rank's microbatches like a real step and are zeroed
+    after it, staying allocated as Megatron DDP's grad buffers do (set to None, every rank's
+    first microbatch paid their allocation: 5–15% on an H100). Not thread-safe.
     """
 
     def __init__(self, shape: ModelShape, *, seed: int = 0):
@@ -245,7 +246,7 @@ class ModelTimer:
             return self._time_batches(batches)
         finally:
             gc.enable()
-            self.model.zero_grad(set_to_none=True)
+            self.model.zero_grad(set_to_none=False)  # kept allocated, as Megatron DDP's grad buffers are
 
     def _time_batches(self, batches: list[dict[str, Any]]) -> list[float]:
         import torch
