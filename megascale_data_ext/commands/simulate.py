@@ -218,6 +218,7 @@ def microbatches_per_dp(sources: Sequence[SimulatedSource], weights: Sequence[fl
 
 # ------------------------------------------------------------------ the world
 DEFAULT_KEEP: int = inspect.signature(Planner).parameters["keep"].default
+PLAN_CACHE_BYTES: int = inspect.signature(Planner).parameters["plan_cache_bytes"].default
 """Plans a Planner caches behind the newest by default (the simulation itself keeps 4)."""
 
 def make_config(layout: Layout, *, seed: int, broadcast: Sequence[str], num_microbatches: int,
@@ -385,7 +386,10 @@ def simulate_row(gpus: int, args: argparse.Namespace, bar: tqdm) -> dict[str, An
         "encoder_bytes_per_step": mean("encoder_bytes"),
         "deferred_samples": sum(s["deferred"] for s in per_step),
         "plan_nbytes": plan_nbytes(last),
-        "plan_cache_nbytes_default_keep": plan_nbytes(last) * (DEFAULT_KEEP + 1),
+        # what a Planner with the default keep and byte budget holds once its constructors are past
+        # the older steps: the newest plan and as many behind it as the budget takes, up to `keep`
+        "plan_cache_nbytes_default": plan_nbytes(last) * min(DEFAULT_KEEP + 1,
+                                                             max(1, PLAN_CACHE_BYTES // max(1, plan_nbytes(last)))),
         "plan_peak_mib": peak / 2**20,
         "rss_peak_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "per_step": per_step,

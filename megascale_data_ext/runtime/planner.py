@@ -40,6 +40,7 @@ from megascale_data_ext.dataplane.mixing import Mixer, build_schedule
 from megascale_data_ext.dataplane.plan import LoaderPlan, StepPlan
 from megascale_data_ext.dataplane.plan_store import PlanStore
 from megascale_data_ext.dataplane.summary import BufferSummary, SourceSummary
+from megascale_data_ext.dataplane.traffic import plan_nbytes
 from megascale_data_ext.errors import CapacityError, ConfigError, PlanError, ResumeError, ShortBufferError
 from megascale_data_ext.runtime.config import Overflow, ServiceConfig
 from megascale_data_ext.runtime.loss_feedback import LossReports
@@ -51,6 +52,8 @@ Summarize = Callable[[int, int, int], SourceSummary]
 SummaryRequest = tuple[int, int, int]
 """``(source_id, start_position, count)``: metadata of `count` stream positions from `start_position`."""
 SummarizeMany = Callable[[Sequence[SummaryRequest]], Sequence[SourceSummary]]
+PLAN_CACHE_BYTES = 256 * 2**20
+"""Default byte budget of the plans kept behind what constructors still need (issue 21's bound at 4,096 GPUs)."""
 SUMMARY_AHEAD_STEPS = 32
 """A source's metadata is fetched for its draws of the step and about this many more (`Planner._window`)."""
 SUMMARY_MIN_ROWS = 64
@@ -68,9 +71,11 @@ class Planner:
         summarize_many: ``[SummaryRequest, ...] -> [SourceSummary, ...]`` in request order: every
             source the step needs metadata of in one call, which a Ray façade turns into one
             call per loader actor (default: `summarize` per request).
-        keep: How many planned steps (and their states) to keep behind the newest one at least: a
-            checkpoint of the step the trainer is at (a 4,096-GPU plan is ~30 MiB, see
-            `megascale-data simulate`).
+        keep: How many planned steps' states to keep behind the newest one at least (a checkpoint
+            of the step the trainer is at), and their plans within `plan_cache_bytes`.
+        plan_cache_bytes: What the kept plans may hold beyond those a constructor still needs and
+            the newest (a 4,096-GPU plan is ~28 MiB, see `megascale-data simulate`): older plans go
+            first; their states stay, so a checkpoint of such a step still works.
         constructors: Data Constructors that report where their slowest consumer is
             (`constructor_floor`): a plan is kept until every one of them is past it, however
             far others ran ahead. None = no constructors (simulation): `keep` alone decides.
@@ -83,7 +88,8 @@ class Planner:
                         hint="resume with the data config and parallel layout of the saved run")
 
     def __init__(self, config: ServiceConfig, topology: ServiceTopology, summarize: Summarize | None, *,
-                 summarize_many: SummarizeMany | None = None, keep: int = 16, report_timeout_s: float = 600.0,
+                 summarize_many: SummarizeMany | None = None, keep: int = 16,
+                 plan_cache_bytes: int = PLAN_CACHE_BYTES, report_timeout_s: float = 600.0,
                  on_planned: Callable[[StepPlan, float], None] | None = None, constructors: int | None = None):
         if summarize_many is None:
             if summarize is None:
@@ -96,6 +102,8 @@ class Planner:
         self._summaries: dict[int, SourceSummary] = {}  # per source, a window of its (pure) stream metadata
         self._windows: dict[int, tuple] = {}  # per source, ((start, count), summary, its window) last sliced
         self.keep = keep
+        self.plan_cache_bytes = plan_cache_bytes
+        self._plan_bytes: dict[int, int] = {}  # per kept plan, its arrays' bytes
         self.strategy = make_strategy(config)
         self.cost_model: dict[str, Any] | None = None  # an adopted fit (`adopt_cost_model`), as saved
         names = config.source_names
@@ -173,6 +181,7 @@ class Planner:
                             "must name the dims its broadcast_at() calls use")
         self.cursors += plan.counts_per_source() if drawn is None else drawn
         self.plans[step] = plan
+        self._plan_bytes[step] = plan_nbytes(plan)
         self.next_step = step + 1
         if self.on_planned is not None:
             self.on_planned(plan, seconds)
@@ -181,10 +190,17 @@ class Planner:
 
     def _drop_plans(self) -> None:
         """Under the lock: drop plans behind both the `keep` window and every constructor's floor."""
-        below = min(self.next_step - 1 - self.keep, self.low_water())
-        for old in [s for s in self.plans if s < below]:
-            self.plans.pop(old, None)
+        low = self.low_water()
+        below = min(self.next_step - 1 - self.keep, low)
+        for old in [s for s in self._states if s < below]:
             self._states.pop(old, None)
+        needed = min(low, self.next_step - 1)  # a constructor's, and the newest plan, always stay
+        total = sum(self._plan_bytes.values())
+        for old in sorted(self.plans):
+            if old >= needed or (old >= below and total <= self.plan_cache_bytes):
+                break
+            self.plans.pop(old, None)
+            total -= self._plan_bytes.pop(old, 0)
 
     def low_water(self) -> int:
         """The oldest step some constructor may still build (no constructors: the next step)."""
@@ -311,8 +327,8 @@ class Planner:
                 if step in self.plans:
                     return self.plans[step]
                 if step < self.next_step:
-                    raise ResumeError(f"plan for step {step} was dropped (planner is at step {self.next_step}); "
-                                      f"keep={self.keep}")
+                    raise ResumeError(f"plan for step {step} was dropped (planner is at step {self.next_step}; "
+                                      f"keep={self.keep}, plan_cache_bytes={self.plan_cache_bytes})")
                 target = self.next_step
             self.reports.wait_for(target)
             with self._lock:
@@ -368,6 +384,7 @@ class Planner:
             self._summaries.clear()
             self._windows.clear()
             self.plans.clear()
+            self._plan_bytes.clear()
             self._states.clear()
             if self._floors is not None:  # no constructor builds a step before the one resumed at
                 self._floors = {k: max(v, self.next_step) for k, v in self._floors.items()}
