@@ -218,8 +218,9 @@ def microbatches_per_dp(sources: Sequence[SimulatedSource], weights: Sequence[fl
 
 # ------------------------------------------------------------------ the world
 DEFAULT_KEEP: int = inspect.signature(Planner).parameters["keep"].default
-PLAN_CACHE_BYTES: int = inspect.signature(Planner).parameters["plan_cache_bytes"].default
 """Plans a Planner caches behind the newest by default (the simulation itself keeps 4)."""
+PLAN_CACHE_BYTES: int = inspect.signature(Planner).parameters["plan_cache_bytes"].default
+"""The default byte budget of those plans (`Planner.plan_cache_bytes`)."""
 
 def make_config(layout: Layout, *, seed: int, broadcast: Sequence[str], num_microbatches: int,
                 per_gpu: int = PER_GPU, context: int = CONTEXT, weights: Sequence[float] = WEIGHTS,

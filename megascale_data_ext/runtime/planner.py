@@ -189,7 +189,8 @@ class Planner:
         return plan
 
     def _drop_plans(self) -> None:
-        """Under the lock: drop plans behind both the `keep` window and every constructor's floor."""
+        """Under the lock: drop states behind both the `keep` window and every constructor's floor,
+        and plans there too, or beyond `plan_cache_bytes` once every constructor is past them."""
         low = self.low_water()
         below = min(self.next_step - 1 - self.keep, low)
         for old in [s for s in self._states if s < below]:
