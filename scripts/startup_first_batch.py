@@ -17,7 +17,7 @@ cfg = compose_config(["sources=demo_text", f"data.data_root={root}", "data.ray.n
 scfg = load_config(cfg.data).to_service_config()
 tree = ClientPlaceTree.from_sizes(tp=1, pp=1, dp=2)
 t0 = time.perf_counter()
-ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
 t1 = time.perf_counter()
 svc = DataService(scfg, tree, progress=None)
 handles = svc.start()
