@@ -154,7 +154,10 @@ class RemoteConstructors:
         if self.ft is not None and self._planner is not None:
             return
         join_ray(self.address, self.topology.namespace)
-        self._planner = find_planner(self.topology.namespace)
+        try:
+            self._planner = find_planner(self.topology.namespace)
+        except ValueError as gone:
+            raise self._gone("the Planner", "was asked for") from gone
         if self.ft is None:
             self.ft = ray.get(self._planner.fault_tolerance.remote())
         specs = self.ft.schedule()
@@ -178,12 +181,23 @@ class RemoteConstructors:
                               f"data.fault_tolerance.client_prefetch={self._prefetch_steps}, or prefetch less")
         return self._prefetch_steps
 
-    def _handle(self, index: int, *, fresh: bool = False) -> Any:
+    def _handle(self, index: int, *, fresh: bool = False, step: int | None = None) -> Any:
         handle = None if fresh else self._handles.get(index)
         if handle is None:
             self._join()
-            handle = self._handles[index] = find_constructor(self.topology, index)
+            try:
+                handle = self._handles[index] = find_constructor(self.topology, index)
+            except ValueError as gone:  # no actor of that name: the service was stopped, not restarted
+                raise self._gone(f"constructor/{index}", "was asked for" if step is None else
+                                 f"step {step} was asked for") from gone
         return handle
+
+    def _gone(self, actor: str, when: str) -> ServiceUnavailableError:
+        """A service actor that Ray no longer knows by name: the service was stopped (a restarting
+        one keeps its name), typically by the rank that started it failing first."""
+        return ServiceUnavailableError(
+            f"{actor} is gone from Ray namespace {self.topology.namespace!r}: the data service was stopped while "
+            f"{when} (when a rank that started it failed, that rank's error line says why)")
 
     # -- delivery ------------------------------------------------------------------
     def get(self, step: int, microbatch: int, rank: int) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
@@ -192,7 +206,7 @@ class RemoteConstructors:
             if self.injector is not None and rank == self._injecting_rank:
                 self.injector.on_step(step)
             index = self.topology.constructor_of_rank(rank)
-            handle = self._handle(index)
+            handle = self._handle(index, step=step)
             for ahead in range(step, step + 1 + self.prefetch_steps):  # `step` is where this rank is
                 if (rank, ahead) not in self._pending:
                     self._pending[(rank, ahead)] = handle.get_step.remote(ahead, rank, step, job=self.topology.job)
@@ -231,13 +245,7 @@ class RemoteConstructors:
                 if timed_out:  # alive but slow (a rebuild, a loader failover): keep waiting on the same call
                     continue
                 retry.pause()
-                try:
-                    handle = self._handle(index, fresh=True)  # the restarted actor, by name
-                except ValueError as gone:  # no actor of that name: the service was stopped, not restarted
-                    raise ServiceUnavailableError(
-                        f"constructor/{index} (serving rank {rank}) is gone from Ray namespace "
-                        f"{self.topology.namespace!r}: the data service was stopped while step {step} was asked for "
-                        "(when a rank that started it failed, that rank's error line says why)") from gone
+                handle = self._handle(index, fresh=True, step=step)  # the restarted actor, by name
                 ref = handle.get_step.remote(step, rank, step, job=self.topology.job)
                 self._resend_failed(handle, rank, step)
 

@@ -179,7 +179,7 @@ def test_selective_broadcast_over_tp_and_cp_only_planned_ranks_fetch(specs, ray_
 def test_a_client_whose_service_was_stopped_gets_one_named_error(specs, ray_local):
     """A rank still asking after the service was stopped (another rank failed first and stopped
     it) gets `ServiceUnavailableError` saying the constructor is gone, not Ray's lookup ValueError
-    (clean-clone run 38 printed that traceback)."""
+    (clean-clone runs 38 and 45 printed that traceback: 45 from a rank's first lookup)."""
     from megascale_data_ext.errors import ServiceUnavailableError
     from megascale_data_ext.runtime.fault_tolerance import FaultToleranceConfig
     from megascale_data_ext.runtime.remote import RemoteConstructors
@@ -190,6 +190,12 @@ def test_a_client_whose_service_was_stopped_gets_one_named_error(specs, ray_loca
     handles = svc.start()
     client = RemoteConstructors(handles.topology)
     client.get(0, 0, 0)
+    late = RemoteConstructors(handles.topology)  # rank 1 had not asked for anything yet
+    assert late.prefetch_steps == 0  # it had joined: it found the Planner and read its settings
     svc.stop()
-    with pytest.raises(ServiceUnavailableError, match=r"constructor/0 \(serving rank 0\) is gone .*stopped"):
-        client.get(40, 0, 0)
+    with pytest.raises(ServiceUnavailableError, match=r"constructor/0 is gone .*stopped while step 40 was asked"):
+        client.get(40, 0, 0)  # a dead handle, looked up again by name
+    with pytest.raises(ServiceUnavailableError, match=r"constructor/1 is gone .*stopped while step 0 was asked"):
+        late.get(0, 0, 1)  # its first lookup of its constructor
+    with pytest.raises(ServiceUnavailableError, match=r"the Planner is gone .*stopped"):
+        RemoteConstructors(handles.topology).get(0, 0, 0)  # a client that joins after the stop
