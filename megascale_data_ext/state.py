@@ -63,14 +63,19 @@ class Stateful(Protocol):
         ...
 
 
+_ATOMS = frozenset({str, int, float, bool, type(None)})
+
+
 def plain(value: Any) -> Any:
     """JSON-normal copy (tuples -> lists, numpy -> numbers and lists, int keys -> strings) of a
     state or fingerprint: what a JSON round trip gives, built directly (a state is thousands of
     numbers at 1,000+ sources; encoding them to text and back was most of the Planner's step)."""
     kind = type(value)
-    if kind is str or kind is int or kind is float or kind is bool or value is None:
-        return value
+    if kind is str or kind is int or kind is float or kind is bool or value is None or kind is Fingerprint:
+        return value  # a Fingerprint is JSON-normal already and read-only: shared, not copied
     if kind is list or kind is tuple:
+        if set(map(type, value)) <= _ATOMS:  # numbers (an array's tolist()): one C-level pass, no recursion
+            return list(value)
         return [plain(v) for v in value]
     if isinstance(value, dict):
         return {_key(k): plain(v) for k, v in value.items()}

@@ -22,8 +22,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from megascale_data_ext.errors import ConfigError
-from megascale_data_ext.state import StateSchema
+import numpy as np
+
+from megascale_data_ext.errors import ConfigError, ResumeError
+from megascale_data_ext.state import Fingerprint, StateSchema
 
 __all__ = ["ScalingConfig", "ScalingDecision", "ScalingPolicy", "shard_capacity"]
 
@@ -90,16 +92,36 @@ class ScalingPolicy:
         self.shards = [self._clamp(s) for s in (initial_shards or [config.min_shards] * n)]
         if len(self.shards) != n:
             raise ConfigError(f"{len(self.shards)} initial shard counts for {n} sources")
-        self.history: list[list[float]] = [[] for _ in range(n)]
+        # per source, the last `window` intervals' weights, oldest first (every interval feeds every
+        # source, so all have the same length): one array, so an interval at 1,000+ sources is a few
+        # vector operations, not a loop over the sources
+        self._history = np.zeros((n, 0), dtype=np.float64)
         self.streaks = [0] * n  # > 0: intervals wanting more shards in a row; < 0: fewer
         self.interval = 0
+        self._capacity = np.asarray(config.capacity, dtype=np.float64)
+        self._fingerprint = Fingerprint.of({"config": asdict(config), "sources": n})
+
+    @property
+    def history(self) -> list[list[float]]:
+        """Per source, the weights of the last `window` intervals, oldest first."""
+        return self._history.tolist()
 
     def _clamp(self, shards: int) -> int:
         return max(self.config.min_shards, min(self.config.max_shards, int(shards)))
 
     def moving_average(self, source: int) -> float:
-        h = self.history[source]
+        h = self._history[source].tolist()
         return sum(h) / len(h) if h else 0.0
+
+    def _moving_averages(self) -> np.ndarray:
+        """`moving_average` of every source, summed in the same order (the same floats)."""
+        h = self._history
+        if not h.shape[1]:
+            return np.zeros(h.shape[0])
+        acc = h[:, 0].copy()
+        for j in range(1, h.shape[1]):
+            acc += h[:, j]
+        return acc / h.shape[1]
 
     def wanted(self, source: int) -> int:
         """The shard count the current moving average asks for, hysteresis applied when shrinking."""
@@ -116,23 +138,29 @@ class ScalingPolicy:
         if len(weights) != n:
             raise ConfigError(f"scaling policy: {len(weights)} weights for {n} sources")
         total = float(sum(weights))
-        norm = [float(w) / total if total > 0 else 0.0 for w in weights]
+        norm = np.asarray(weights, dtype=np.float64) / total if total > 0 else np.zeros(n)
+        self._history = np.concatenate([self._history, norm[:, None]], axis=1)[:, -self.config.window:]
+        cfg, cur = self.config, np.asarray(self.shards, dtype=np.int64)
+        avg = self._moving_averages()
+        up = np.clip(np.ceil(avg / self._capacity - 1e-12), cfg.min_shards, cfg.max_shards).astype(np.int64)
+        down = np.clip(np.ceil(avg / (self._capacity * (1 - cfg.hysteresis)) - 1e-12),
+                       cfg.min_shards, cfg.max_shards).astype(np.int64)
+        want = np.where(up > cur, up, np.where(down < cur, down, cur))  # `wanted`, every source at once
+        sign = np.sign(want - cur)
+        streaks = np.asarray(self.streaks, dtype=np.int64)
+        streaks = np.where((sign != 0) & (streaks * sign > 0), streaks + sign, sign)
         out = []
-        for s in range(n):
-            self.history[s] = (self.history[s] + [norm[s]])[-self.config.window:]
-            want = self.wanted(s)
-            sign = (want > self.shards[s]) - (want < self.shards[s])
-            self.streaks[s] = self.streaks[s] + sign if sign and (self.streaks[s] * sign) > 0 else sign
-            if sign and abs(self.streaks[s]) >= self.config.patience:
-                out.append(ScalingDecision(source=s, old=self.shards[s], new=want, interval=self.interval))
-                self.shards[s] = want
-                self.streaks[s] = 0
+        for s in np.flatnonzero((sign != 0) & (np.abs(streaks) >= cfg.patience)).tolist():
+            out.append(ScalingDecision(source=s, old=self.shards[s], new=int(want[s]), interval=self.interval))
+            self.shards[s] = int(want[s])
+            streaks[s] = 0
+        self.streaks = streaks.tolist()
         self.interval += 1
         return out
 
     # -- state ---------------------------------------------------------------------
     def fingerprint(self) -> dict[str, Any]:
-        return {"config": asdict(self.config), "sources": len(self.shards)}
+        return self._fingerprint
 
     def state_dict(self) -> dict[str, Any]:
         return self.STATE.stamp(self.fingerprint(), interval=self.interval, history=self.history,
@@ -141,6 +169,11 @@ class ScalingPolicy:
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         fields = self.STATE.check(state, self.fingerprint())
         self.interval = int(fields["interval"])
-        self.history = [[float(x) for x in h] for h in fields["history"]]
+        history = [[float(x) for x in h] for h in fields["history"]]
+        if len({len(h) for h in history}) > 1:
+            raise ResumeError("scaling policy state: the sources' weight histories differ in length (every "
+                              "interval feeds every source); the state is damaged: resume from another one")
+        self._history = (np.asarray(history, dtype=np.float64) if history and history[0]
+                         else np.zeros((len(history), 0)))
         self.shards = [int(x) for x in fields["shards"]]
         self.streaks = [int(x) for x in fields["streaks"]]

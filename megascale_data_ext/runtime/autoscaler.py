@@ -97,6 +97,11 @@ class AutoScaler:
         self.spawn_shadow = spawn_shadow
         self.shadows: dict[int, Any] = {}  # actor id -> its shadow
         self.layouts: list[list[_Layout]] = [[] for _ in self.specs]
+        # what `release` must look at (it runs every step; at 1,000+ sources a scan of every layout
+        # was a good part of the Planner's step): sources with more than one live layout, and
+        # whether actors may have fallen out of every layout (start, a restore)
+        self._changing: set[int] = set()
+        self._recheck = True
         self.counts = np.zeros(len(self.specs), dtype=np.int64)
         self.steps = 0
         self.max_routed = -1
@@ -233,17 +238,25 @@ class AutoScaler:
         boundary = max(step + self.lead_steps, self.max_routed + 1, live[-1].from_step + 1)
         new = self._spawn_shards(d.source, self.specs[d.source], d.new)
         live.append(_Layout(boundary, new))
+        self._changing.add(d.source)
         self.events.append({"event": "created", "source": d.source, "from_step": boundary, "old": d.old,
                             "new": d.new, "actors": len(new), "decided_at_step": step})
 
     def release(self, done_step: int) -> int:
         """Reclaim the loaders of layouts whose steps are all <= `done_step` (delivered); returns how many."""
         with self._lock:
-            for s, live in enumerate(self.layouts):
+            retired = False
+            for s in sorted(self._changing):
+                live = self.layouts[s]
                 while len(live) > 1 and live[1].from_step <= done_step + 1:
                     old = live.pop(0)
+                    retired = True
                     self.events.append({"event": "retired", "source": s, "until_step": live[0].from_step,
                                         "actors": len(old.actors)})
+                if len(live) < 2:
+                    self._changing.discard(s)
+            if not (retired or self._recheck):
+                return 0
             used = {a for live in self.layouts for lay in live for a in lay.actors}
             dead = [a for a in self.actors if a not in used]
             for a in dead:
@@ -253,6 +266,7 @@ class AutoScaler:
                     self.kill(self.shadows.pop(a))
             if dead:
                 self.events.append({"event": "reclaimed", "after_step": done_step, "actors": len(dead)})
+            self._recheck = False
             return len(dead)
 
     # -- state ---------------------------------------------------------------------
@@ -287,5 +301,7 @@ class AutoScaler:
                     actors = reuse if reuse is not None else self._spawn_shards(s, self.specs[s], n)
                     restored.append(_Layout(0 if i == 0 else int(from_step), actors))
                 self.layouts[s] = restored
+            self._changing = {s for s, live in enumerate(self.layouts) if len(live) > 1}
+            self._recheck = True
             self.release(-1)
             self.events.append({"event": "restored", "layouts": self.layout_table()})

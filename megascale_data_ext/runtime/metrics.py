@@ -105,6 +105,20 @@ def _ray_if_initialized() -> Any:
         return None
 
 
+COUNTER_FLUSH_S = 1.0
+"""Longest a counter's increment waits before it goes to Ray (`ServiceMetrics.flush`)."""
+
+
+def _in_ray_worker() -> bool:
+    """Whether this process is a Ray worker (an actor), not a driver: only actors defer their
+    counters (a driver's timer thread could outlive its interpreter's teardown)."""
+    ray = sys.modules.get("ray")
+    try:
+        return ray is not None and ray._private.worker.global_worker.mode == ray.WORKER_MODE
+    except Exception:
+        return False
+
+
 class ServiceMetrics:
     """Records the service's metrics to Ray (when connected) and to an in-process registry.
 
@@ -120,6 +134,8 @@ class ServiceMetrics:
         self._ray_metrics: dict[str, Any] = {}
         self._warned = False
         self._values: dict[str, dict[tuple[str, ...], Any]] = {name: {} for name in METRICS}
+        self._pending: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}  # counter increments not in Ray yet
+        self._flush_timer: threading.Timer | None = None
 
     # -- generic -------------------------------------------------------------------
     @property
@@ -163,6 +179,10 @@ class ServiceMetrics:
                                    {"count": h["count"] + 1, "sum": h["sum"] + value, "min": min(h["min"], value),
                                     "max": max(h["max"], value)})
                 metric = self._ray_metric(name)
+                if metric is not None and d.kind == "counter" and _in_ray_worker():
+                    if value > 0:  # Ray refuses counter increments <= 0
+                        self._count_later(name, value, tags)
+                    return
             if metric is None or (d.kind == "counter" and value <= 0):  # Ray refuses counter increments <= 0
                 return
             if d.kind == "counter":
@@ -173,6 +193,28 @@ class ServiceMetrics:
                 metric.observe(value, tags=tags)
         except Exception as exc:  # metrics must never break the data path
             self._disable(name, exc)
+
+    def _count_later(self, name: str, value: float, tags: dict[str, str]) -> None:
+        """Under the lock: add to a counter's increment that goes to Ray within `COUNTER_FLUSH_S`
+        (a loader counts every source of every fetch: at 1,000+ sources a Ray ``inc`` each was a
+        fifth of its step; Ray exports every few seconds anyway)."""
+        key = (name, tuple(tags.items()))
+        self._pending[key] = self._pending.get(key, 0.0) + value
+        if self._flush_timer is None:
+            self._flush_timer = threading.Timer(COUNTER_FLUSH_S, self.flush)
+            self._flush_timer.daemon = True
+            self._flush_timer.start()
+
+    def flush(self) -> None:
+        """Hand the counters' pending increments to Ray now; never raises."""
+        with self._lock:
+            pending, self._pending, self._flush_timer = self._pending, {}, None
+            metrics = dict(self._ray_metrics)
+        for (name, tags), value in pending.items():
+            try:
+                metrics[name].inc(value, tags=dict(tags))
+            except Exception as exc:  # metrics must never break the data path
+                self._disable(name, exc)
 
     def _disable(self, name: str, exc: Exception) -> None:
         self.export = False
@@ -195,6 +237,7 @@ class ServiceMetrics:
         with self._lock:
             self._values = {name: {} for name in METRICS}
             self._ray_metrics.clear()
+            self._pending.clear()
 
     # -- the service's metrics -----------------------------------------------------
     def fetch_latency(self, seconds: float, rank: int) -> None:

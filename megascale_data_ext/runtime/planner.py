@@ -108,6 +108,7 @@ class Planner:
         self.cost_model: dict[str, Any] | None = None  # an adopted fit (`adopt_cost_model`), as saved
         names = config.source_names
         self._empty = [SourceSummary.empty(s, name) for s, name in enumerate(names)]  # a source not drawn
+        self._out, self._out_drawn = list(self._empty), []  # `_window`'s last answer and its drawn sources
         self.mixer = Mixer(
             build_schedule(config.mixing_config(), source_names=names), names, seed=config.seed, mode=config.mix_mode
         )
@@ -152,10 +153,10 @@ class Planner:
 
     def _snapshot(self) -> tuple[dict[str, Any], int]:
         """The state before the next step, without its reports, and the last report step applied."""
-        # plain data (lists, dicts, numbers): a pickle round trip copies it ~10x faster than deepcopy,
-        # which at 1,000+ sources cost ~20 ms a step
+        # the mixer's state is a fresh stamped copy (its fingerprint shared, read-only); the carry is
+        # plain data, copied by a pickle round trip (~10x faster than deepcopy)
         state = {"step": self.next_step, "cursors": self.cursors.tolist(),
-                 "mixer": _copied(self.mixer.state_dict()), "carry": _copied(self.carry),
+                 "mixer": self.mixer.state_dict(), "carry": _copied(self.carry),
                  "cost_model": _copied(self.cost_model)}
         return state, self.reports.applied_through()
 
@@ -166,7 +167,8 @@ class Planner:
 
     def _plan_next(self) -> StepPlan:
         step = self.next_step
-        self._states[step] = self._snapshot()
+        if step not in self._states:  # taken already when the state after the last step was saved
+            self._states[step] = self._snapshot()
         t0 = time.perf_counter()
         drawn = None
         if self.replay is not None:
@@ -267,16 +269,14 @@ class Planner:
         samples of each per step, and a start-up that asked every source for thousands of rows
         shipped millions of them before the first plan.
         """
-        counts = want.tolist()
-
-        def covered(s: int, start: int) -> bool:
-            cached = self._summaries.get(s)
-            return counts[s] == 0 or (cached is not None and len(cached) > 0 and cached.positions[0] <= start
-                                      and start + counts[s] <= cached.positions[-1] + 1)
-
-        starts = self.cursors.tolist()
-        requests = [(s, start, counts[s] * (1 + SUMMARY_AHEAD_STEPS) + SUMMARY_MIN_ROWS)
-                    for s, start in enumerate(starts) if not covered(s, start)]
+        drawn = np.flatnonzero(want).tolist()  # a step at 1,000+ sources draws a few dozen: touch only those
+        counts, starts = want.tolist(), self.cursors.tolist()
+        requests = []
+        for s in drawn:
+            start, cached = starts[s], self._summaries.get(s)
+            if cached is None or not len(cached) or not (
+                    cached.positions[0] <= start and start + counts[s] <= cached.positions[-1] + 1):
+                requests.append((s, start, counts[s] * (1 + SUMMARY_AHEAD_STEPS) + SUMMARY_MIN_ROWS))
         if requests:
             got = list(self.summarize_many(requests))
             if len(got) != len(requests):
@@ -287,17 +287,17 @@ class Planner:
                                     f"position {int(summ.positions[0]) if len(summ) else None}; a loader must "
                                     "return exactly the positions asked for")
                 self._summaries[s] = summ
-        out = []
-        for s, start in enumerate(starts):  # a source whose cursor did not move keeps its window
-            n = counts[s]
-            if n == 0:
-                out.append(self._empty[s])
-                continue
+        out = self._out  # per source, its window of the last step; a source not drawn: empty
+        for s in self._out_drawn:
+            out[s] = self._empty[s]
+        for s in drawn:  # a source whose cursor did not move keeps its window
+            start, n = starts[s], counts[s]
             summ, known = self._summaries[s], self._windows.get(s)
             if known is None or known[0] != (start, n) or known[1] is not summ:
                 known = self._windows[s] = ((start, n), summ, summ.window(start - int(summ.positions[0]), n))
-            out.append(known[2])
-        return out
+            out[s] = known[2]
+        self._out_drawn = drawn
+        return list(out)
 
     def _fit(self, buffer: BufferSummary, mixed: DGraph, step: int) -> StepPlan:
         """Plan the longest prefix of the step's mixed order that fits its microbatches.
@@ -358,8 +358,11 @@ class Planner:
     def state_dict(self, step: int | None = None) -> dict[str, Any]:
         """The planner state *before* planning `step` (default: the next unplanned step)."""
         with self._lock:
-            if step is None or step == self.next_step:
-                return self._stamp(self._snapshot())
+            if step is None or step == self.next_step:  # kept: planning the step takes the same snapshot
+                snapshot = self._states.get(self.next_step)
+                if snapshot is None:
+                    snapshot = self._states[self.next_step] = self._snapshot()
+                return self._stamp(snapshot)
             if step in self._states:
                 return self._stamp(copy.deepcopy(self._states[step]))
             if step < self.next_step:
@@ -421,6 +424,7 @@ class Planner:
         except TypeError as e:  # a user strategy without a `model` argument
             raise ConfigError(f"strategy {self.config.strategy!r} cannot be re-costed with a fitted model: {e}") from e
         self.strategy, self.cost_model = strategy, None if fit is None else _copied(dict(fit))
+        self._states.pop(self.next_step, None)  # a snapshot taken before holds the old cost model
         if self.budget is not None:
             self.budget.strategy = strategy
 

@@ -189,9 +189,12 @@ def test_metrics_recorded_in_an_actor_are_scrapeable_as_prometheus_text(ray_metr
                 sm.fetch_latency(seconds, rank=2)
             return sm.exporting
 
-    assert ray.get(Recorder.remote().record.remote()) is True
+    recorder = Recorder.remote()  # alive while Ray scrapes it (its counters are handed to Ray within a second)
+    assert ray.get(recorder.record.remote()) is True
     p = "ray_megascale_"
-    parsed = _poll(ray_metrics_port, lambda d: f"{p}fetch_latency_seconds_count" in d and f"{p}plan_seconds_count" in d)
+    # an actor's counters reach Ray within COUNTER_FLUSH_S of their last increment, the rest at once
+    parsed = _poll(ray_metrics_port, lambda d: all(f"{p}{k}" in d for k in (
+        "fetch_latency_seconds_count", "plan_seconds_count", "source_samples_total", "source_skipped_total")))
     assert _values(parsed, f"{p}source_samples_total", source="web") == [7.0]
     assert _values(parsed, f"{p}source_tokens_total", source="web") == [700.0]
     assert _values(parsed, f"{p}source_skipped_total", source="web") == [1.0]

@@ -127,3 +127,49 @@ def test_autoscaler_reshards_in_process_with_exact_accounting(tmp_path) -> None:
     assert [n for _, n in again.layout_table()[0]] == [n for _, n in saved] and len(saved) == 2, saved
     assert again.layout_table()[0][1][0] == saved[1][0] and again.layout_table()[0][0][0] == 0
     assert again.shards(saved[1][0] - 1, 0) == saved[0][1] != again.shards(saved[1][0], 0) == saved[1][1]
+
+
+def _reference_observe(pol: dict, cfg: ScalingConfig, weights: list[int]) -> list[tuple[int, int, int]]:
+    """The policy's rule one source at a time, as it was first written (the vectorised one must match)."""
+    import math
+
+    def clamp(x: float) -> int:
+        return max(cfg.min_shards, min(cfg.max_shards, int(x)))
+
+    total = float(sum(weights))
+    out = []
+    for s, w in enumerate(weights):
+        h = pol["history"][s] = (pol["history"][s] + [float(w) / total if total > 0 else 0.0])[-cfg.window:]
+        avg, cap, cur = sum(h) / len(h), cfg.capacity[s], pol["shards"][s]
+        up = clamp(math.ceil(avg / cap - 1e-12))
+        down = clamp(math.ceil(avg / (cap * (1 - cfg.hysteresis)) - 1e-12))
+        want = up if up > cur else (down if down < cur else cur)
+        sign = (want > cur) - (want < cur)
+        pol["streaks"][s] = pol["streaks"][s] + sign if sign and pol["streaks"][s] * sign > 0 else sign
+        if sign and abs(pol["streaks"][s]) >= cfg.patience:
+            out.append((s, cur, want))
+            pol["shards"][s], pol["streaks"][s] = want, 0
+    return out
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_every_source_at_once_decides_as_one_at_a_time(seed: int) -> None:
+    """300 sources with bursty counts (most not drawn in an interval), 60 intervals: the same
+    decisions, shards, streaks and history as the per-source rule; and a save/load midway goes on alike."""
+    rng = np.random.default_rng(seed)
+    n = 300
+    cfg = ScalingConfig(capacity=tuple(rng.uniform(0.002, 0.05, n).tolist()), window=int(rng.integers(1, 6)),
+                        patience=int(rng.integers(1, 4)), hysteresis=0.25, max_shards=6)
+    pol = ScalingPolicy(cfg)
+    ref = {"history": [[] for _ in range(n)], "shards": [1] * n, "streaks": [0] * n}
+    for k in range(60):
+        hot = rng.random(n) < 0.2
+        counts = np.where(hot, rng.poisson(rng.uniform(1, 40, n)), 0).tolist()
+        if k == 30:
+            state = json.loads(json.dumps(pol.state_dict()))
+            pol = ScalingPolicy(cfg)
+            pol.load_state_dict(state)
+        got = [(d.source, d.old, d.new) for d in pol.observe(counts)]
+        assert got == _reference_observe(ref, cfg, counts), k
+        assert pol.shards == ref["shards"] and pol.streaks == ref["streaks"] and pol.history == ref["history"]
+    assert any(s > 1 for s in ref["shards"])  # the rule acted

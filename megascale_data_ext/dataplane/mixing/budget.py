@@ -118,20 +118,30 @@ def draw_size(preview: Callable[[int], np.ndarray], lengths: Sequence[np.ndarray
     """
     if need <= 0:
         return 0
-    def tokens(counts: np.ndarray) -> int:  # what the first counts[s] samples of every source bring
-        return sum(int(lengths[s][:c].sum()) for s, c in enumerate(counts.tolist()) if c)
+    sizes = np.fromiter(map(len, lengths), dtype=np.int64, count=len(lengths))
+    prefix: dict[int, np.ndarray] = {}  # per source drawn, cumulative lengths (a step draws few of 1,000+)
 
-    total = sum(len(x) for x in lengths)
+    def tokens(counts: np.ndarray) -> int:  # what the first counts[s] samples of every source bring
+        drawn = np.flatnonzero(counts)
+        total = 0
+        for s, c in zip(drawn.tolist(), counts[drawn].tolist(), strict=True):
+            cum = prefix.get(s)
+            if cum is None:
+                cum = prefix[s] = np.cumsum(lengths[s], dtype=np.int64)
+            total += int(cum[c - 1])
+        return total
+
     # the starting estimate only (the search below finds the smallest n whatever it is): a sample
-    # of every source's next lengths, not all of them (a step at 1,000+ sources draws few of each)
-    mean = max(float(np.mean(np.concatenate([x[:64] for x in lengths]))) if total else 1.0, 1.0)
+    # of the next lengths of the sources that have any, not all of them
+    head = [lengths[s][:64] for s in np.flatnonzero(sizes).tolist()]
+    mean = max(float(np.mean(np.concatenate(head))) if head else 1.0, 1.0)
     n, lo = max(1, int(np.ceil(need / mean))), 0
     while True:
-        counts = preview(n)
-        short = [s for s, c in enumerate(counts.tolist()) if c > len(lengths[s])]
+        counts = np.asarray(preview(n))
+        short = np.flatnonzero(counts > sizes).tolist()
         if short:
             raise ShortBufferError(f"a token-budget step needs {need} tokens but source(s) {short} buffer only "
-                                   f"{[len(lengths[s]) for s in short]} samples for the mixture: raise `buffer_size`",
+                                   f"{sizes[short].tolist()} samples for the mixture: raise `buffer_size`",
                                    {s: int(counts[s]) for s in short})
         got = tokens(counts)
         if got >= need:

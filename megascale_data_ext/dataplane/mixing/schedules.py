@@ -25,7 +25,7 @@ from megascale_data_ext.dataplane.mixing.checks import (
     weights_length,
 )
 from megascale_data_ext.errors import ConfigError, PlanError
-from megascale_data_ext.state import StateSchema
+from megascale_data_ext.state import Fingerprint, StateSchema
 
 __all__ = [
     "ConstantSchedule",
@@ -73,7 +73,7 @@ class _Schedule:
     argument ``weights`` would collide with the ``weights(step)`` method.
     """
 
-    __slots__ = ("source_names",)
+    __slots__ = ("_fingerprint", "source_names")
     STATE = StateSchema("mixing_schedule", 2, (), hint=_HINT)
 
     @abc.abstractmethod
@@ -89,9 +89,18 @@ class _Schedule:
 
     __hash__ = None  # type: ignore[assignment]
 
+    def fingerprint(self) -> Fingerprint:
+        """`to_config()` made JSON-normal once (a schedule's config does not change; its state is
+        saved with every planned step, and at 1,000+ sources the config is thousands of weights)."""
+        try:
+            return self._fingerprint
+        except AttributeError:
+            self._fingerprint = Fingerprint.of(self.to_config())
+            return self._fingerprint
+
     def state_dict(self) -> dict[str, Any]:
         """Stateless schedules save only their config (the fingerprint), so a changed config is caught."""
-        return self.STATE.stamp(self.to_config())
+        return self.STATE.stamp(self.fingerprint())
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Refuse (ResumeError) a state saved under another version or config."""
@@ -351,7 +360,7 @@ class FeedbackSchedule(_Schedule):
                 "smoothing": self.smoothing, "min_weight": self.min_weight, "delay": self.delay}
 
     def state_dict(self) -> dict[str, Any]:
-        return self.STATE.stamp(self.to_config(), ema=[None if np.isnan(x) else float(x) for x in self._ema],
+        return self.STATE.stamp(self.fingerprint(), ema=[None if np.isnan(x) else float(x) for x in self._ema],
                                 weights=[float(x) for x in self._w], last_step=self.last_step,
                                 num_reports=self.num_reports, num_ignored=self.num_ignored)
 
