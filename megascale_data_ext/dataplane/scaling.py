@@ -10,9 +10,11 @@ loaders reclaimed). Hysteresis and patience keep a noisy mixture from thrashing 
 
 Decisions are values; `runtime.autoscaler` turns them into actors and a live reshard.
 
-Checkpoint (`StateSchema` "scaling_policy", version 1): fingerprint = the config and the
-number of sources; fields ``interval``, ``history`` (the window of weights per source),
-``shards`` and ``streaks`` (signed consecutive-interval counters).
+Checkpoint (`StateSchema` "scaling_policy", version 2): fingerprint = the config and the
+number of sources; fields ``interval``, ``weights`` (the last `window` intervals' weights as
+given, oldest first: the autoscaler's are sample counts, integers, which JSON writes ~10x faster
+than the normalised floats version 1 kept; the history is normalised again on load, to the same
+floats), ``shards`` and ``streaks`` (signed consecutive-interval counters).
 """
 
 from __future__ import annotations
@@ -83,7 +85,7 @@ def shard_capacity(cost_s: float, samples_per_step: int, step_seconds: float, wo
 class ScalingPolicy:
     """Per-source shard counts driven by the moving-average mixture; not thread-safe (the Planner's lock)."""
 
-    STATE = StateSchema("scaling_policy", 1, ("interval", "history", "shards", "streaks"),
+    STATE = StateSchema("scaling_policy", 2, ("interval", "weights", "shards", "streaks"),
                         hint="resume with the same scaling config and sources")
 
     def __init__(self, config: ScalingConfig, initial_shards: Sequence[int] | None = None) -> None:
@@ -96,6 +98,7 @@ class ScalingPolicy:
         # source, so all have the same length): one array, so an interval at 1,000+ sources is a few
         # vector operations, not a loop over the sources
         self._history = np.zeros((n, 0), dtype=np.float64)
+        self._weights: list[list[float]] = []  # the intervals of `_history` as given (what a state saves)
         self.streaks = [0] * n  # > 0: intervals wanting more shards in a row; < 0: fewer
         self.interval = 0
         self._capacity = np.asarray(config.capacity, dtype=np.float64)
@@ -137,9 +140,7 @@ class ScalingPolicy:
         n = len(self.shards)
         if len(weights) != n:
             raise ConfigError(f"scaling policy: {len(weights)} weights for {n} sources")
-        total = float(sum(weights))
-        norm = np.asarray(weights, dtype=np.float64) / total if total > 0 else np.zeros(n)
-        self._history = np.concatenate([self._history, norm[:, None]], axis=1)[:, -self.config.window:]
+        self._push(list(weights))
         cfg, cur = self.config, np.asarray(self.shards, dtype=np.int64)
         avg = self._moving_averages()
         up = np.clip(np.ceil(avg / self._capacity - 1e-12), cfg.min_shards, cfg.max_shards).astype(np.int64)
@@ -158,22 +159,30 @@ class ScalingPolicy:
         self.interval += 1
         return out
 
+    def _push(self, weights: list[float]) -> None:
+        """Append one interval's weights to the window (normalised into `_history`)."""
+        total = float(sum(weights))
+        norm = np.asarray(weights, dtype=np.float64) / total if total > 0 else np.zeros(len(weights))
+        self._history = np.concatenate([self._history, norm[:, None]], axis=1)[:, -self.config.window:]
+        self._weights = (self._weights + [weights])[-self.config.window:]
+
     # -- state ---------------------------------------------------------------------
     def fingerprint(self) -> dict[str, Any]:
         return self._fingerprint
 
     def state_dict(self) -> dict[str, Any]:
-        return self.STATE.stamp(self.fingerprint(), interval=self.interval, history=self.history,
+        return self.STATE.stamp(self.fingerprint(), interval=self.interval, weights=self._weights,
                                 shards=self.shards, streaks=self.streaks)
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         fields = self.STATE.check(state, self.fingerprint())
+        n = len(self.shards)
+        if any(len(w) != n for w in fields["weights"]) or len(fields["weights"]) > self.config.window:
+            raise ResumeError(f"scaling policy state: its weights are not at most {self.config.window} intervals of "
+                              f"{n} sources; the state is damaged: resume from another one")
         self.interval = int(fields["interval"])
-        history = [[float(x) for x in h] for h in fields["history"]]
-        if len({len(h) for h in history}) > 1:
-            raise ResumeError("scaling policy state: the sources' weight histories differ in length (every "
-                              "interval feeds every source); the state is damaged: resume from another one")
-        self._history = (np.asarray(history, dtype=np.float64) if history and history[0]
-                         else np.zeros((len(history), 0)))
+        self._history, self._weights = np.zeros((n, 0), dtype=np.float64), []
+        for w in fields["weights"]:
+            self._push(list(w))
         self.shards = [int(x) for x in fields["shards"]]
         self.streaks = [int(x) for x in fields["streaks"]]
