@@ -60,6 +60,7 @@ from megascale_data_ext.commands._colocated_memory import (
     write_navit_sources,
 )
 from megascale_data_ext.commands._plotting import pyplot
+from megascale_data_ext.commands._ray_cost import client_core_worker_mib, daemons_pss_mib, object_store_mib
 from megascale_data_ext.sources.profiling import process_memory
 
 NAME = "bench memory"
@@ -96,6 +97,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ranks-per-node", type=int, default=8,
                         help="ranks per trainer node (one constructor sidecar each); 0 = do not measure constructors")
     parser.add_argument("--actor-cap-mib", type=float, default=1024, help="partitioner's memory cap per loader actor")
+    parser.add_argument("--baselines", default="own_reader,energon",
+                        help="navit baselines: own_reader (the project's Parquet reader per rank; always measured), "
+                             "energon (Megatron-Energon's loader per rank on the same rows as WebDataset shards); "
+                             "text is measured against Megatron's GPTDataset")
+    parser.add_argument("--energon-batches", type=int, default=0,
+                        help="navit: samples each Energon rank reads before it is measured (0: 40 per source, "
+                             "at least 400: its shuffle buffers full and every source's reader open)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=None, metavar="F", help="write the results as JSON to F")
     parser.add_argument("--plot", default="docs/img/bench_memory.png", help="plot of memory against ranks ('' = none)")
@@ -106,11 +114,14 @@ def _ints(text: str) -> list[int]:
 
 
 # -- the service -------------------------------------------------------------------------
-def _pid_memory(handles: list[Any]) -> list[dict[str, int]]:
+def _pids(handles: list[Any]) -> list[int]:
     import ray
 
-    pids = ray.get([h.__ray_call__.remote(lambda self: os.getpid()) for h in handles])
-    return [process_memory(pid) for pid in pids]
+    return ray.get([h.__ray_call__.remote(lambda self: os.getpid()) for h in handles])
+
+
+def _pid_memory(handles: list[Any]) -> list[dict[str, int]]:
+    return [process_memory(pid) for pid in _pids(handles)]
 
 
 def text_specs(prefixes: list[str]) -> list[Any]:
@@ -205,6 +216,8 @@ def measure_service(specs: list[Any], *, ranks: int, seq_length: int, steps: int
             break
     loader_mem = _pid_memory(loaders)
     planner_mem = _pid_memory([planner])[0]
+    daemons_mib, daemons = daemons_pss_mib(_pids([*loaders, planner]))  # Ray's own processes beside them
+    store_mib = object_store_mib()
     shadow = spawn_shadows(cfg, planner, {}, topo.job)
     shadows = [shadow([(sh, specs[sh.source]) for sh in a.shards]) for a in plan.assignments]
     ray.get([s.ready.remote() for s in shadows])
@@ -216,7 +229,8 @@ def measure_service(specs: list[Any], *, ranks: int, seq_length: int, steps: int
             "shared_once": shared_once([*loader_mem, planner_mem]),
             "loader_pss": sum(m["pss"] for m in loader_mem) / MiB, "planner_uss": planner_mem["uss"] / MiB,
             "planner_pss": planner_mem["pss"] / MiB, "shadow_uss": sum(m["uss"] for m in shadow_mem) / MiB,
-            "steps_served": step, "row_groups_held": held, "row_groups_full": want, "row_group_mib": nbytes / MiB}
+            "steps_served": step, "row_groups_held": held, "row_groups_full": want, "row_group_mib": nbytes / MiB,
+            "ray_daemons_mib": daemons_mib, "ray_daemon_processes": daemons, "object_store_mib": store_mib}
 
 
 def measure_constructor(spec: Any, *, seq_length: int, ranks_per_node: int, seed: int) -> float:
@@ -247,6 +261,11 @@ def measure_constructor(spec: Any, *, seq_length: int, ranks_per_node: int, seed
     return uss
 
 
+# -- the Energon baseline --------------------------------------------------------------------
+def _baselines(args: argparse.Namespace) -> list[str]:
+    return [b.strip() for b in str(args.baselines).split(",") if b.strip()]
+
+
 # -- the grid ----------------------------------------------------------------------------
 def _progress(msg: str) -> None:
     print(f"[bench memory] {msg}", file=sys.stderr, flush=True)
@@ -273,11 +292,18 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     for ax, wl in zip(axes[0], workloads, strict=True):
         wrows = [r for r in rows if r.get("workload", "text") == wl]
         for s in sorted({r["sources"] for r in wrows}):
-            rs = [r for r in wrows if r["sources"] == s]
+            rs = [r for r in wrows if r["sources"] == s and r.get("baseline") != "energon"]
             x = [r["ranks"] for r in rs]
             extra = " (extrapolated)" if any(r["colocated"].startswith("extrapolated") for r in rs) else ""
             ax.plot(x, [r["colocated_mib"] / 1024 for r in rs], "o--",
                     label=f"per-rank dataset + DataLoader workers, S={s}{extra}")
+            en = [r for r in wrows if r["sources"] == s and r.get("baseline") == "energon"]
+            if en:
+                ax.plot([r["ranks"] for r in en], [r["colocated_mib"] / 1024 for r in en], "v--",
+                        label=f"per-rank Megatron-Energon loader, S={s}")
+            if rs and "service_all_in_mib" in rs[0]:
+                ax.plot(x, [r["service_all_in_mib"] / 1024 for r in rs], "D-.",
+                        label=f"service all-in (+ Ray daemons, object store, ranks' core workers), S={s}")
             ax.plot(x, [r["service_mib"] / 1024 for r in rs], "s-", label=f"service loaders+planner, S={s}")
             ax.plot(x, [(r["service_mib"] + r["constructors_mib"]) / 1024 for r in rs], "^:",
                     label=f"service + constructor sidecars, S={s}")
@@ -306,6 +332,7 @@ def _run_workload(workload: str, args: argparse.Namespace, root: Path, t0: float
     n_src = max(sources_grid + measured_s)
     details: dict[str, Any] = {}
     points = {}
+    energon_model = None
     if workload == "text":
         _progress(f"text: writing {n_src} Megatron sources x {args.docs} documents")
         prefixes = write_blend(root / "data", sources=n_src, docs=args.docs, seq_length=args.seq_length,
@@ -339,6 +366,13 @@ def _run_workload(workload: str, args: argparse.Namespace, root: Path, t0: float
             if unfilled:
                 _progress(f"navit: S={s}: {len(unfilled)} rank(s) ended the sampler before every worker's "
                           "row-group caches were full (raise --train-samples)")
+        if "energon" in _baselines(args):
+            from megascale_data_ext.commands import _energon_baseline as energon
+
+            energon_points = energon.measure_points(specs, measured_s, ranks=args.measure_ranks, workers=args.workers,
+                                                    batches=args.energon_batches, root=root / "energon")
+            details["energon_points"] = energon_points
+            details["energon_model"] = energon_model = colocated_model(energon_points, args.workers)
     model = colocated_model(points, args.workers)
     _progress(f"{workload}: colocated measured at {time.perf_counter() - t0:.0f} s")
     profiles = [profile_source(sp, samples=16, batch=16)
@@ -349,6 +383,8 @@ def _run_workload(workload: str, args: argparse.Namespace, root: Path, t0: float
     # the Ray a service starts for itself (arena cap, preloads), so the actors measured are the users'
     init_ray(RayConfig(num_cpus=2, namespace="bench-memory"), log_to_driver=False)
     _progress(f"{workload}: profiled and Ray started at {time.perf_counter() - t0:.0f} s")
+    client_mib = client_core_worker_mib(ray.get_runtime_context().gcs_address, "bench-memory")
+    details["trainer_core_worker_mib"] = round(client_mib, 1)
     try:
         con_mib = measure_constructor(specs[0], seq_length=seq_length, ranks_per_node=args.ranks_per_node,
                                       seed=args.seed) \
@@ -378,6 +414,13 @@ def _run_workload(workload: str, args: argparse.Namespace, root: Path, t0: float
                 if args.ranks_per_node > 0 else "not measured (--ranks-per-node 0)",
                 "shadow": "measured",
             }
+            ray_mib = svc["ray_daemons_mib"] + svc["object_store_mib"] + r * client_mib
+            row.update(baseline="megatron" if workload == "text" else "own_reader",
+                       ray_daemons_mib=round(svc["ray_daemons_mib"], 1), ray_daemon_processes=svc["ray_daemon_processes"],
+                       object_store_mib=round(svc["object_store_mib"], 1),
+                       trainer_core_workers_mib=round(r * client_mib, 1),
+                       service_all_in_mib=round(service + cons + ray_mib, 1),
+                       ratio_all_in=round(colo / (service + cons + ray_mib), 2))
             if workload == "navit":
                 _progress(f"navit: {r} ranks x {s} sources: {svc['steps_served']} steps served, row groups cached "
                           f"{svc['row_groups_held']}/{svc['row_groups_full']} ({svc['row_group_mib']:,.0f} MiB)")
@@ -385,6 +428,11 @@ def _run_workload(workload: str, args: argparse.Namespace, root: Path, t0: float
                            service_row_groups_full=svc["row_groups_full"],
                            service_row_group_mib=round(svc["row_group_mib"], 1))
             rows.append(row)
+            if energon_model is not None:
+                en = colocated_mib(energon_model, r, s)
+                rows.append({**row, "baseline": "energon", "colocated_mib": round(en, 1),
+                             "ratio": round(en / service, 2), "ratio_with_constructors": round(en / (service + cons), 2),
+                             "ratio_all_in": round(en / (service + cons + ray_mib), 2)})
     finally:
         ray.shutdown()
     return {**details, "colocated_points": points, "colocated_model": model, "constructor_mib": round(con_mib, 1),
@@ -401,6 +449,18 @@ def run(args: argparse.Namespace) -> int:
         print("error: --row-group-mib must be > 0 and --row-groups >= 1", file=sys.stderr)
         return 2
     workloads = list(WORKLOADS) if args.workload == "both" else [args.workload]
+    unknown = sorted(set(_baselines(args)) - {"own_reader", "energon"})
+    if unknown:
+        print(f"error: --baselines {args.baselines!r}: unknown {unknown}; choose from own_reader, energon",
+              file=sys.stderr)
+        return 2
+    if "navit" in workloads and "energon" in _baselines(args):
+        from megascale_data_ext.commands._energon_baseline import missing
+
+        why = missing()
+        if why is not None:
+            print(f"error: {why}", file=sys.stderr)
+            return 2
     t0 = time.perf_counter()
     per: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="bench-memory-") as tmp:
@@ -422,13 +482,13 @@ def run(args: argparse.Namespace) -> int:
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:
-    head = f"{'workload':>8} {'ranks':>5} {'sources':>7} {'colocated MiB':>13} {'service MiB':>11} {'ratio':>6} " \
-           f"{'+constr MiB':>11} {'ratio':>6} {'shadow MiB':>10} {'actors':>6}  colocated figure"
+    head = f"{'workload':>8} {'baseline':>10} {'ranks':>5} {'sources':>7} {'baseline MiB':>12} {'service MiB':>11} " \
+           f"{'ratio':>6} {'+constr MiB':>11} {'ratio':>6} {'all-in MiB':>10} {'ratio':>6} {'actors':>6}  baseline figure"
     lines = [head, "-" * len(head)]
     for r in rows:
         with_cons = r["service_mib"] + r["constructors_mib"]
-        lines.append(f"{r.get('workload', 'text'):>8} {r['ranks']:>5} {r['sources']:>7} {r['colocated_mib']:>13,.0f} "
-                     f"{r['service_mib']:>11,.0f} {r['ratio']:>6.2f} {with_cons:>11,.0f} "
-                     f"{r['ratio_with_constructors']:>6.2f} {r['shadow_mib']:>10,.0f} {r['loader_actors']:>6}  "
-                     f"{r['colocated']}")
+        lines.append(f"{r.get('workload', 'text'):>8} {r.get('baseline', ''):>10} {r['ranks']:>5} {r['sources']:>7} "
+                     f"{r['colocated_mib']:>12,.0f} {r['service_mib']:>11,.0f} {r['ratio']:>6.2f} {with_cons:>11,.0f} "
+                     f"{r['ratio_with_constructors']:>6.2f} {r.get('service_all_in_mib', 0):>10,.0f} "
+                     f"{r.get('ratio_all_in', 0):>6.2f} {r['loader_actors']:>6}  {r['colocated']}")
     return "\n".join(lines)

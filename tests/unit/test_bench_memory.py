@@ -41,7 +41,12 @@ def test_tiny_grid_reports_every_field(tmp_path, capsys) -> None:
     assert row["workload"] == "text"
     assert row["constructors_mib"] == 0 and row["constructors"].startswith("not measured")
     assert (tmp_path / "mem.png").stat().st_size > 0
-    assert "colocated MiB" in capsys.readouterr().out
+    assert "baseline MiB" in capsys.readouterr().out
+    assert row["baseline"] == "megatron"
+    for key in ("ray_daemons_mib", "object_store_mib", "trainer_core_workers_mib", "service_all_in_mib"):
+        assert row[key] >= 0
+    assert row["ray_daemons_mib"] > 0 and row["trainer_core_workers_mib"] > 0  # GCS, raylet...; a rank's core worker
+    assert row["service_all_in_mib"] > row["service_mib"]
 
 
 @pytest.mark.slow
@@ -51,10 +56,11 @@ def test_navit_smoke_reports_every_field(tmp_path) -> None:
     argv = ["bench", "memory", "--workload", "navit", "--ranks", "1", "--sources", "2", "--measure-sources", "2",
             "--measure-ranks", "1", "--workers", "1", "--row-group-mib", "0.25", "--row-groups", "2",
             "--train-samples", "64", "--steps", "1", "--max-fill-steps", "2", "--ranks-per-node", "0",
-            "--json", str(out), "--plot", ""]
+            "--baselines", "own_reader", "--json", str(out), "--plot", ""]
     assert main(argv) == 0
     res = json.loads(out.read_text())
     (row,) = res["rows"]
+    assert row["baseline"] == "own_reader"
     for key in ("workload", "ranks", "sources", "colocated_mib", "service_mib", "ratio", "shadow_mib",
                 "loader_actors", "colocated", "service", "service_steps", "service_row_groups_held"):
         assert key in row
@@ -65,3 +71,60 @@ def test_navit_smoke_reports_every_field(tmp_path) -> None:
     assert navit["row_group_cache"] >= 1 and navit["row_group_mib_decoded"] > 0
     (info,) = navit["colocated_points"]["2"]["ranks_info"]
     assert info["row_groups_held"] > 0  # the worker read row groups of the sources
+
+
+def test_energon_shards_hold_the_parquet_rows(tmp_path) -> None:
+    """The Energon baseline reads the service's navit rows: one tar per row group, a .jpg and a .txt
+    per row, in order, bytes unchanged (no Energon needed to write them)."""
+    import tarfile
+
+    import pyarrow.parquet as pq
+
+    from megascale_data_ext.commands._colocated_memory import write_navit_sources
+    from megascale_data_ext.commands._energon_baseline import write_shards
+    from megascale_data_ext.sources.profiling import source_files
+
+    (spec,), _ = write_navit_sources(tmp_path / "data", sources=1, row_group_mib=0.25, row_groups=3, seed=3)
+    rows = write_shards(spec, tmp_path / "wds")
+    (path,) = source_files(spec)
+    table = pq.read_table(path, columns=[spec.text_column, spec.image_column])
+    assert rows == table.num_rows
+    tars = sorted((tmp_path / "wds").glob("*.tar"))
+    assert len(tars) == pq.ParquetFile(path).num_row_groups == 3
+    members = {}
+    for t in tars:
+        with tarfile.open(t) as tar:
+            members.update({m.name: tar.extractfile(m).read() for m in tar.getmembers()})
+    assert len(members) == 2 * rows
+    for i, (text, images) in enumerate(zip(table.column(0).to_pylist(), table.column(1).to_pylist(), strict=True)):
+        assert members[f"{i:09d}.txt"].decode() == text and members[f"{i:09d}.jpg"] == images[0]
+
+
+def test_energon_baseline_without_energon_is_one_line(monkeypatch, capsys) -> None:
+    import megascale_data_ext.commands._energon_baseline as energon
+
+    monkeypatch.setattr(energon, "missing", lambda: "the Energon baseline needs megatron-energon: pip install ...")
+    assert main(["bench", "memory", "--workload", "navit", "--json", ""]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["error: the Energon baseline needs megatron-energon: pip install ..."]
+    assert main(["bench", "memory", "--workload", "navit", "--baselines", "own_reader,vendor"]) == 2
+    assert "unknown ['vendor']" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_navit_against_energon_when_installed(tmp_path) -> None:
+    """With megatron-energon installed, the navit grid also has an Energon row, measured."""
+    from megascale_data_ext.commands._energon_baseline import missing
+
+    if missing() is not None:
+        pytest.skip(missing())
+    out = tmp_path / "mem.json"
+    argv = ["bench", "memory", "--workload", "navit", "--ranks", "2", "--sources", "2", "--measure-sources", "2",
+            "--measure-ranks", "1", "--workers", "1", "--row-group-mib", "0.25", "--row-groups", "2",
+            "--train-samples", "64", "--steps", "1", "--max-fill-steps", "2", "--ranks-per-node", "0",
+            "--energon-batches", "50", "--json", str(out), "--plot", ""]
+    assert main(argv) == 0
+    rows = {r["baseline"]: r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"own_reader", "energon"}
+    assert rows["energon"]["colocated_mib"] > 0 and rows["energon"]["colocated"].startswith("measured")
+    assert rows["energon"]["service_mib"] == rows["own_reader"]["service_mib"]
