@@ -40,11 +40,17 @@ from megascale_data_ext.errors import ConfigError, PlanError, SampleError
 __all__ = ["pack_microbatch", "span_view"]
 
 
+_ABSENT = object()
+
+
 def _field(sample: Any, name: str) -> Any:
     """Read ``name`` from a mapping or an attribute-style sample; ``None`` when absent."""
-    if isinstance(sample, Mapping):
+    if type(sample) is dict:  # the common cases first: an ABC check per field was a tenth of a pack
         return sample.get(name)
-    return getattr(sample, name, None)
+    value = getattr(sample, name, _ABSENT)
+    if value is not _ABSENT:
+        return value
+    return sample.get(name) if isinstance(sample, Mapping) else None
 
 
 def _sample_name(sample: Any, index: int) -> str:
@@ -63,7 +69,7 @@ def _read_tokens(sample: Any, index: int) -> np.ndarray:
     tokens = np.asarray(tokens)
     if tokens.ndim == 1 and tokens.size == 0:  # `[]` parses as float64; its length is what matters
         return np.zeros(0, dtype=np.int64)
-    if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
+    if tokens.ndim != 1 or tokens.dtype.kind not in "iu":
         raise SampleError(
             f"{_sample_name(sample, index)}: `tokens` must be a 1-D integer array, "
             f"got dtype={tokens.dtype} shape={tokens.shape}"
