@@ -7,6 +7,8 @@ blending indices, each worker reading (and caching row groups of) the sources it
 
 from __future__ import annotations
 
+import contextlib
+
 import multiprocessing as mp
 from pathlib import Path
 from typing import Any
@@ -217,9 +219,13 @@ def measure_ranks(target: Any, args: tuple, ranks: int) -> dict[str, Any]:
         pids = [g["pids"] for g in got]
         mains = [process_memory(p.pid) for p in procs]
         wk = [[process_memory(pid) for pid in group] for group in pids]
+    except (EOFError, BrokenPipeError) as exc:
+        raise RuntimeError(f"a measured rank process ({target.__name__}) died before it was measured; its "
+                           "traceback is above") from exc
     finally:
         for c in conns:
-            c.send("exit")
+            with contextlib.suppress(OSError):
+                c.send("exit")
         for p in procs:
             p.join(timeout=60)
             if p.is_alive():

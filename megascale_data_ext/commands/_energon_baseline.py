@@ -125,7 +125,11 @@ def _rank_process(conn: Any, rank: int, blend: str, world: int, workers: int, ba
     loader = get_loader(ds)
     it = iter(loader)
     for _ in range(batches):
-        batch = next(it)
+        try:
+            batch = next(it)
+        except StopIteration:  # a virtual epoch ended: go on, as Megatron's training loop does
+            it = iter(loader)
+            batch = next(it)
         del batch
     conn.send({"pids": [p for p in descendants() if p != os.getpid()], "info": {"batches": batches}})
     conn.recv()
