@@ -182,7 +182,7 @@ class DGraph(_GraphBase):
         self.summary = summary
         self.distribution = Distribution() if distribution is None else distribution
         sources = summary.sources
-        parts = [p for p in sources if len(p)]  # a step's graph at 1,000+ sources holds rows of few
+        parts = [p for p in sources if p.positions.shape[0]]  # a step's graph at 1,000+ sources holds rows of few
         offs = [p.image_offsets for p in parts]
         img_counts = [p.image_patch_counts for p in parts]
         # Re-base each source's ragged image offsets onto the concatenated patch array.

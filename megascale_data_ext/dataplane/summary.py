@@ -7,6 +7,7 @@ the summaries of all sources.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -92,6 +93,9 @@ class SourceSummary:
         )
 
 
+_SOURCE, _NAME = operator.attrgetter("source"), operator.attrgetter("name")
+
+
 @dataclass(slots=True, kw_only=True)
 class BufferSummary:
     """Summaries of every source, indexed by source id (`sources[i].source == i`)."""
@@ -101,11 +105,14 @@ class BufferSummary:
     @classmethod
     def of(cls, summaries: Sequence[SourceSummary] | Mapping[int, SourceSummary]) -> BufferSummary:
         items = list(summaries.values()) if isinstance(summaries, Mapping) else list(summaries)
-        items.sort(key=lambda s: s.source)
-        if [s.source for s in items] != list(range(len(items))):
-            raise PlanError(f"buffer summaries must cover sources 0..{len(items) - 1}, got {[s.source for s in items]}")
+        order = list(map(_SOURCE, items))  # C-level passes: a step's buffer at 1,000+ sources is mostly empties
+        if order != list(range(len(items))):
+            items.sort(key=_SOURCE)
+            order = list(map(_SOURCE, items))
+            if order != list(range(len(items))):
+                raise PlanError(f"buffer summaries must cover sources 0..{len(items) - 1}, got {order}")
         return cls(sources=items)
 
     @property
     def names(self) -> tuple[str, ...]:
-        return tuple(s.name for s in self.sources)
+        return tuple(map(_NAME, self.sources))

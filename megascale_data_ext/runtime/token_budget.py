@@ -62,7 +62,7 @@ class TokenBudget:
         cfg, m = self.config, self.config.num_microbatches
         target, length = int(cfg.tokens_per_step), cfg.seq_length
         carry = Pool.of(self.carry)
-        seq = [s.seq_lengths() for s in summaries]
+        seq = [s.seq_lengths() if s.positions.shape[0] else _NO_ROWS for s in summaries]  # most: not drawn
         # Slack beyond the budget gives the room filling documents to choose from.
         need = target + SLACK_MICROBATCHES * length - int(carry.seq_len.sum())
         n = draw_size(lambda b: self.mixer.preview(step, b), seq, need)
@@ -144,6 +144,9 @@ class TokenBudget:
         """Backbone cost of added spans, by the strategy's own cost model when it exposes one."""
         fn = getattr(getattr(self.strategy, "backbone", self.strategy), "_cost", None)
         return np.asarray(fn(seq_len), dtype=np.float64) if fn is not None else seq_len.astype(np.float64)
+
+
+_NO_ROWS = np.zeros(0, dtype=np.int64)
 
 
 def _fresh(summaries: list[SourceSummary], counts: np.ndarray, order: np.ndarray) -> Pool:
