@@ -160,7 +160,19 @@ class AutoScaler:
         `step`, shard k at index k: a constructor's whole step in one call."""
         with self._lock:
             self.max_routed = max(self.max_routed, step)
-            return [[self._replica(a) for a in self._layout_at(step, s).actors] for s in sources]
+            # one Replica object per actor in the answer: its pickle then carries each actor's handles
+            # once, not once per source (at 1,000+ sources in one loader group: ~40 copies a step)
+            replicas: dict[int, Replica] = {}
+            out = []
+            for s in sources:
+                row = []
+                for a in self._layout_at(step, s).actors:
+                    rep = replicas.get(a)
+                    if rep is None:
+                        rep = replicas[a] = self._replica(a)
+                    row.append(rep)
+                out.append(row)
+            return out
 
     def metadata_replica(self, source: int) -> Replica:
         """An actor of `source`'s newest layout, for metadata (`summary_buffer`); every shard has it all."""

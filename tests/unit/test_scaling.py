@@ -173,3 +173,33 @@ def test_every_source_at_once_decides_as_one_at_a_time(seed: int) -> None:
         assert got == _reference_observe(ref, cfg, counts), k
         assert pol.shards == ref["shards"] and pol.streaks == ref["streaks"] and pol.history == ref["history"]
     assert any(s > 1 for s in ref["shards"])  # the rule acted
+
+
+class _Handle:
+    """What a Ray actor handle is to the AutoScaler: an opaque value."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+
+def test_routes_name_each_loader_actor_once_per_answer() -> None:
+    """A group actor serving many sources is one Replica object in a `routes` answer, so the answer's
+    pickle (the Planner's reply to a constructor) carries its handles once, not once per source."""
+    import pickle
+
+    from megascale_data_ext.dataplane.partitioner import ShardRef
+    from megascale_data_ext.runtime.autoscale_plan import LoaderActorSpec
+    from megascale_data_ext.runtime.autoscaler import AutoScaler
+    from megascale_data_ext.sources.base import SourceSpec
+
+    specs = [SourceSpec(name=f"s{i}", format="megatron", paths=[f"/x/{i}"]) for i in range(6)]
+    scaler = AutoScaler(specs, ScalingPolicy(ScalingConfig(capacity=(1.0,) * 6)),
+                        spawn=lambda members, workers, options: _Handle(f"g{members[0][0].source}"),
+                        kill=lambda h: None)
+    scaler.start([LoaderActorSpec(shards=[ShardRef(source=s) for s in range(5)]),
+                  LoaderActorSpec(shards=[ShardRef(source=5)])])
+    routes = scaler.routes(0, [0, 1, 2, 3, 4, 5])
+    assert len({id(r[0]) for r in routes[:5]}) == 1 and routes[5][0] is not routes[0][0]
+    assert [r[0].primary.name for r in routes] == ["g0"] * 5 + ["g5"]
+    back = pickle.loads(pickle.dumps(routes))
+    assert back[0][0] is back[4][0] and back[0][0] == back[0][0]  # one object after the trip too
