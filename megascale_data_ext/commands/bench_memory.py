@@ -31,8 +31,15 @@ same forked DataLoader; every rank and every service loader is read until each s
 row-group cache (``row_group_cache``, the same spec on both sides) is full, so both sides hold
 the same per-source state per process that reads the source (the steady state of a long run).
 
-JSON ``rows[]``: workload, ranks, sources, colocated_mib, service_mib (loader actors + planner),
-ratio, and per-component columns with what was measured and what extrapolated.
+Baselines (``--baselines``): navit is measured against the project's own Parquet reader per rank
+(``own_reader``, above) and against Megatron-Energon's per-rank loader on the same rows
+(``energon``, `_energon_baseline`: what multimodal Megatron users run); text against Megatron's
+GPTDataset (``megatron``). Ray's own cost is measured beside the service's actors in every row
+(`_ray_cost`): its daemons (PSS), the object store's bytes, and a core worker in every fetching rank.
+
+JSON ``rows[]``: workload, baseline, ranks, sources, colocated_mib (the baseline's), service_mib
+(loaders + planner), ratio, ray_daemons_mib, object_store_mib, trainer_core_workers_mib,
+service_all_in_mib, ratio_all_in, and per-component columns (what was measured, what extrapolated).
 """
 
 from __future__ import annotations
@@ -111,6 +118,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _ints(text: str) -> list[int]:
     return [int(x) for x in str(text).split(",") if x.strip()]
+
+
+def _baselines(args: argparse.Namespace) -> list[str]:
+    return [b.strip() for b in str(args.baselines).split(",") if b.strip()]
 
 
 # -- the service -------------------------------------------------------------------------
@@ -261,11 +272,6 @@ def measure_constructor(spec: Any, *, seq_length: int, ranks_per_node: int, seed
     return uss
 
 
-# -- the Energon baseline --------------------------------------------------------------------
-def _baselines(args: argparse.Namespace) -> list[str]:
-    return [b.strip() for b in str(args.baselines).split(",") if b.strip()]
-
-
 # -- the grid ----------------------------------------------------------------------------
 def _progress(msg: str) -> None:
     print(f"[bench memory] {msg}", file=sys.stderr, flush=True)
@@ -383,9 +389,9 @@ def _run_workload(workload: str, args: argparse.Namespace, root: Path, t0: float
     # the Ray a service starts for itself (arena cap, preloads), so the actors measured are the users'
     init_ray(RayConfig(num_cpus=2, namespace="bench-memory"), log_to_driver=False)
     _progress(f"{workload}: profiled and Ray started at {time.perf_counter() - t0:.0f} s")
-    client_mib = client_core_worker_mib(ray.get_runtime_context().gcs_address, "bench-memory")
-    details["trainer_core_worker_mib"] = round(client_mib, 1)
     try:
+        client_mib = client_core_worker_mib(ray.get_runtime_context().gcs_address, "bench-memory")
+        details["trainer_core_worker_mib"] = round(client_mib, 1)
         con_mib = measure_constructor(specs[0], seq_length=seq_length, ranks_per_node=args.ranks_per_node,
                                       seed=args.seed) \
             if args.ranks_per_node > 0 else 0.0
