@@ -79,6 +79,18 @@ class PlanCache:
         self._asking: dict[int, threading.Lock] = {}
 
     def get(self, step: int, source: int) -> LoaderPlan:
+        plan = self._step(step).get(source)
+        if plan is None:
+            empty = np.zeros(0, dtype=np.int64)
+            plan = LoaderPlan(step=step, source=source, positions=empty, indices=empty, bucket=empty)
+        return plan
+
+    def drawn(self, step: int) -> list[int]:
+        """The members with samples in `step` (asks the Planner once, as `get` does)."""
+        return [s for s, plan in self._step(step).items() if len(plan.positions)]
+
+    def _step(self, step: int) -> Mapping[int, LoaderPlan]:
+        """Every member's plan of `step`: cached, or asked once however many threads want it."""
         plans = self._cached(step)
         if plans is None:
             with self._lock:
@@ -92,19 +104,7 @@ class PlanCache:
                         while len(self._plans) > self.steps:
                             self._plans.popitem(last=False)
                         self._asking.pop(step, None)
-        plan = plans.get(source)
-        if plan is None:
-            empty = np.zeros(0, dtype=np.int64)
-            plan = LoaderPlan(step=step, source=source, positions=empty, indices=empty, bucket=empty)
-        return plan
-
-    def drawn(self, step: int) -> list[int]:
-        """The members with samples in `step` (asks the Planner once, as `get` does)."""
-        if not self.sources:
-            return []
-        self.get(step, self.sources[0])  # one call brings every member's plan of the step
-        plans = self._cached(step) or {}
-        return [s for s, plan in plans.items() if len(plan.positions)]
+        return plans
 
     def _cached(self, step: int) -> Mapping[int, LoaderPlan] | None:
         with self._lock:

@@ -49,14 +49,19 @@ def test_tiny_grid_reports_every_field(tmp_path, capsys) -> None:
     assert row["service_all_in_mib"] > row["service_mib"]
 
 
+def _navit_argv(out, *, ranks: int, extra: list[str]) -> list[str]:
+    """`bench memory` on the navit workload at the smallest size (2 sources of 2 small row groups)."""
+    return ["bench", "memory", "--workload", "navit", "--ranks", str(ranks), "--sources", "2", "--measure-sources",
+            "2", "--measure-ranks", "1", "--workers", "1", "--row-group-mib", "0.25", "--row-groups", "2",
+            "--train-samples", "64", "--steps", "1", "--max-fill-steps", "2", "--ranks-per-node", "0",
+            *extra, "--json", str(out), "--plot", ""]
+
+
 @pytest.mark.slow
 def test_navit_smoke_reports_every_field(tmp_path) -> None:
     """navit workload at the smallest size: Parquet sources, real rank process and worker, real actors."""
     out = tmp_path / "mem.json"
-    argv = ["bench", "memory", "--workload", "navit", "--ranks", "1", "--sources", "2", "--measure-sources", "2",
-            "--measure-ranks", "1", "--workers", "1", "--row-group-mib", "0.25", "--row-groups", "2",
-            "--train-samples", "64", "--steps", "1", "--max-fill-steps", "2", "--ranks-per-node", "0",
-            "--baselines", "own_reader", "--json", str(out), "--plot", ""]
+    argv = _navit_argv(out, ranks=1, extra=["--baselines", "own_reader"])
     assert main(argv) == 0
     res = json.loads(out.read_text())
     (row,) = res["rows"]
@@ -119,10 +124,7 @@ def test_navit_against_energon_when_installed(tmp_path) -> None:
     if missing() is not None:
         pytest.skip(missing())
     out = tmp_path / "mem.json"
-    argv = ["bench", "memory", "--workload", "navit", "--ranks", "2", "--sources", "2", "--measure-sources", "2",
-            "--measure-ranks", "1", "--workers", "1", "--row-group-mib", "0.25", "--row-groups", "2",
-            "--train-samples", "64", "--steps", "1", "--max-fill-steps", "2", "--ranks-per-node", "0",
-            "--energon-batches", "50", "--json", str(out), "--plot", ""]
+    argv = _navit_argv(out, ranks=2, extra=["--energon-batches", "50"])
     assert main(argv) == 0
     rows = {r["baseline"]: r for r in json.loads(out.read_text())["rows"]}
     assert set(rows) == {"own_reader", "energon"}
