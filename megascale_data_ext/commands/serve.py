@@ -195,8 +195,10 @@ def join_ray(ray_cfg: Any) -> None:
                           "(or `ray get-auth-token`), else fix the address") from None
 
 
-class _Stop(Exception):
-    """Raised in the main thread by SIGINT/SIGTERM."""
+class _Stop(BaseException):
+    """Raised in the main thread by SIGINT/SIGTERM. A BaseException, as KeyboardInterrupt is: the
+    serving loop's ``except Exception`` around a status line must not swallow a stop that lands
+    during it (the handler then ignores further signals, and `serve` would never exit)."""
 
 
 def _on_signal(signum: int, _frame: Any) -> None:

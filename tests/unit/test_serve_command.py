@@ -49,3 +49,22 @@ def test_ranks_are_told_env_and_matching_megatron_flags() -> None:
     assert got["--global-batch-size"] == "16" and got["--micro-batch-size"] == "1"
     assert got["--dataloader-type"] == "external" and got["--tensor-model-parallel-size"] == "2"
     assert got["--seq-length"] == "2048"
+
+
+def test_a_stop_signal_during_a_status_line_is_not_swallowed() -> None:
+    """SIGTERM landing while `serve` prints a status line (inside its ``except Exception``) stops it:
+    the stop is no Exception, and the handler has already set further signals to be ignored."""
+    import signal
+
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        serve._catch_signals()
+        with pytest.raises(serve._Stop, match="SIGTERM"):
+            try:  # the serving loop's guard around a status line
+                signal.raise_signal(signal.SIGTERM)
+            except Exception:  # noqa: BLE001 - what the loop catches
+                pytest.fail("the stop was swallowed as an Exception")
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_IGN
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
