@@ -26,7 +26,7 @@ from tqdm import tqdm
 from megascale_data_ext.commands._plotting import pyplot
 from megascale_data_ext.dataplane.balancers import BalanceResult, balance_step
 from megascale_data_ext.dataplane.costs import TransformerCost
-from megascale_data_ext.dataplane.workloads import fill_workload, workload_names
+from megascale_data_ext.dataplane.workloads import PAPER_WORKLOADS, fill_workload, workload_names
 from megascale_data_ext.errors import PlanError
 
 NAME = "bench balance"
@@ -176,6 +176,7 @@ def run_vs_megatron(args: argparse.Namespace) -> int:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"seed": args.seed, "fill": args.fill, "microbatches": m,
                                          "batches": args.batches, "calibrated_fit": vs.H100_FIT,
+                                         "calibrated_terms": asdict(vs.cost_terms("calibrated")),
                                          "rows": [r.public() for r in rows]}, indent=1))
     return 0
 
@@ -184,7 +185,7 @@ def run(args: argparse.Namespace) -> int:
     if args.vs == "megatron":
         return run_vs_megatron(args)
     dps, contexts = ((8,), (4096,)) if args.quick else (DPS_FULL, CONTEXTS_FULL)
-    grid = [(w, dp, ctx) for w in workload_names() for dp in dps for ctx in contexts]
+    grid = [(w, dp, ctx) for w in PAPER_WORKLOADS for dp in dps for ctx in contexts]
     plot_key = tuple(args.plot_row.split(":"))
     cost_fn = TransformerCost("llama-12b")
     rows: list[Row] = []

@@ -49,7 +49,7 @@ from megascale_data_ext.commands import _profile_model as pm
 from megascale_data_ext.dataplane.balancers import BalanceResult, balance_step, balancer_names
 from megascale_data_ext.dataplane.calibration import CalibratedCost, fit_calibration, load_calibration
 from megascale_data_ext.dataplane.costs import TransformerCost
-from megascale_data_ext.dataplane.workloads import fill_workload, megatron_windows, workload_names
+from megascale_data_ext.dataplane.workloads import PAPER_WORKLOADS, fill_workload, megatron_windows, workload_names
 from megascale_data_ext.errors import ConfigError
 
 NAME = "bench gpu-balance"
@@ -97,7 +97,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--caps", type=int, nargs="+", default=None,
                         help="token caps = context, one row per workload and cap (default 8192 on CUDA, 256 on CPU)")
     parser.add_argument("--workloads", nargs="+", default=None, choices=workload_names(),
-                        help="workloads (default: all)")
+                        help="workloads (default: coyo navit long-short)")
     parser.add_argument("--microbatches", type=int, default=4, help="microbatches per rank m (default 4)")
     parser.add_argument("--fill", type=float, default=0.9, help="fraction of DP×m×cap the batch fills (0.9)")
     parser.add_argument("--method", default="kk", choices=balancer_names(), help="balancer (default kk)")
@@ -277,7 +277,7 @@ def run(args: argparse.Namespace) -> int:
     caps = args.caps or ([8192] if cuda else [pm.CPU_SMOKE["seq"]])
     _check(args, caps)
     repeats = args.repeats or (3 if cuda else 1)
-    workloads = args.workloads or workload_names()
+    workloads = args.workloads or list(PAPER_WORKLOADS)
     calibration = load_calibration(args.calibration) if args.calibration else None
     shape = pm.resolve_shape(hidden=args.hidden, layers=args.layers, heads=args.heads, vocab=args.vocab,
                              seq=max(caps), attention=args.attention, device=device)

@@ -12,6 +12,9 @@ Workloads:
     * ``navit`` — 306 sources with Zipf weights and per-source length scales, 14×14
       patches, longer texts, sometimes several (or zero) images per sample.
     * ``long-short`` — pure text, many short documents and ~3% long ones up to the context.
+    * ``long-tail`` — pure text where 2% of documents exceed a GPU's cap: ``context`` is the
+      longest document, a GPU's cap is ``context / LONG_TAIL_SPAN``; the body is capped there
+      and the tail spreads up to the context (the case hybrid context parallelism is for).
 
 Columns: ``source`` int32[n], ``text_tokens`` int64[n], ragged images as
 ``image_offsets`` int64[n+1] into ``image_patch_counts`` int64[total_images].
@@ -27,9 +30,11 @@ import numpy as np
 
 from megascale_data_ext.errors import ConfigError
 
-__all__ = ["Workload", "WorkloadName", "fill_workload", "generate_workload", "megatron_windows", "workload_names"]
+__all__ = ["LONG_TAIL_SPAN", "PAPER_WORKLOADS", "Workload", "WorkloadName", "fill_workload", "generate_workload", "megatron_windows", "workload_names"]
 
-WorkloadName = Literal["coyo", "navit", "long-short"]
+WorkloadName = Literal["coyo", "navit", "long-short", "long-tail"]
+#: A long-tail workload's longest document over the per-GPU cap it is planned with.
+LONG_TAIL_SPAN = 8
 
 
 @dataclass(slots=True, kw_only=True)
@@ -190,15 +195,31 @@ def _long_short(rng: np.random.Generator, n: int, context: int) -> Workload:
                     num_sources=2, patch_size=0)
 
 
+def _long_tail(rng: np.random.Generator, n: int, context: int) -> Workload:
+    cap = max(context // LONG_TAIL_SPAN, 16)
+    text = np.clip(np.rint(rng.lognormal(np.log(600.0), 1.0, n)), 16, cap)
+    is_long = rng.random(n) < 0.02
+    k = int(is_long.sum())
+    text[is_long] = rng.integers(cap + 1, max(context, cap + 1) + 1, k)
+    return Workload(name="long-tail", source=is_long.astype(np.int32), text_tokens=text.astype(np.int64),
+                    image_offsets=np.zeros(n + 1, dtype=np.int64), image_patch_counts=np.zeros(0, dtype=np.int64),
+                    num_sources=2, patch_size=0)
+
+
 _GENERATORS: dict[str, Callable[[np.random.Generator, int, int], Workload]] = {
     "coyo": _coyo,
     "navit": _navit,
     "long-short": _long_short,
+    "long-tail": _long_tail,
 }
 
 
 def workload_names() -> list[str]:
     return list(get_args(WorkloadName))
+
+
+#: The paper's workloads (Fig. 2): every document fits the context; the benches' default grid.
+PAPER_WORKLOADS = ("coyo", "navit", "long-short")
 
 
 def generate_workload(name: WorkloadName | str, num_samples: int, *, seed: int = 0, context: int = 8192) -> Workload:

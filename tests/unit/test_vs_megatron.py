@@ -24,8 +24,8 @@ def test_every_side_carries_the_whole_batch_once(workload) -> None:
     assert step >= megatron.max() - 1e-6  # barriers after every group never make the step shorter
     vanilla = vs.vanilla_gpu_costs(lens, 8, 1024, "calibrated")
     windows = -(-int(lens.sum()) // 1024)
-    fixed, linear, _ = vs._terms("calibrated")
-    assert vanilla.sum() >= windows * fixed + linear * lens.sum()  # every token in some window
+    cost = vs.cost_terms("calibrated")
+    assert vanilla.sum() >= windows * cost.fixed + cost.linear * lens.sum()  # every token in some window
 
 
 def test_cli_writes_the_issue_rows(tmp_path) -> None:
@@ -50,7 +50,7 @@ def test_with_any_count_of_microbatches_the_planner_reaches_megatrons_balance_un
         lens = fill_workload("coyo", int(0.9 * 16 * 4 * 2048), seed=seed, context=2048).seq_lens()
         exact, _ = vs.planner_gpu_costs(lens, 16, 4, 2048, "s2")
         megatron, _, _ = vs.megatron_gpu_costs(lens, 16, 2048, "s2")
-        chosen, which, _, variable = vs.planner_per_token_gpu_costs(lens, 16, 4, 2048, "s2")
+        chosen, which, _, variable, split = vs.planner_per_token_gpu_costs(lens, 16, 4, 2048, "s2")
         assert exact.max() > megatron.max() * 1.01  # the exact-m plan loses
         assert which == "variable" and chosen.max() == variable.max() <= megatron.max() * 1.0005
     row = vs.compare("coyo", 16, 2048, "s2", batches=2)
@@ -63,12 +63,11 @@ def test_the_cost_model_keeps_exactly_m_where_a_variable_count_does_not_pay() ->
     from megascale_data_ext.dataplane.balancers.variable_count import lower_bound
 
     lens = np.full(64, 1000)  # 8 GPUs x 4 microbatches x 2 documents of 1000 tokens under a 2048 cap
-    chosen, which, _, variable = vs.planner_per_token_gpu_costs(lens, 8, 4, 2048, "calibrated")
+    chosen, which, _, variable, split = vs.planner_per_token_gpu_costs(lens, 8, 4, 2048, "calibrated")
     exact, _ = vs.planner_gpu_costs(lens, 8, 4, 2048, "calibrated")
-    fixed, linear, quad = vs._terms("calibrated")
-    s = lens.astype(float)
-    assert chosen.max() == min(exact.max(), variable.max())
-    assert chosen.max() >= lower_bound(linear * s + quad * s * s, lens, 8, 2048, fixed) * (1 - 1e-9)
+    cost = vs.cost_terms("calibrated")
+    assert split == 0 and chosen.max() == min(exact.max(), variable.max())
+    assert chosen.max() >= lower_bound(cost.per_gpu(lens, 1), lens, 8, 2048, cost.fixed) * (1 - 1e-9)
     assert which in ("exact", "variable")
 
 

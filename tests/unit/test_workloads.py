@@ -76,7 +76,7 @@ def test_clip_and_fill(name: str, context: int) -> None:
 
 
 def test_unknown_workload() -> None:
-    with pytest.raises(ConfigError, match=r"unknown workload 'laion'; known workloads: \['coyo', 'navit', 'long-short'\]"):
+    with pytest.raises(ConfigError, match=r"unknown workload 'laion'; known workloads: \['coyo', 'navit', 'long-short', 'long-tail'\]"):
         generate_workload("laion", 10)
 
 

@@ -29,6 +29,11 @@ __all__ = ["balance_variable_count", "lower_bound", "step_cost"]
 MOVE_CANDIDATES = 24
 #: ... against each of this many of the cheapest buckets.
 PARTNERS = 4
+#: Partners tried where the cheapest PARTNERS give no move.
+BROAD_PARTNERS = 16
+#: Moves stop once the most expensive bucket is within this fraction of the mean (no cost
+#: model is that exact; the last rounds would only buy digits).
+CLOSE_ENOUGH = 1e-5
 
 
 def _pack(tokens: np.ndarray, members: np.ndarray, cap: int) -> np.ndarray:
@@ -96,48 +101,83 @@ def lower_bound(costs: np.ndarray, tokens: np.ndarray, num_buckets: int, cap: in
     return max((float(np.sum(costs)) + fixed * bins) / num_buckets, float(np.max(costs)) + fixed)
 
 
+def _total(c: np.ndarray, t: np.ndarray, fixed: float, cap: int) -> np.ndarray:
+    """A bucket's cost from its documents' cost sum `c` and token sum `t`: `fixed` per
+    micro-batch the tokens need at least; an empty bucket costs nothing."""
+    return np.where(t > 0, c + fixed * -(-t // cap), 0.0)
+
+
+def _best_exchange(hi: int, tried: np.ndarray, members: list[np.ndarray], cost: np.ndarray, csum: np.ndarray,
+                   tsum: np.ndarray, costs: np.ndarray, tokens: np.ndarray, fixed_load: np.ndarray, fixed: float,
+                   cap: int, partners: int = 0) -> tuple | None:
+    """The move or swap that most lowers the worse of bucket `hi` and one of the cheapest
+    buckets: per partner (the `partners` cheapest, default PARTNERS) and tried document a, a plain move and swaps
+    with the two documents of the partner whose costs are nearest to evening the two. All
+    (partner, document, option) triples are costed at once; the first best in that order wins.
+    Returns (worst, a, b or None, partner, new cost of hi, new cost of partner), or None."""
+    cheapest = np.argsort(cost, kind="stable")[:partners or PARTNERS].tolist()
+    partners = np.array([lo for lo in cheapest if lo != hi], dtype=np.int64)
+    if not partners.size:
+        return None
+    sizes = np.array([members[lo].size for lo in partners.tolist()])
+    width = max(int(sizes.max()), 1)
+    low_ids = np.zeros((partners.size, width), dtype=np.int64)
+    low_costs = np.full((partners.size, width), np.inf)
+    for p, lo in enumerate(partners.tolist()):
+        ids = members[lo][np.argsort(costs[members[lo]], kind="stable")]
+        low_ids[p, :ids.size], low_costs[p, :ids.size] = ids, costs[ids]
+    ca, ta = costs[tried][None, :], tokens[tried][None, :]  # (1, T)
+    half = 0.5 * (cost[hi] - cost[partners])[:, None]  # (P, 1)
+    j = (low_costs[:, None, :] < (ca - half)[:, :, None]).sum(axis=2)  # searchsorted per partner: (P, T)
+    last = np.maximum(sizes - 1, 0)[:, None]
+    rows = np.arange(partners.size)[:, None]
+    shape = (partners.size, tried.size, 3)
+    cb, tb = np.zeros(shape), np.zeros(shape, dtype=np.int64)
+    other, ok = np.full(shape, -1, dtype=np.int64), np.zeros(shape, dtype=bool)
+    ok[:, :, 0] = True
+    for col, x in ((1, np.minimum(np.maximum(j - 1, 0), last)), (2, np.minimum(j, last))):
+        other[:, :, col] = low_ids[rows, x]
+        cb[:, :, col] = np.where(sizes[:, None] > 0, low_costs[rows, x], 0.0)
+        tb[:, :, col] = tokens[other[:, :, col]]
+        ok[:, :, col] = (sizes[:, None] > 0) & (cb[:, :, col] < ca)
+    ca3, ta3 = ca[:, :, None], ta[:, :, None]
+    new_hi = fixed_load[hi] + _total(csum[hi] - ca3 + cb, tsum[hi] - ta3 + tb, fixed, cap)
+    lo3 = partners[:, None, None]
+    new_lo = fixed_load[lo3] + _total(csum[lo3] + ca3 - cb, tsum[lo3] + ta3 - tb, fixed, cap)
+    worst = np.where(ok, np.maximum(new_hi, new_lo), np.inf)
+    at = int(np.argmin(worst))
+    if not float(worst.flat[at]) < cost[hi] - 1e-12:
+        return None
+    p, t, col = np.unravel_index(at, shape)
+    b = None if col == 0 else int(other[p, t, col])
+    return (float(worst.flat[at]), int(tried[t]), b, int(partners[p]), float(new_hi.flat[at]), float(new_lo.flat[at]))
+
+
 def _improve(bucket: np.ndarray, costs: np.ndarray, tokens: np.ndarray, k: int, cap: int, fixed: float,
-             rounds: int | None = None) -> np.ndarray:
+             rounds: int | None = None, base: np.ndarray | None = None) -> np.ndarray:
     """Lower the most expensive bucket while possible: move one of its documents to one of the
     cheapest buckets, or swap one for a cheaper document there (the pair whose difference is closest to
-    half the gap). A bucket's cost while moving: its documents' costs plus `fixed` per micro-batch
+    half the gap), trying the BROAD_PARTNERS cheapest where the PARTNERS cheapest give nothing. A bucket's cost while moving: its documents' costs plus `fixed` per micro-batch
     its tokens need at least (first-fit decreasing, run once at the end, rarely needs more with
-    short documents); sums per bucket make each try O(1)."""
+    short documents); sums per bucket make each try O(1). `base`: what each bucket already
+    carries that cannot move (a hybrid-CP plan's shares of long documents)."""
     bucket = bucket.copy()
     csum = np.bincount(bucket, weights=costs, minlength=k).astype(np.float64)
     tsum = np.bincount(bucket, weights=tokens, minlength=k).astype(np.int64)
 
-    def total(c: float, t: int) -> float:
-        return c + fixed * -(-t // cap) if t > 0 else 0.0
-
-    cost = np.array([total(csum[b], int(tsum[b])) for b in range(k)])
+    fixed_load = np.zeros(k) if base is None else np.asarray(base, dtype=np.float64)
+    cost = fixed_load + _total(csum, tsum, fixed, cap)
     members = [np.flatnonzero(bucket == b) for b in range(k)]
     for _ in range(rounds or 8 * k):
         hi = int(np.argmax(cost))
-        if not members[hi].size:
+        if not members[hi].size or cost[hi] <= cost.mean() * (1 + CLOSE_ENOUGH):
             break
         ranked = members[hi][np.argsort(costs[members[hi]], kind="stable")]
         tried = ranked[np.unique(np.linspace(0, len(ranked) - 1, min(len(ranked), MOVE_CANDIDATES)).astype(int))]
-        best = None
-        for lo in np.argsort(cost, kind="stable")[:PARTNERS].tolist():  # the cheapest buckets as partners
-            if lo == hi:
-                continue
-            low = members[lo][np.argsort(costs[members[lo]], kind="stable")]
-            low_costs = costs[low]
-            half = 0.5 * (cost[hi] - cost[lo])
-            for a in tried.tolist():  # up to MOVE_CANDIDATES documents, spread over the bucket's costs
-                ca, ta = float(costs[a]), int(tokens[a])
-                options = [None]
-                if low.size:  # the documents of the cheap bucket that best even the two when swapped
-                    j = int(np.searchsorted(low_costs, ca - half))
-                    options += [int(low[x]) for x in {max(0, j - 1), min(len(low) - 1, j)} if low_costs[x] < ca]
-                for b in options:
-                    cb, tb = (0.0, 0) if b is None else (float(costs[b]), int(tokens[b]))
-                    new_hi = total(csum[hi] - ca + cb, int(tsum[hi]) - ta + tb)
-                    new_lo = total(csum[lo] + ca - cb, int(tsum[lo]) + ta - tb)
-                    worst = max(new_hi, new_lo)
-                    if worst < cost[hi] - 1e-12 and (best is None or worst < best[0]):
-                        best = (worst, a, b, lo, new_hi, new_lo)
+        best = _best_exchange(hi, tried, members, cost, csum, tsum, costs, tokens, fixed_load, fixed, cap)
+        if best is None:  # stuck among the cheapest few: more of them
+            best = _best_exchange(hi, tried, members, cost, csum, tsum, costs, tokens, fixed_load, fixed, cap,
+                                  partners=BROAD_PARTNERS)
         if best is None:
             break
         _, a, b, lo, cost[hi], cost[lo] = best

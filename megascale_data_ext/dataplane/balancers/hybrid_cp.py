@@ -1,0 +1,202 @@
+"""Hybrid context parallelism: every document gets its own CP group (issue 26).
+
+With one CP size for the whole job every document is split over every CP rank, so a short
+document pays CP communication for nothing, and the CP size must fit the longest document.
+megatron-core 0.16's ``--hybrid-context-parallel`` (`BalancedCPScheduler`) instead gives each
+sequence the smallest power-of-two group of DP×CP GPUs whose per-GPU token cap it fits. This is
+the planner's version of that freedom, driven by a cost model with the terms that make
+splitting a document cost something (`CPCost`):
+
+1. Each document's group size is the smallest power of two ``g`` with ``len / g <= cap``; a
+   document whose share on each GPU would still cost more than the mean GPU's whole step is
+   widened (doubled) while that lowers its per-GPU cost under the model, so the CP
+   communication and per-document terms decide whether splitting pays.
+2. Documents of one group size ``g > 1`` are packed first-fit decreasing into packs of at most
+   ``g × cap`` tokens (each document padded to a multiple of ``2g``, as THD slicing needs); each
+   pack is one microbatch of an aligned block of ``g`` GPUs (``first_gpu % g == 0``, Megatron's
+   hybrid groups), placed on the block whose busiest GPU is least loaded, largest first.
+3. Documents of group size 1 run whole on one GPU: balanced over the GPUs on top of the loads
+   step 2 left (greedy by cost, then the moves and swaps of `variable_count`), then packed
+   first-fit decreasing under ``cap`` into as many microbatches as each GPU needs (the loss
+   must be per token, Megatron's condition for its own scheduler).
+
+A GPU runs the microbatches that cover it in the plan's order: every group microbatch first,
+in one global order, then its own. Two groups that share GPUs are met in the same order on
+every GPU they share, so the first pending group of the order always has all its members
+waiting for it and no barrier is needed between groups (Megatron's schedule puts one after
+every group).
+
+Pure numpy: the Planner runs it for every step.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from megascale_data_ext.dataplane.balancers.variable_count import _improve, _pack, balance_variable_count
+from megascale_data_ext.errors import PlanError
+
+__all__ = ["CPCost", "HybridMicrobatch", "HybridPlan", "balance_hybrid_cp", "group_sizes", "largest_group"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CPCost:
+    """What one GPU pays for its share of a document of ``s`` tokens split over ``g`` GPUs:
+    ``per_document + (linear·s + quadratic·s²) / g + cp_comm · s · (g - 1) / g`` (the K/V of
+    the other ``g - 1`` GPUs' tokens reach it over the ring), plus ``fixed`` per microbatch
+    (one forward/backward: launches, the fixed part of a step). With only ``quadratic = 1``
+    this is megatron-core's own estimator (s² / g)."""
+
+    fixed: float = 0.0
+    per_document: float = 0.0
+    linear: float = 0.0
+    quadratic: float = 1.0
+    cp_comm: float = 0.0
+
+    def per_gpu(self, lens: np.ndarray, group: np.ndarray | int) -> np.ndarray:
+        s = np.asarray(lens, dtype=np.float64)
+        g = np.asarray(group, dtype=np.float64)
+        return self.per_document + (self.linear * s + self.quadratic * s * s) / g + self.cp_comm * s * (g - 1) / g
+
+
+@dataclass(frozen=True, slots=True)
+class HybridMicrobatch:
+    """One forward/backward of the aligned block ``first_gpu .. first_gpu + size - 1``, all of
+    whose GPUs hold a THD slice of every document in `docs` (``size == 1``: whole documents)."""
+
+    first_gpu: int
+    size: int
+    docs: np.ndarray
+
+    def gpus(self) -> range:
+        return range(self.first_gpu, self.first_gpu + self.size)
+
+
+@dataclass(slots=True)
+class HybridPlan:
+    """A step's hybrid-CP plan: `microbatches` in the order every GPU runs the ones covering
+    it; `group_size[i]` is document i's CP group; `gpu_cost` each GPU's cost under the model
+    it was planned with."""
+
+    microbatches: list[HybridMicrobatch]
+    group_size: np.ndarray
+    gpu_cost: np.ndarray
+    num_gpus: int = field(default=0)
+
+    def for_gpu(self, gpu: int) -> list[HybridMicrobatch]:
+        return [mb for mb in self.microbatches if mb.first_gpu <= gpu < mb.first_gpu + mb.size]
+
+    def max_over_mean(self) -> float:
+        mean = float(self.gpu_cost.mean()) if self.gpu_cost.size else 0.0
+        return float(self.gpu_cost.max()) / mean if mean > 0 else 1.0
+
+
+def largest_group(gpus: int) -> int:
+    """The largest power-of-two group `gpus` GPUs can form."""
+    return 1 << (max(int(gpus), 1).bit_length() - 1)
+
+
+def group_sizes(lens: np.ndarray, cap: int) -> np.ndarray:
+    """The smallest power of two ``g`` per document with ``len / g <= cap``."""
+    need = np.maximum(-(-np.asarray(lens, dtype=np.int64) // int(cap)), 1)
+    return (1 << np.ceil(np.log2(need)).astype(np.int64)).astype(np.int64)
+
+
+def _padded(lens: np.ndarray, g: int) -> np.ndarray:
+    """Each document padded to a multiple of ``2g`` (THD slicing over ``g`` GPUs), ``g > 1``."""
+    return -(-lens // (2 * g)) * (2 * g)
+
+
+def _widen(lens: np.ndarray, groups: np.ndarray, gpus: int, cost: CPCost) -> np.ndarray:
+    """Double a document's group while its per-GPU share costs more than the mean GPU's step
+    and doubling lowers that share under the model."""
+    top = largest_group(gpus)
+    share = cost.per_gpu(lens, groups)
+    mean = float((share * groups).sum()) / gpus
+    out = groups.copy()
+    for i in np.flatnonzero(share > mean).tolist():
+        g, s = int(out[i]), lens[i]
+        while 2 * g <= top and float(cost.per_gpu(s, g)) > mean and float(cost.per_gpu(s, 2 * g)) < float(cost.per_gpu(s, g)):
+            g *= 2
+        out[i] = g
+    return out
+
+
+def balance_hybrid_cp(lens: np.ndarray, gpus: int, cap: int, cost: CPCost | None = None) -> HybridPlan:
+    """Plan one step of `lens` over `gpus` DP×CP GPUs of at most `cap` tokens per microbatch.
+
+    Raises:
+        PlanError: A document longer than the largest power-of-two group of GPUs can hold.
+    """
+    cost = cost or CPCost()
+    lens = np.asarray(lens, dtype=np.int64)
+    k = int(gpus)
+    if k < 1 or cap < 1:
+        raise PlanError(f"hybrid CP needs gpus >= 1 and cap >= 1, got gpus={gpus}, cap={cap}")
+    groups = group_sizes(lens, cap)
+    top = largest_group(k)
+    if groups.size and int(groups.max()) > top:
+        i = int(np.argmax(lens))
+        raise PlanError(f"a document of {int(lens[i])} tokens needs {int(groups[i])} GPUs of cap {cap}, but "
+                        f"{k} DP x CP GPUs form groups of at most {top}: raise the cap or drop such documents")
+    groups = _widen(lens, groups, k, cost)
+    load = np.zeros(k)
+    microbatches: list[HybridMicrobatch] = []
+    packs: list[tuple[float, int, np.ndarray]] = []
+    for g in sorted({int(x) for x in groups.tolist()} - {1}, reverse=True):
+        members = np.flatnonzero(groups == g)
+        padded = _padded(lens, g)
+        slot = _pack(padded, members, g * cap)
+        for b in range(int(slot.max()) + 1):
+            docs = members[slot == b]
+            packs.append((cost.fixed + float(cost.per_gpu(lens[docs], g).sum()), g, docs))
+    packs.sort(key=lambda p: (-p[0], -p[1]))
+    for per_gpu_cost, g, docs in packs:
+        blocks = load[: k // g * g].reshape(-1, g).max(axis=1)
+        first = int(np.argmin(blocks)) * g
+        load[first:first + g] += per_gpu_cost
+        microbatches.append(HybridMicrobatch(first, g, docs))
+    short = np.flatnonzero(groups == 1)
+    if short.size:
+        costs = cost.per_gpu(lens[short], 1)
+        if not microbatches:  # nothing split: the variable-count plan (KK, moves, first-fit decreasing)
+            res = balance_variable_count(costs, lens[short], k, cap, fixed=cost.fixed)
+            bucket, slot = res.bucket, res.microbatch
+        else:
+            bucket = _spread(costs + cost.fixed * lens[short] / cap, load, k)
+            bucket = _improve(bucket, costs, lens[short], k, cap, cost.fixed, base=load)
+            slot = np.zeros(short.size, dtype=np.int64)
+            for gpu in np.unique(bucket).tolist():
+                mine = np.flatnonzero(bucket == gpu)
+                slot[mine] = _pack(lens[short], mine, cap)
+        order = np.lexsort((slot, bucket))
+        cuts = np.flatnonzero(np.diff(bucket[order] * (int(slot.max()) + 1) + slot[order])) + 1
+        for run in np.split(order, cuts):
+            gpu = int(bucket[run[0]])
+            load[gpu] += cost.fixed + float(costs[run].sum())
+            microbatches.append(HybridMicrobatch(gpu, 1, short[run]))
+    return HybridPlan(microbatches=microbatches, group_size=groups, gpu_cost=load, num_gpus=k)
+
+
+def _spread(weights: np.ndarray, base: np.ndarray, k: int) -> np.ndarray:
+    """Greedy (largest first) onto the least loaded GPU, starting from `base`."""
+    heap = [(float(base[g]), g) for g in range(k)]
+    heapq.heapify(heap)
+    out = np.empty(len(weights), dtype=np.int64)
+    for i in np.argsort(-weights, kind="stable").tolist():
+        loaded, g = heapq.heappop(heap)
+        out[i] = g
+        heapq.heappush(heap, (loaded + float(weights[i]), g))
+    return out
+
+
+def plan_gpu_costs(plan: HybridPlan, lens: np.ndarray, cost: CPCost) -> np.ndarray:
+    """Each GPU's cost of `plan` under `cost` (which may differ from the one it was planned with)."""
+    out = np.zeros(plan.num_gpus)
+    lens = np.asarray(lens, dtype=np.int64)
+    for mb in plan.microbatches:
+        out[mb.first_gpu:mb.first_gpu + mb.size] += cost.fixed + float(cost.per_gpu(lens[mb.docs], mb.size).sum())
+    return out

@@ -1,0 +1,87 @@
+"""Hybrid context parallelism in the planner: each document its own CP group (issue 26)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from megascale_data_ext.dataplane.balancers.hybrid_cp import (
+    CPCost,
+    balance_hybrid_cp,
+    group_sizes,
+    largest_group,
+    plan_gpu_costs,
+)
+from megascale_data_ext.dataplane.workloads import LONG_TAIL_SPAN, fill_workload
+from megascale_data_ext.errors import PlanError
+
+
+def _run_in_order(plan) -> int:
+    """Run every GPU's microbatches in its order, a group's only when all its GPUs have it next
+    (a collective): returns how many ran; fewer than all means the order deadlocks."""
+    queues = {g: list(plan.for_gpu(g)) for g in range(plan.num_gpus)}
+    ran, progress = 0, True
+    while progress:
+        progress = False
+        for g in range(plan.num_gpus):
+            if queues[g] and all(queues[o] and queues[o][0] is queues[g][0] for o in queues[g][0].gpus()):
+                mb = queues[g][0]
+                for o in mb.gpus():
+                    queues[o].pop(0)
+                ran, progress = ran + 1, True
+    return ran
+
+
+@pytest.mark.parametrize("gpus,cap,seed", [(8, 1024, 0), (32, 2048, 1), (12, 1024, 2)])
+def test_every_document_once_in_aligned_groups_under_the_cap_and_no_deadlock(gpus, cap, seed) -> None:
+    lens = fill_workload("long-tail", int(0.9 * gpus * 4 * cap), seed=seed,
+                         context=min(LONG_TAIL_SPAN, largest_group(gpus)) * cap).seq_lens()
+    assert (lens > cap).any()
+    cost = CPCost(fixed=5e5, per_document=1e4, linear=100.0, quadratic=1.0, cp_comm=50.0)
+    plan = balance_hybrid_cp(lens, gpus, cap, cost)
+    placed = np.sort(np.concatenate([mb.docs for mb in plan.microbatches]))
+    np.testing.assert_array_equal(placed, np.arange(len(lens)))
+    for mb in plan.microbatches:
+        assert mb.size & (mb.size - 1) == 0 and mb.first_gpu % mb.size == 0 and mb.first_gpu + mb.size <= gpus
+        per_gpu = lens[mb.docs] if mb.size == 1 else -(-lens[mb.docs] // (2 * mb.size)) * 2  # THD-padded slices
+        assert per_gpu.sum() <= cap
+        assert (plan.group_size[mb.docs] == mb.size).all()
+    assert (plan.group_size >= group_sizes(lens, cap)).all()
+    np.testing.assert_allclose(plan_gpu_costs(plan, lens, cost), plan.gpu_cost)
+    assert _run_in_order(plan) == len(plan.microbatches)
+
+
+def test_a_short_document_is_split_only_where_the_cost_model_says_it_pays() -> None:
+    """One document of 1,000 tokens among a few short ones on 8 GPUs: under s² alone its share
+    costs more than the mean GPU and halving it always helps, so it is widened; with a CP
+    communication term larger than what the split saves it stays whole."""
+    lens = np.array([1000, 50, 60, 70, 40])
+    assert balance_hybrid_cp(lens, 8, 1024).group_size[0] > 1
+    costly = CPCost(quadratic=1.0, cp_comm=1e6)
+    assert (balance_hybrid_cp(lens, 8, 1024, costly).group_size == 1).all()
+
+
+def test_short_documents_balance_around_the_long_ones() -> None:
+    """A document that needs 4 GPUs takes them for one microbatch; the short ones fill the
+    other GPUs first, so no GPU ends far above the mean."""
+    rng = np.random.default_rng(0)
+    lens = np.concatenate([[4000], rng.integers(50, 400, 300)])
+    plan = balance_hybrid_cp(lens, 8, 1024, CPCost(linear=1.0, quadratic=0.0))
+    assert plan.group_size[0] == 4 and (plan.group_size[1:] == 1).all()
+    assert plan.max_over_mean() < 1.02
+
+
+def test_without_long_documents_it_is_the_variable_count_plan() -> None:
+    from megascale_data_ext.dataplane.balancers.variable_count import balance_variable_count, step_cost
+
+    lens = fill_workload("long-short", int(0.9 * 8 * 4 * 1024), seed=4, context=1024).seq_lens()
+    cost = CPCost(fixed=1e5, quadratic=1.0, cp_comm=1e9)  # splitting never pays
+    plan = balance_hybrid_cp(lens, 8, 1024, cost)
+    variable = balance_variable_count(cost.per_gpu(lens, 1), lens, 8, 1024, fixed=cost.fixed)
+    np.testing.assert_allclose(plan.gpu_cost, step_cost(variable, cost.fixed))
+
+
+def test_a_document_no_group_can_hold_is_refused_by_size() -> None:
+    with pytest.raises(PlanError, match=r"a document of 9000 tokens needs 16 GPUs of cap 1024, but 12 DP x CP GPUs "
+                                        r"form groups of at most 8"):
+        balance_hybrid_cp(np.array([100, 9000]), 12, 1024)
