@@ -34,7 +34,8 @@ import numpy as np
 
 from megascale_data_ext.errors import ParallelLayoutError, PlanError
 
-__all__ = ["SEQUENCE_DIMS", "pad_for_cp", "reassemble_cp", "slice_for_cp", "thd_padded_length", "thd_partition_index"]
+__all__ = ["SEQUENCE_DIMS", "pad_for_cp", "reassemble_cp", "slice_for_cp", "slice_for_group", "thd_padded_length",
+           "thd_partition_index"]
 
 SEQUENCE_DIMS: Mapping[str, int] = {
     "tokens": 1,
@@ -198,6 +199,19 @@ def slice_for_cp(batch: Mapping[str, np.ndarray], *, cp_size: int, cp_rank: int)
         chunks = _chunked(np.asarray(value), dim, n_chunks, key)
         kept = np.take(chunks, index, axis=dim)
         out[key] = kept.reshape(*kept.shape[:dim], -1, *kept.shape[dim + 2 :])
+    return out
+
+
+def slice_for_group(batch: Mapping[str, np.ndarray], *, group_size: int, rank_in_group: int) -> dict[str, np.ndarray]:
+    """A hybrid-CP microbatch for one rank of its group (`balancers.hybrid_cp`): the pack's
+    THD slice for the rank's place in the group (the whole pack where the group is one rank),
+    with ``local_cp_size`` = the group's size, which tells the trainer which group to run it on
+    (megatron-core's field of the same name)."""
+    if group_size > 1 and batch.get("cu_seqlens") is None:
+        raise PlanError("a hybrid-CP microbatch needs per-document boundaries (`cu_seqlens`) to be split over "
+                        f"{group_size} ranks")
+    out = slice_for_cp(batch, cp_size=group_size, cp_rank=rank_in_group)
+    out["local_cp_size"] = np.array(group_size, dtype=np.int64)
     return out
 
 

@@ -42,6 +42,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megascale_data_ext.config.run import ATTENTION_BACKENDS, AttentionBackend  # the config schema owns them
 from megascale_data_ext.dataplane.cp_slicing import thd_partition_index
 from megascale_data_ext.errors import ConfigError, ParallelLayoutError, SampleError
+from megascale_data_ext.trainer.hybrid_cp import microbatch_group
 
 __all__ = [
     "ATTENTION_BACKENDS",
@@ -128,8 +129,13 @@ def packed_seq_params(batch: Mapping[str, Any], device: torch.device | str, *,
     m = max(longest, int(_host_ints(max_seqlen).max())) if max_seqlen is not None else longest
     up = lambda a: torch.from_numpy(a.astype(np.int32)).to(place, non_blocking=True)  # noqa: E731
     cu_t, padded_t = up(cu_host), None if padded_host is None else up(padded_host)
-    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_t, cu_seqlens_kv=cu_t, cu_seqlens_q_padded=padded_t,
-                           cu_seqlens_kv_padded=padded_t, max_seqlen_q=m, max_seqlen_kv=m)
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_t, cu_seqlens_kv=cu_t, cu_seqlens_q_padded=padded_t,
+                             cu_seqlens_kv_padded=padded_t, max_seqlen_q=m, max_seqlen_kv=m)
+    local = batch.get("local_cp_size")
+    if local is not None:  # hybrid CP: this microbatch's own group (`trainer.hybrid_cp`)
+        params.local_cp_size = int(_host_ints(local).reshape(-1)[0])
+        params.cp_group = microbatch_group(params.local_cp_size)
+    return params
 
 
 def _host_ints(value: Any) -> np.ndarray:
@@ -329,16 +335,19 @@ class DocumentAttention(MegatronModule):
                                   "`cu_seqlens` (give every stage cu_seqlens: data.middle_stage_masks for PP > 2)")
             return self.dense(query, key, value, attention_mask, attn_mask_type=attn_mask_type,
                               attention_bias=attention_bias, packed_seq_params=packed_seq_params)
+        group, size = self.cp_group, self.cp_size
+        if packed_seq_params.local_cp_size is not None:  # hybrid CP: the microbatch's own group
+            group, size = packed_seq_params.cp_group, packed_seq_params.local_cp_size
         lay = getattr(packed_seq_params, "_megascale_layout", None)
         if lay is None:  # built once per microbatch and shared by every layer
-            rank = dist.get_rank(self.cp_group) if self.cp_size > 1 else 0
-            lay = _Layout(packed_seq_params, self.cp_size, rank, query.device)
+            rank = dist.get_rank(group) if size > 1 else 0
+            lay = _Layout(packed_seq_params, size, rank, query.device)
             packed_seq_params._megascale_layout = lay
         if query.shape[0] != len(lay.q_pos):
             raise SampleError(f"query has {query.shape[0]} positions but cu_seqlens give this CP rank "
                               f"{len(lay.q_pos)}; CP slicing and PackedSeqParams disagree")
-        if self.cp_size > 1:
-            key = _GatherSequence.apply(key, self.cp_group).index_select(0, lay.key_order)
-            value = _GatherSequence.apply(value, self.cp_group).index_select(0, lay.key_order)
+        if size > 1:
+            key = _GatherSequence.apply(key, group).index_select(0, lay.key_order)
+            value = _GatherSequence.apply(value, group).index_select(0, lay.key_order)
         out = _KERNELS[self.kernel or _pick_kernel(query, key, lay)](query, key, value, lay, self.scale)
         return out.reshape(out.shape[0], -1)

@@ -48,6 +48,7 @@ from megascale_data_ext.trainer.attention import (
     resolve_attention,
 )
 from megascale_data_ext.patches import apply_cpu_shims
+from megascale_data_ext.trainer.hybrid_cp import init_hybrid_groups, microbatch_cp
 
 __all__ = [
     "BATCH_KEYS",
@@ -84,7 +85,9 @@ class GPTModelConfig:
     > 1 needs a per-document one (``te``/``flex``/``auto``). ``bf16`` trains in Megatron's bf16
     mixed precision. ``per_token_loss`` is Megatron's ``--calculate-per-token-loss``: gradients of
     the global token-mean loss whatever the DP/CP split (else each microbatch and CP slice is
-    averaged over its own tokens first).
+    averaged over its own tokens first). ``hybrid_cp`` sets up a CP group per microbatch
+    (`trainer.hybrid_cp`): megatron-core's hybrid DP×CP groups, for batches that carry
+    ``local_cp_size``.
     """
 
     vocab_size: int = 512
@@ -105,6 +108,7 @@ class GPTModelConfig:
     attention: AttentionBackend = "auto"
     bf16: bool = False
     per_token_loss: bool = False
+    hybrid_cp: bool = False
 
     def validate(self, world_size: int | None = None) -> None:
         """Raise one error listing every problem (ParallelLayoutError if the layout is bad)."""
@@ -135,6 +139,19 @@ class GPTModelConfig:
             layout.append(f"`cp`={self.cp}: attention=dense has no context parallelism; use attention=flex, te or auto")
         if self.vpp is not None and (self.vpp < 2 or self.pp < 2):
             layout.append(f"`vpp`={self.vpp} needs vpp >= 2 and pp >= 2 (pp={self.pp}); use vpp=None otherwise")
+        if self.hybrid_cp:
+            if not self.per_token_loss:
+                layout.append("`hybrid_cp` runs as many microbatches per rank as its documents need, which needs "
+                              "`per_token_loss`=True (Megatron's --calculate-per-token-loss)")
+            if self.pp > 1:
+                layout.append(f"`hybrid_cp` with pp={self.pp}: pipelined schedules interleave a rank's microbatches by "
+                              "its count, so ranks with different counts meet a group's collectives out of order; "
+                              "use pp=1")
+            if self.attention == "dense":
+                layout.append("`hybrid_cp` needs per-document attention; use attention=flex or auto")
+            dp_cp = None if world_size is None else world_size // (self.tp * self.pp)
+            if dp_cp is not None and (dp_cp < 2 or dp_cp & (dp_cp - 1)):
+                layout.append(f"`hybrid_cp` needs a power of two of DP x CP ranks (>= 2), got {dp_cp}")
         if world_size is not None and world_size % (self.tp * self.pp * self.cp):
             layout.append(f"world size {world_size} is not divisible by tp*pp*cp={self.tp * self.pp * self.cp}")
         if layout:
@@ -190,7 +207,10 @@ def initialize_parallel(cfg: GPTModelConfig, *, backend: str | None = None) -> l
     cfg.validate(world_size=dist.get_world_size())
     shims = apply_cpu_shims()
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=cfg.tp, pipeline_model_parallel_size=cfg.pp,
-                                             virtual_pipeline_model_parallel_size=cfg.vpp, context_parallel_size=cfg.cp)
+                                             virtual_pipeline_model_parallel_size=cfg.vpp, context_parallel_size=cfg.cp,
+                                             hybrid_context_parallel=cfg.hybrid_cp)
+    if cfg.hybrid_cp:
+        init_hybrid_groups()
     set_random_seed(cfg.seed)
     return shims
 
@@ -403,13 +423,14 @@ def forward_step(data_iterator: Iterator[Mapping[str, Any]] | None, model: torch
         if attention_mask is not None:
             attention_mask = attention_mask.to(torch.bool)
     labels = tensors["labels"].long() if post_process else None
-    output = model(
-        tensors["tokens"].long() if pre_process else None,
-        tensors["position_ids"].long() if pre_process else None,
-        attention_mask,
-        labels=labels,
-        packed_seq_params=packed,
-    )
+    with microbatch_cp(packed.cp_group if packed is not None and packed.local_cp_size is not None else None):
+        output = model(
+            tensors["tokens"].long() if pre_process else None,
+            tensors["position_ids"].long() if pre_process else None,
+            attention_mask,
+            labels=labels,
+            packed_seq_params=packed,
+        )
     source_ids = batch.get("source_ids") if post_process else None
     return output, partial(loss_func, tensors.get("loss_mask"),
                            source_ids=None if source_ids is None else _to_tensor(source_ids, where))

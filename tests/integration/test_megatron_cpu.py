@@ -384,5 +384,93 @@ def test_cp2_thd_training_equals_cp1(tmp_path: Path) -> None:
     assert got["cp2"][1]["loss"] < got["cp2"][0]["loss"]  # it trains
 
 
+# ------------------------------------------------------------- hybrid context parallelism
+
+HYBRID_CAP = 16  # tokens per rank: documents over 16 run on 2 or 4 ranks
+HYBRID_LENS = (40, 9, 13, 5, 22, 1, 17, 30, 6, 12, 60, 8, 3, 11, 7, 14, 2, 10)
+
+
+def _hybrid_docs() -> list[dict[str, np.ndarray]]:
+    rng = np.random.default_rng(9)
+    return [{"tokens": (int(rng.integers(0, VOCAB)) + int(rng.integers(1, 5)) * np.arange(n)) % VOCAB}
+            for n in HYBRID_LENS]
+
+
+def _hybrid_worker(out: Path) -> None:
+    """4 ranks (DP 2 x CP 2). Hybrid: the planner's plan over the 4 DP x CP ranks, each rank its
+    own microbatches, group microbatches THD-sliced for the rank's place in their group. Then the
+    same documents at the fixed CP 2 (each DP rank half the documents, every one split over CP 2).
+    A per-token loss makes both the same global loss and gradients."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from megascale_data_ext.dataplane.balancers.hybrid_cp import CPCost, balance_hybrid_cp
+    from megascale_data_ext.dataplane.cp_slicing import slice_for_cp, slice_for_group
+    from megascale_data_ext.dataplane.packing import pack_microbatch
+    from megascale_data_ext.trainer.model import (
+        GPTModelConfig, build_model_chunks, init_layout_invariant, initialize_parallel,
+    )
+    from megascale_data_ext.trainer.step import train_step
+
+    torch.set_num_threads(1)
+    docs = _hybrid_docs()
+    results: dict[str, Any] = {}
+    for hybrid in (True, False):
+        cfg = GPTModelConfig(vocab_size=VOCAB, hidden_size=32, num_layers=2, num_attention_heads=4, seq_length=SEQ,
+                             cp=2, attention="flex", per_token_loss=True, hybrid_cp=hybrid)
+        initialize_parallel(cfg)
+        chunks = build_model_chunks(cfg)
+        init_layout_invariant(chunks, seed=cfg.seed)
+        optimizer = torch.optim.Adam([p for c in chunks for p in c.parameters()], lr=3e-3)
+        rank = dist.get_rank()
+        if hybrid:
+            plan = balance_hybrid_cp(np.array(HYBRID_LENS), 4, HYBRID_CAP, CPCost(linear=1.0, quadratic=0.05))
+            batches = [slice_for_group(pack_microbatch([docs[i] for i in mb.docs], seq_length=SEQ, pad_id=0,
+                                                       variable_length=True),
+                                       group_size=mb.size, rank_in_group=rank - mb.first_gpu)
+                       for mb in plan.for_gpu(rank)]
+            sizes = [int(b["local_cp_size"]) for b in batches]
+        else:
+            mine = [docs[i] for i in range(ps.get_data_parallel_rank(), len(docs), 2)]
+            groups: list[list[dict[str, np.ndarray]]] = [[]]
+            for doc in mine:  # in order, a new pack where the next document (padded for CP 2) would pass SEQ
+                if sum(-(-len(d["tokens"]) // 4) * 4 for d in groups[-1] + [doc]) > SEQ:
+                    groups.append([])
+                groups[-1].append(doc)
+            packs = [pack_microbatch(g, seq_length=SEQ, pad_id=0, variable_length=True) for g in groups]
+            batches = [slice_for_cp(p, cp_size=2, cp_rank=ps.get_context_parallel_rank()) for p in packs]
+            sizes = [2] * len(batches)
+        steps = [train_step(chunks, optimizer, iter(list(batches)), num_microbatches=len(batches), seq_length=SEQ,
+                            clip_grad=1.0) for _ in range(2)]
+        gathered: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, sizes)
+        results["hybrid" if hybrid else "fixed"] = {"steps": steps, "sizes": gathered}
+        ps.destroy_model_parallel()
+    if dist.get_rank() == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "hybrid.json").write_text(json.dumps(results))
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_hybrid_cp_training_equals_fixed_cp(tmp_path: Path) -> None:
+    """DP 2 x CP 2 on gloo: with hybrid CP every rank runs its own number of microbatches, short
+    documents whole on one rank, long ones over groups of 2 and 4, and trains to the same losses
+    and grad norms as the fixed-CP run of the same documents."""
+    run_torchrun(Path(__file__), nproc=4, timeout=300, args=[str(tmp_path)], env={"HYBRID_WORKER": "1"},
+                 lazy_compile=True)
+    got = json.loads((tmp_path / "hybrid.json").read_text())
+    sizes = got["hybrid"]["sizes"]
+    assert {s for rank in sizes for s in rank} == {1, 2, 4}  # whole, pairs and all four
+    assert len({len(rank) for rank in sizes}) > 1  # ranks ran different numbers of microbatches
+    for hybrid, fixed in zip(got["hybrid"]["steps"], got["fixed"]["steps"], strict=True):
+        assert hybrid["num_tokens"] == fixed["num_tokens"]
+        assert hybrid["loss"] == pytest.approx(fixed["loss"], rel=1e-5)
+        assert hybrid["grad_norm"] == pytest.approx(fixed["grad_norm"], rel=1e-4)
+    assert got["hybrid"]["steps"][1]["loss"] < got["hybrid"]["steps"][0]["loss"]
+
+
 if __name__ == "__main__" and os.environ.get("CP_WORKER"):
     _cp_worker(Path(sys.argv[1]))
+if __name__ == "__main__" and os.environ.get("HYBRID_WORKER"):
+    _hybrid_worker(Path(sys.argv[1]))

@@ -85,3 +85,33 @@ def test_a_document_no_group_can_hold_is_refused_by_size() -> None:
     with pytest.raises(PlanError, match=r"a document of 9000 tokens needs 16 GPUs of cap 1024, but 12 DP x CP GPUs "
                                         r"form groups of at most 8"):
         balance_hybrid_cp(np.array([100, 9000]), 12, 1024)
+
+
+def test_a_group_microbatch_is_sliced_for_the_rank_and_says_its_group_size() -> None:
+    from megascale_data_ext.dataplane.cp_slicing import reassemble_cp, slice_for_cp, slice_for_group
+    from megascale_data_ext.dataplane.packing import pack_microbatch
+
+    docs = [{"tokens": np.arange(n) % 50} for n in (30, 7, 12)]
+    pack = pack_microbatch(docs, seq_length=64, pad_id=0, variable_length=True)
+    parts = [slice_for_group(pack, group_size=4, rank_in_group=r) for r in range(4)]
+    assert all(int(p["local_cp_size"]) == 4 for p in parts)
+    for r, part in enumerate(parts):
+        np.testing.assert_array_equal(part["tokens"], slice_for_cp(pack, cp_size=4, cp_rank=r)["tokens"])
+    whole = reassemble_cp([{k: v for k, v in p.items() if k != "local_cp_size"} for p in parts], 4)
+    assert whole["tokens"].shape[1] >= pack["tokens"].shape[1]
+    alone = slice_for_group(pack, group_size=1, rank_in_group=0)
+    assert int(alone["local_cp_size"]) == 1 and np.array_equal(alone["tokens"], pack["tokens"])
+    with pytest.raises(PlanError, match="needs per-document boundaries"):
+        slice_for_group({"tokens": np.zeros((1, 8), dtype=np.int64)}, group_size=2, rank_in_group=0)
+
+
+def test_the_model_config_refuses_hybrid_cp_where_it_cannot_run() -> None:
+    from megascale_data_ext.errors import ParallelLayoutError
+    from megascale_data_ext.trainer.model import GPTModelConfig
+
+    GPTModelConfig(cp=2, hybrid_cp=True, per_token_loss=True, attention="flex").validate(world_size=4)
+    with pytest.raises(ParallelLayoutError) as err:
+        GPTModelConfig(pp=2, hybrid_cp=True, attention="dense").validate(world_size=12)
+    text = str(err.value)
+    assert "needs `per_token_loss`=True" in text and "use pp=1" in text and "attention=flex" in text
+    assert "power of two of DP x CP ranks (>= 2), got 6" in text
