@@ -315,7 +315,8 @@ def fit_report_lines(model: CalibratedCost, report: CalibrationReport, shape: Mo
     ratio = model.quadratic_over_linear
     return "\n".join([
         report.format(labels, limit=len(packs)),
-        f"fit: fixed {model.fixed * 1e3:.3f} ms per microbatch, linear {model.linear * 1e6:.4f} µs per token, "
+        f"fit: fixed {model.fixed * 1e3:.3f} ms per microbatch, {model.per_document * 1e3:.4f} ms per document, "
+        f"linear {model.linear * 1e6:.4f} µs per token, "
         f"quadratic {model.quadratic * 1e9:.4g} ns per token² (per document)",
         f"quadratic/linear {'n/a' if ratio is None else f'{ratio:.3e}'} measured vs {flops_ratio(shape):.3e} "
         "modelled by the FLOPs cost model",

@@ -4,17 +4,20 @@ FLOPs alone mispredict small and medium microbatches: on a GPU every microbatch 
 fixed time (kernel launches, Python and framework work per forward + backward; ≈ 19 ms on an H100 at hidden 2048,
 issue 8) that the FLOPs model lacks, so predicted speedups of balancing come out too high. The calibrated model
 keeps the FLOPs model's shape (linear in tokens, quadratic per document for per-document
-attention) and fits three non-negative coefficients in seconds:
+attention), adds what each document costs by itself (its own attention call, boundaries,
+per-document kernels: packs of many short documents run slower than their tokens say), and fits
+four non-negative coefficients in seconds:
 
-    t(microbatch) = fixed + linear · Σ s_d + quadratic · Σ s_d²      (d = its documents)
+    t(microbatch) = fixed + per_document · n + linear · Σ s_d + quadratic · Σ s_d²   (d = its n documents)
 
 An observation is a list of microbatches (each a list of document lengths) and the seconds
 they took together (one microbatch, or one rank's whole step: the terms just add up). The fit
 is non-negative least squares on relative residuals (timing noise is multiplicative), solved
-exactly by trying every active set of the three coefficients — numpy only, no scipy.
+exactly by trying every active set of the coefficients — numpy only, no scipy. Version 1 files and
+states (three terms, no per-document one) still load, with a per-document cost of 0.
 
 As a per-sample `CostModel` (what the balancers call) a `CalibratedCost` returns
-``linear·s + quadratic·s²`` seconds; the fixed term is the same for every microbatch, so it
+``per_document + linear·s + quadratic·s²`` seconds; the fixed term is the same for every microbatch, so it
 does not move a balancer's choice, but `microbatch_seconds` / `predict` include it and so do
 the predicted speedups. Saved as JSON with the hardware and model shape it was fitted for.
 """
@@ -43,14 +46,16 @@ __all__ = [
 ]
 
 FORMAT = "megascale-data calibration"
-VERSION = 1
-TERMS = ("fixed", "linear", "quadratic")
+VERSION = 2
+TERMS = ("fixed", "per_document", "linear", "quadratic")
+#: Fewest observations a fit takes (the per-document term is 0 where they cannot tell it apart).
+MIN_OBSERVATIONS = 3
 
 Microbatches = Sequence[Sequence[int] | np.ndarray]
 
 
 def features(microbatches: Microbatches, *, where: str = "observation") -> np.ndarray:
-    """The three regressors of some microbatches: [count, Σ tokens, Σ doc_len²] (float64[3]).
+    """The regressors of some microbatches: [count, documents, Σ tokens, Σ doc_len²] (float64[4]).
 
     Raises:
         ConfigError: a negative or non-finite document length, or no microbatch at all.
@@ -58,17 +63,29 @@ def features(microbatches: Microbatches, *, where: str = "observation") -> np.nd
     if len(microbatches) == 0:
         raise ConfigError(f"{where}: needs at least one microbatch (a list of document lengths)")
     tokens = quad = 0.0
+    documents = 0
     for j, docs in enumerate(microbatches):
         s = np.asarray(docs, dtype=np.float64).reshape(-1)
         if s.size and (not np.all(np.isfinite(s)) or s.min() < 0):
             raise ConfigError(f"{where}, microbatch {j}: document lengths must be finite and >= 0, got {s.tolist()}")
+        documents += s.size
         tokens += float(s.sum())
         quad += float(np.dot(s, s))
-    return np.array([float(len(microbatches)), tokens, quad])
+    return np.array([float(len(microbatches)), float(documents), tokens, quad])
+
+
+def _upgrade_normal(gram: np.ndarray, rhs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Version 1's 3-term normal equations as 4-term ones (no per-document information: zeros)."""
+    if gram.shape == (4, 4):
+        return gram, rhs
+    keep = [0, 2, 3]
+    g, r = np.zeros((4, 4)), np.zeros(4)
+    g[np.ix_(keep, keep)], r[keep] = gram, rhs
+    return g, r
 
 
 def _nnls_normal(gram: np.ndarray, rhs: np.ndarray) -> np.ndarray:
-    """argmin_{x >= 0} xᵀGx − 2bᵀx by trying every active set (exact for 3 unknowns)."""
+    """argmin_{x >= 0} xᵀGx − 2bᵀx by trying every active set (exact; 15 sets for 4 unknowns)."""
     n = gram.shape[0]
     best, best_obj = np.zeros(n), 0.0
     for size in range(1, n + 1):
@@ -136,7 +153,8 @@ class CalibrationReport:
 
 @dataclass(slots=True, kw_only=True)
 class CalibratedCost:
-    """Seconds of a microbatch = fixed + linear·tokens + quadratic·Σ doc_len² (all >= 0).
+    """Seconds of a microbatch = fixed + per_document·documents + linear·tokens + quadratic·Σ doc_len²
+    (all >= 0; `per_document` defaults to 0, a version 1 fit).
 
     `fitted_for` records what the fit holds for (device, dtype, model shape, attention kind);
     `fit` the fit's summary (`CalibrationReport.to_dict`). Immutable in use; thread-safe.
@@ -145,6 +163,7 @@ class CalibratedCost:
     fixed: float
     linear: float
     quadratic: float
+    per_document: float = 0.0
     fitted_for: dict[str, Any] = field(default_factory=dict)
     fit: dict[str, Any] = field(default_factory=dict)
 
@@ -159,12 +178,12 @@ class CalibratedCost:
         return f"CalibratedCost({self.fitted_for.get('name', 'custom')})"
 
     def coefficients(self) -> np.ndarray:
-        return np.array([self.fixed, self.linear, self.quadratic], dtype=np.float64)
+        return np.array([self.fixed, self.per_document, self.linear, self.quadratic], dtype=np.float64)
 
     def __call__(self, lengths: np.ndarray) -> np.ndarray:
         """Per-sample seconds without the fixed term (what balancing a step can move)."""
         s = np.asarray(lengths, dtype=np.float64)
-        return s * (self.linear + self.quadratic * s)
+        return self.per_document + s * (self.linear + self.quadratic * s)
 
     flops = __call__  # the name other cost models use for their per-sample cost
 
@@ -176,15 +195,18 @@ class CalibratedCost:
         """Predicted seconds of each observation (a list of microbatches of document lengths)."""
         return np.array([features(obs) @ self.coefficients() for obs in observations], dtype=np.float64)
 
-    def rank_seconds(self, bin_tokens: np.ndarray, bin_quadratic: np.ndarray, *, nonempty: np.ndarray | None = None
-                     ) -> np.ndarray:
-        """Seconds per rank from per-(rank, microbatch) token and Σ s² sums ([k, m] arrays).
+    def rank_seconds(self, bin_tokens: np.ndarray, bin_quadratic: np.ndarray, *, nonempty: np.ndarray | None = None,
+                     bin_documents: np.ndarray | None = None) -> np.ndarray:
+        """Seconds per rank from per-(rank, microbatch) token, Σ s² and document sums ([k, m] arrays;
+        without `bin_documents` the per-document term is left out).
 
         Empty microbatches (nonempty False, default: zero tokens) pay no fixed term.
         """
         bins = np.asarray(bin_tokens, dtype=np.float64)
         used = bins > 0 if nonempty is None else np.asarray(nonempty, dtype=bool)
         per_bin = self.fixed * used + self.linear * bins + self.quadratic * np.asarray(bin_quadratic, np.float64)
+        if bin_documents is not None:
+            per_bin = per_bin + self.per_document * np.asarray(bin_documents, np.float64)
         return per_bin.sum(axis=-1)
 
     @property
@@ -197,8 +219,8 @@ class CalibratedCost:
     # -- persistence ---------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         return {"format": FORMAT, "version": VERSION,
-                "coefficients": {"fixed_s": self.fixed, "linear_s_per_token": self.linear,
-                                 "quadratic_s_per_token2": self.quadratic},
+                "coefficients": {"fixed_s": self.fixed, "per_document_s": self.per_document,
+                                 "linear_s_per_token": self.linear, "quadratic_s_per_token2": self.quadratic},
                 "quadratic_over_linear": self.quadratic_over_linear,
                 "fitted_for": dict(self.fitted_for), "fit": dict(self.fit)}
 
@@ -213,17 +235,24 @@ class CalibratedCost:
         if not isinstance(data, Mapping) or data.get("format") != FORMAT:
             raise ConfigError(f"{where}: not a {FORMAT!r} file (no matching `format` key); "
                               "write one with `megascale-data profile --model`")
-        if data.get("version") != VERSION:
+        if data.get("version") not in (1, VERSION):
             raise ConfigError(f"{where}: calibration version {data.get('version')!r} is not supported "
-                              f"(this build reads version {VERSION}); re-run `megascale-data profile --model`")
+                              f"(this build reads versions 1 and {VERSION}); re-run `megascale-data profile --model`")
         coeffs = data.get("coefficients")
         keys = ("fixed_s", "linear_s_per_token", "quadratic_s_per_token2")
+        if data.get("version") == VERSION:
+            keys += ("per_document_s",)
         if not isinstance(coeffs, Mapping) or any(not isinstance(coeffs.get(k), (int, float)) for k in keys):
             raise ConfigError(f"{where}: `coefficients` must hold numbers {list(keys)}, got {coeffs!r}")
+        fit = dict(data.get("fit") or {})
+        normal = fit.get("normal_equations")
+        if isinstance(normal, Mapping) and "gram" in normal:
+            gram, rhs = _upgrade_normal(np.asarray(normal["gram"], np.float64), np.asarray(normal["rhs"], np.float64))
+            fit["normal_equations"] = {**normal, "gram": gram.tolist(), "rhs": rhs.tolist()}
         try:
             return cls(fixed=float(coeffs[keys[0]]), linear=float(coeffs[keys[1]]),
-                       quadratic=float(coeffs[keys[2]]), fitted_for=dict(data.get("fitted_for") or {}),
-                       fit=dict(data.get("fit") or {}))
+                       quadratic=float(coeffs[keys[2]]), per_document=float(coeffs.get("per_document_s", 0.0)),
+                       fitted_for=dict(data.get("fitted_for") or {}), fit=fit)
         except ConfigError as exc:
             raise ConfigError(f"{where}: {exc}") from None
 
@@ -258,7 +287,7 @@ def _seconds(seconds: Sequence[float], n: int) -> np.ndarray:
 
 def fit_calibration(observations: Sequence[Microbatches], seconds: Sequence[float], *,
                     fitted_for: Mapping[str, Any] | None = None) -> tuple[CalibratedCost, CalibrationReport]:
-    """Fit the three non-negative coefficients to measured times; return the model and its in-sample report.
+    """Fit the non-negative coefficients to measured times; return the model and its in-sample report.
 
     Args:
         observations: Each a list of microbatches, each a list of document lengths.
@@ -268,8 +297,8 @@ def fit_calibration(observations: Sequence[Microbatches], seconds: Sequence[floa
     Raises:
         ConfigError: fewer than 3 observations, mismatched lengths, or invalid values.
     """
-    if len(observations) < len(TERMS):
-        raise ConfigError(f"a calibration needs at least {len(TERMS)} observations (got {len(observations)}); "
+    if len(observations) < MIN_OBSERVATIONS:
+        raise ConfigError(f"a calibration needs at least {MIN_OBSERVATIONS} observations (got {len(observations)}); "
                           "time more microbatches with varied document lengths")
     y = _seconds(seconds, len(observations))
     a = np.stack([features(obs, where=f"observation {i}") for i, obs in enumerate(observations)])
@@ -280,7 +309,8 @@ def fit_calibration(observations: Sequence[Microbatches], seconds: Sequence[floa
     aw = a * w[:, None]
     gram, rhs = aw.T @ aw, aw.T @ (y * w)
     coeffs = _solve(gram, rhs, float(len(y)))
-    model = CalibratedCost(fixed=coeffs[0], linear=coeffs[1], quadratic=coeffs[2], fitted_for=dict(fitted_for or {}))
+    model = CalibratedCost(fixed=coeffs[0], per_document=coeffs[1], linear=coeffs[2], quadratic=coeffs[3],
+                           fitted_for=dict(fitted_for or {}))
     report = CalibrationReport(measured=y, predicted=a @ coeffs)
     # The normal equations let an OnlineCalibrator continue from this fit as from its observations.
     model.fit = {**report.to_dict(), "normal_equations": {"gram": gram.tolist(), "rhs": rhs.tolist(),
@@ -292,7 +322,7 @@ def fit_calibration(observations: Sequence[Microbatches], seconds: Sequence[floa
 class OnlineCalibrator:
     """Refits the calibrated model from the step times a trainer reports, forgetting old steps.
 
-    Keeps the weighted normal equations (3×3) with exponential `decay` per observation, so an
+    Keeps the weighted normal equations (4×4) with exponential `decay` per observation, so an
     update is O(1) and the state is a few numbers. A trainer's steps hardly separate the fixed
     term from the linear one (every step has the same m microbatches and similar token
     counts), so start from a `prior` fitted by `megascale-data profile --model`: its saved
@@ -300,7 +330,8 @@ class OnlineCalibrator:
     A prior without them (hand-made) is only returned until the first observation.
     Not thread-safe: one per trainer process.
 
-    Checkpoint schema (`state_dict`): ``{"version", "gram": 3×3, "rhs": 3, "weight", "steps"}``.
+    Checkpoint schema (`state_dict`): ``{"version", "gram": 4×4, "rhs": 4, "weight", "steps"}`` (a
+    version 1 state, 3×3, loads with no per-document information).
     """
 
     prior: CalibratedCost | None = None
@@ -317,7 +348,7 @@ class OnlineCalibrator:
             raise ConfigError(f"OnlineCalibrator `decay` must be in (0, 1], got {self.decay!r}")
         if self.prior_weight < 0:
             raise ConfigError(f"OnlineCalibrator `prior_weight` must be >= 0, got {self.prior_weight!r}")
-        self._gram, self._rhs = np.zeros((3, 3)), np.zeros(3)
+        self._gram, self._rhs = np.zeros((4, 4)), np.zeros(4)
         if self.prior is None:
             return
         if not self.fitted_for:
@@ -325,8 +356,8 @@ class OnlineCalibrator:
         normal = self.prior.fit.get("normal_equations")
         if normal and self.prior_weight > 0:
             share = self.prior_weight / float(normal["weight"])
-            self._gram = np.asarray(normal["gram"], np.float64) * share
-            self._rhs = np.asarray(normal["rhs"], np.float64) * share
+            gram, rhs = _upgrade_normal(np.asarray(normal["gram"], np.float64), np.asarray(normal["rhs"], np.float64))
+            self._gram, self._rhs = gram * share, rhs * share
             self._weight = self.prior_weight
 
     @property
@@ -362,9 +393,10 @@ class OnlineCalibrator:
         if self._steps == 0:
             prior = self.prior or CalibratedCost(fixed=0.0, linear=0.0, quadratic=0.0)
             return CalibratedCost(fixed=prior.fixed, linear=prior.linear, quadratic=prior.quadratic,
-                                  fitted_for=dict(self.fitted_for), fit={"online_steps": 0})
+                                  per_document=prior.per_document, fitted_for=dict(self.fitted_for),
+                                  fit={"online_steps": 0})
         x = _solve(self._gram, self._rhs, self._weight)
-        return CalibratedCost(fixed=x[0], linear=x[1], quadratic=x[2], fitted_for=dict(self.fitted_for),
+        return CalibratedCost(fixed=x[0], per_document=x[1], linear=x[2], quadratic=x[3], fitted_for=dict(self.fitted_for),
                               fit={"online_steps": self._steps, "effective_observations": self._weight,
                                    "decay": self.decay})
 
@@ -373,12 +405,15 @@ class OnlineCalibrator:
                 "weight": self._weight, "steps": self._steps}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        if state.get("version") != VERSION:
-            raise ConfigError(f"OnlineCalibrator state version {state.get('version')!r} != {VERSION}; "
+        version = state.get("version")
+        if version not in (1, VERSION):
+            raise ConfigError(f"OnlineCalibrator state version {version!r} is not 1 or {VERSION}; "
                               "start the online calibration afresh (drop its state from the checkpoint)")
         gram, rhs = np.asarray(state["gram"], np.float64), np.asarray(state["rhs"], np.float64)
-        if gram.shape != (3, 3) or rhs.shape != (3,):
+        size = 3 if version == 1 else 4
+        if gram.shape != (size, size) or rhs.shape != (size,):
             raise ConfigError(f"OnlineCalibrator state has shapes gram {gram.shape}, rhs {rhs.shape}; "
-                              "expected (3, 3) and (3,)")
+                              f"expected ({size}, {size}) and ({size},)")
+        gram, rhs = _upgrade_normal(gram, rhs)
         self._gram, self._rhs = gram, rhs
         self._weight, self._steps = float(state["weight"]), int(state["steps"])

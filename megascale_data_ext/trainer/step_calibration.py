@@ -78,7 +78,8 @@ class StepCalibration:
         err = np.abs(predicted - measured) / measured
         few = len(measured) < 3 or np.std(predicted) == 0  # the three terms need varied steps to separate
         r = "n/a (< 3 varied steps)" if few else f"{float(np.corrcoef(predicted, measured)[0, 1]):.3f}"
-        return (f"[calibration] fixed {model.fixed * 1e3:.2f} ms/microbatch, linear {model.linear * 1e6:.3f} us/token, "
+        return (f"[calibration] fixed {model.fixed * 1e3:.2f} ms/microbatch, {model.per_document * 1e3:.3f} ms/document, "
+                f"linear {model.linear * 1e6:.3f} us/token, "
                 f"quadratic {model.quadratic * 1e9:.4f} ns/token^2 from {self.online.steps} steps | step predicted "
                 f"{predicted.mean():.3f} s vs measured {measured.mean():.3f} s "
                 f"(mean abs error {100 * err.mean():.1f}%, Pearson r {r})")
