@@ -16,9 +16,9 @@ splitting a document cost something (`CPCost`):
    pack is one microbatch of an aligned block of ``g`` GPUs (``first_gpu % g == 0``, Megatron's
    hybrid groups), placed on the block whose busiest GPU is least loaded, largest first.
 3. Documents of group size 1 run whole on one GPU: balanced over the GPUs on top of the loads
-   step 2 left (greedy by cost, then the moves and swaps of `variable_count`), then packed
-   first-fit decreasing under ``cap`` into as many microbatches as each GPU needs (the loss
-   must be per token, Megatron's condition for its own scheduler).
+   step 2 left (greedy by cost, then `variable_count.improve_by_moves`), then packed first-fit
+   decreasing under ``cap`` into as many microbatches as each GPU needs (the loss must be per
+   token, Megatron's condition for its own scheduler).
 
 A GPU runs the microbatches that cover it in the plan's order: every group microbatch first,
 in one global order, then its own. Two groups that share GPUs are met in the same order on
@@ -36,10 +36,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from megascale_data_ext.dataplane.balancers.variable_count import _improve, _pack, balance_variable_count
+from megascale_data_ext.dataplane.balancers.variable_count import balance_variable_count, improve_by_moves, pack_under_cap
 from megascale_data_ext.errors import PlanError
 
-__all__ = ["CPCost", "HybridMicrobatch", "HybridPlan", "balance_hybrid_cp", "group_sizes", "largest_group"]
+__all__ = [
+    "CPCost", "HybridMicrobatch", "HybridPlan", "balance_hybrid_cp", "group_sizes", "largest_group", "plan_gpu_costs",
+]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -149,7 +151,7 @@ def balance_hybrid_cp(lens: np.ndarray, gpus: int, cap: int, cost: CPCost | None
     for g in sorted({int(x) for x in groups.tolist()} - {1}, reverse=True):
         members = np.flatnonzero(groups == g)
         padded = _padded(lens, g)
-        slot = _pack(padded, members, g * cap)
+        slot = pack_under_cap(padded, members, g * cap)
         for b in range(int(slot.max()) + 1):
             docs = members[slot == b]
             packs.append((cost.fixed + float(cost.per_gpu(lens[docs], g).sum()), g, docs))
@@ -167,11 +169,11 @@ def balance_hybrid_cp(lens: np.ndarray, gpus: int, cap: int, cost: CPCost | None
             bucket, slot = res.bucket, res.microbatch
         else:
             bucket = _spread(costs + cost.fixed * lens[short] / cap, load, k)
-            bucket = _improve(bucket, costs, lens[short], k, cap, cost.fixed, base=load)
+            bucket = improve_by_moves(bucket, costs, lens[short], k, cap, cost.fixed, base=load)
             slot = np.zeros(short.size, dtype=np.int64)
             for gpu in np.unique(bucket).tolist():
                 mine = np.flatnonzero(bucket == gpu)
-                slot[mine] = _pack(lens[short], mine, cap)
+                slot[mine] = pack_under_cap(lens[short], mine, cap)
         order = np.lexsort((slot, bucket))
         cuts = np.flatnonzero(np.diff(bucket[order] * (int(slot.max()) + 1) + slot[order])) + 1
         for run in np.split(order, cuts):

@@ -23,7 +23,7 @@ from megascale_data_ext.dataplane.balancers.karmarkar_karp import kk
 from megascale_data_ext.dataplane.balancers.levels import BalanceResult
 from megascale_data_ext.errors import PlanError
 
-__all__ = ["balance_variable_count", "lower_bound", "step_cost"]
+__all__ = ["balance_variable_count", "improve_by_moves", "lower_bound", "pack_under_cap", "step_cost"]
 
 #: Documents of the most expensive bucket tried per move (each with a move and two swaps) ...
 MOVE_CANDIDATES = 24
@@ -36,7 +36,7 @@ BROAD_PARTNERS = 16
 CLOSE_ENOUGH = 1e-5
 
 
-def _pack(tokens: np.ndarray, members: np.ndarray, cap: int) -> np.ndarray:
+def pack_under_cap(tokens: np.ndarray, members: np.ndarray, cap: int) -> np.ndarray:
     """First-fit decreasing of `members` (by tokens) into bins of at most `cap` tokens: each
     member's bin index."""
     order = members[np.argsort(-tokens[members], kind="stable")]
@@ -76,12 +76,12 @@ def balance_variable_count(costs: np.ndarray, tokens: np.ndarray, num_buckets: i
         raise PlanError(f"a document of {int(tokens.max())} tokens exceeds the micro-batch cap {cap}")
     weight = costs + fixed * tokens / max(cap, 1)  # a micro-batch's fixed cost, spread over its tokens
     bucket = kk(weight, k) if tokens.size else np.zeros(0, dtype=np.int64)
-    bucket = _improve(bucket, costs, tokens, k, cap, fixed)
+    bucket = improve_by_moves(bucket, costs, tokens, k, cap, fixed)
     microbatch = np.zeros(len(tokens), dtype=np.int64)
     for b in range(k):
         members = np.flatnonzero(bucket == b)
         if members.size:
-            microbatch[members] = _pack(tokens, members, cap)
+            microbatch[members] = pack_under_cap(tokens, members, cap)
     m = int(microbatch.max()) + 1 if tokens.size else 1
     bin_cost = np.zeros((k, m))
     bin_tokens = np.zeros((k, m))
@@ -153,7 +153,7 @@ def _best_exchange(hi: int, tried: np.ndarray, members: list[np.ndarray], cost: 
     return (float(worst.flat[at]), int(tried[t]), b, int(partners[p]), float(new_hi.flat[at]), float(new_lo.flat[at]))
 
 
-def _improve(bucket: np.ndarray, costs: np.ndarray, tokens: np.ndarray, k: int, cap: int, fixed: float,
+def improve_by_moves(bucket: np.ndarray, costs: np.ndarray, tokens: np.ndarray, k: int, cap: int, fixed: float,
              rounds: int | None = None, base: np.ndarray | None = None) -> np.ndarray:
     """Lower the most expensive bucket while possible: move one of its documents to one of the
     cheapest buckets, or swap one for a cheaper document there (the pair whose difference is closest to
