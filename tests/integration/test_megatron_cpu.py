@@ -332,40 +332,53 @@ def _cp_packs() -> list[dict[str, np.ndarray]]:
     return packs
 
 
+def _tiny_gpt(**layout: Any) -> tuple[list[torch.nn.Module], torch.optim.Optimizer]:
+    """A 2-layer GPT over flex attention with a per-token loss, layout-invariant weights, on the
+    parallel state `layout` sets up (``cp``, ``hybrid_cp``), and its Adam."""
+    from megascale_data_ext.trainer.model import (
+        GPTModelConfig, build_model_chunks, init_layout_invariant, initialize_parallel,
+    )
+
+    cfg = GPTModelConfig(vocab_size=VOCAB, hidden_size=32, num_layers=2, num_attention_heads=4, seq_length=SEQ,
+                         attention="flex", per_token_loss=True, **layout)
+    initialize_parallel(cfg)
+    chunks = build_model_chunks(cfg)
+    init_layout_invariant(chunks, seed=cfg.seed)
+    return chunks, torch.optim.Adam([p for c in chunks for p in c.parameters()], lr=3e-3)
+
+
+def _write_from_rank0(path: Path, results: Any) -> None:
+    """Rank 0 writes the JSON the test reads; every rank leaves the process group."""
+    import torch.distributed as dist
+
+    if dist.get_rank() == 0:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(results))
+    dist.destroy_process_group()
+
+
 def _cp_worker(out: Path) -> None:
     """Train 2 steps at CP=2 (flex attention over THD slices), then 2 steps at CP=1 on the same packs.
 
     The CP=1 phase runs the same 2 processes as DP=2, each rank on the whole packs: with
     per-token loss its gradients (sum over ranks / tokens over ranks) equal one process's.
     """
-    import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
     from megascale_data_ext.dataplane.cp_slicing import slice_for_cp
-    from megascale_data_ext.trainer.model import (
-        GPTModelConfig, build_model_chunks, init_layout_invariant, initialize_parallel,
-    )
     from megascale_data_ext.trainer.step import train_step
 
     torch.set_num_threads(1)
     results: dict[str, list[dict[str, float]]] = {}
     for cp in (2, 1):
-        cfg = GPTModelConfig(vocab_size=VOCAB, hidden_size=32, num_layers=2, num_attention_heads=4, seq_length=SEQ,
-                             cp=cp, attention="flex", per_token_loss=True)
-        initialize_parallel(cfg)
-        chunks = build_model_chunks(cfg)
-        init_layout_invariant(chunks, seed=cfg.seed)
-        optimizer = torch.optim.Adam([p for c in chunks for p in c.parameters()], lr=3e-3)
+        chunks, optimizer = _tiny_gpt(cp=cp)
         rank = ps.get_context_parallel_rank()
         batches = [slice_for_cp(p, cp_size=cp, cp_rank=rank) for p in _cp_packs()]
         results[f"cp{cp}"] = [train_step(chunks, optimizer, iter(batches), num_microbatches=len(batches),
                                          seq_length=SEQ, clip_grad=1.0) for _ in range(2)]
         results[f"cp{cp}_tokens"] = [[int(b["tokens"].shape[1]) for b in batches]]
         ps.destroy_model_parallel()
-    if dist.get_rank() == 0:
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "cp.json").write_text(json.dumps(results))
-    dist.destroy_process_group()
+    _write_from_rank0(out / "cp.json", results)
 
 
 @pytest.mark.slow
@@ -407,21 +420,13 @@ def _hybrid_worker(out: Path) -> None:
     from megascale_data_ext.dataplane.balancers.hybrid_cp import CPCost, balance_hybrid_cp
     from megascale_data_ext.dataplane.cp_slicing import slice_for_cp, slice_for_group
     from megascale_data_ext.dataplane.packing import pack_microbatch
-    from megascale_data_ext.trainer.model import (
-        GPTModelConfig, build_model_chunks, init_layout_invariant, initialize_parallel,
-    )
     from megascale_data_ext.trainer.step import train_step
 
     torch.set_num_threads(1)
     docs = _hybrid_docs()
     results: dict[str, Any] = {}
     for hybrid in (True, False):
-        cfg = GPTModelConfig(vocab_size=VOCAB, hidden_size=32, num_layers=2, num_attention_heads=4, seq_length=SEQ,
-                             cp=2, attention="flex", per_token_loss=True, hybrid_cp=hybrid)
-        initialize_parallel(cfg)
-        chunks = build_model_chunks(cfg)
-        init_layout_invariant(chunks, seed=cfg.seed)
-        optimizer = torch.optim.Adam([p for c in chunks for p in c.parameters()], lr=3e-3)
+        chunks, optimizer = _tiny_gpt(cp=2, hybrid_cp=hybrid)
         rank = dist.get_rank()
         if hybrid:
             plan = balance_hybrid_cp(np.array(HYBRID_LENS), 4, HYBRID_CAP, CPCost(linear=1.0, quadratic=0.05))
@@ -446,10 +451,7 @@ def _hybrid_worker(out: Path) -> None:
         dist.all_gather_object(gathered, sizes)
         results["hybrid" if hybrid else "fixed"] = {"steps": steps, "sizes": gathered}
         ps.destroy_model_parallel()
-    if dist.get_rank() == 0:
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "hybrid.json").write_text(json.dumps(results))
-    dist.destroy_process_group()
+    _write_from_rank0(out / "hybrid.json", results)
 
 
 @pytest.mark.slow
