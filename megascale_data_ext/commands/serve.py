@@ -74,6 +74,11 @@ def build(args: argparse.Namespace) -> tuple[Any, Any, dict[str, int | None], Va
     if "data" not in cfg:
         raise ConfigError("the composed config has no `data` node; add `data: megascale` to its defaults list")
     data = load_config(cfg, context_parallel_size=int(sizes["cp"]))
+    service_cfg = data.to_service_config()
+    if service_cfg.strategy == "hybrid_cp":
+        raise ConfigError("`data.strategy` hybrid_cp is trained by the reference trainer (examples/pretrain_gpt.py); "
+                          "Megatron-LM's pretrain_gpt.py does not run a microbatch on its own CP group yet: use "
+                          "strategy=llm_balance with serve")
     validation = None
     if run.train is not None and run.train.eval_interval > 0:
         valid_cfg = data.validation_service_config()
@@ -81,7 +86,7 @@ def build(args: argparse.Namespace) -> tuple[Any, Any, dict[str, int | None], Va
             raise ConfigError(f"`train.eval_interval`={run.train.eval_interval} needs held-out sources: list them "
                               "under `data.validation.sources`, or set train.eval_interval=0")
         validation = Validation(valid_cfg, run.train.eval_interval, run.train.eval_iters)
-    return data.to_service_config(), tree, sizes, validation
+    return service_cfg, tree, sizes, validation
 
 
 def connect_env(handles: Any, num_microbatches: int) -> dict[str, str]:

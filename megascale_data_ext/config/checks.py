@@ -212,6 +212,9 @@ def check_strategy(cfg: MegascaleDataConfig, path: str, problems: Problems) -> N
                 continue  # a fitted cost model's file or a shape: building the strategy below checks it
             if norm not in allowed:
                 problems.add(f"{where}.args.{key}", f"got {value!r}; {did_you_mean(value, allowed)}allowed: {allowed}")
+    if name == "hybrid_cp" and cfg.tokens_per_step is not None:
+        problems.add(f"{path}.tokens_per_step", "strategy hybrid_cp plans a count of samples a step "
+                                                 f"({path}.samples_per_step): set {path}.tokens_per_step=null")
     args = strategy_args(name, sc.args, num_microbatches=cfg.num_microbatches, seq_length=cfg.seq_length)
     params = inspect.signature(factory).parameters
     if not any(p.kind is p.VAR_KEYWORD for p in params.values()):

@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from megascale_data_ext.dataplane.balancers import balance_step
+from megascale_data_ext.dataplane.balancers.hybrid_cp import CPCost, balance_hybrid_cp
 from megascale_data_ext.dataplane.distribution import Distribution
 from megascale_data_ext.dataplane.plan import EncoderPlan, StepPlan
 from megascale_data_ext.dataplane.summary import BufferSummary
@@ -87,6 +88,8 @@ class _GraphBase:
         self.microbatch: np.ndarray | None = None
         self.num_microbatches = 1
         self.cap: int | None = None
+        self.cp_size: np.ndarray | None = None  # hybrid CP: each row's group size and its place in the group
+        self.cp_rank: np.ndarray | None = None
 
     def __len__(self) -> int:
         return int(len(next(iter(self.cols.values())))) if self.cols else 0
@@ -274,6 +277,51 @@ class DGraph(_GraphBase):
         self.encoder = g
         return g
 
+    def balance_hybrid_cp(self, *, cap: int, cost: CPCost) -> DGraph:
+        """Hybrid context parallelism over the buckets (`balancers.hybrid_cp`): each sample its own
+        power-of-two group of consecutive buckets, as many microbatches per bucket as it needs,
+        at most `cap` tokens per bucket and microbatch. A sample split over g buckets becomes g
+        rows, one per bucket, carrying ``cp_size`` = g and ``cp_rank`` = its place in the group
+        (every bucket of a group holds the same samples in the same order in that microbatch);
+        a row's cost is its share on one bucket. Needs `distribute` over the DP×CP consumers (axis
+        ``"CP"``, bucket ``dp * CP + cp``, megatron-core's hybrid-group order)."""
+        if self.layout is None:
+            raise PlanError("balance_hybrid_cp() needs distribute(axis) first: it decides how many buckets there are")
+        if int(self.cols["num_images"].sum()) if len(self) else 0:
+            raise PlanError(f"step {self.step}: hybrid CP plans text only, and this step has samples with images")
+        lens = self.cols["seq_len"].astype(np.int64)
+        try:
+            plan = balance_hybrid_cp(lens, self.layout.num_buckets, cap, cost)
+        except PlanError as exc:
+            raise type(exc)(f"step {self.step}: {exc} [{self._describe_rows(exc)}]") from exc
+        rows, bucket, mb, size, rank = [], [], [], [], []
+        count = np.zeros(self.layout.num_buckets, dtype=np.int64)
+        for m in plan.microbatches:
+            n = len(m.docs)
+            for r, b in enumerate(m.gpus()):
+                rows.append(m.docs)
+                bucket.append(np.full(n, b))
+                mb.append(np.full(n, count[b]))
+                size.append(np.full(n, m.size))
+                rank.append(np.full(n, r))
+                count[b] += 1
+        if len(count) and int(count.min()) == 0:
+            raise PlanError(f"step {self.step}: hybrid CP left {int((count == 0).sum())} of {len(count)} consumers "
+                            f"without a microbatch ({len(self)} samples); every rank runs at least one: raise "
+                            "data.samples_per_step")
+        cat = lambda parts: np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, np.int64)  # noqa: E731
+        picked, self.cp_size, self.cp_rank = cat(rows), cat(size), cat(rank)
+        selected = self.selected
+        self._select(picked)
+        self.selected = selected  # the step's buffer rows, not its replicas
+        self.bucket, self.microbatch = cat(bucket), cat(mb)
+        self.costs = cost.per_gpu(self.cols["seq_len"], self.cp_size)
+        self.num_microbatches = int(count.max()) if count.size else 1
+        self.cap = int(cap)
+        self._record(f"balance_hybrid_cp(cap={cap}) -> groups {np.bincount(plan.group_size).nonzero()[0].tolist()}, "
+                     f"microbatches per bucket {int(count.min())}..{int(count.max())}")
+        return self
+
     def broadcast_at(self, dim: str) -> DGraph:
         """Declare a trainer-side broadcast along `dim`: only its rank 0 fetches (e.g. "tp")."""
         self.broadcast_dims = tuple(dict.fromkeys(self.broadcast_dims + (dim,)))
@@ -311,6 +359,8 @@ class DGraph(_GraphBase):
             encoder=self.encoder.to_encoder_plan() if self.encoder is not None and self.encoder.bucket is not None else None,
             lineage=tuple(self.lineage + (self.encoder.lineage if self.encoder is not None else [])),
             cap=self.cap,
+            cp_size=self.cp_size,
+            cp_rank=self.cp_rank,
         )
 
     # -- inspection -------------------------------------------------------------------

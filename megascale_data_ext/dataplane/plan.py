@@ -60,6 +60,7 @@ class ConstructorPlan:
     ranks: tuple[int, ...]
     cap: int | None = None  # token cap the planner packed under; None = no cap (vanilla)
     encoder: bool = False  # the step has an EncoderPlan (images to hand to encoder ranks)
+    cp_groups: np.ndarray | None = None  # hybrid CP: int64 [num_microbatches, 2] = (group size, place in it)
     _refs: list[list[SampleRef]] | None = field(default=None, repr=False, compare=False)
 
     @property
@@ -74,7 +75,8 @@ class ConstructorPlan:
         return self._refs
 
     def __getstate__(self) -> dict:  # the rows travel, the references are rebuilt where used
-        return {f: getattr(self, f) for f in ("step", "bucket", "rows", "num_microbatches", "ranks", "cap", "encoder")}
+        return {f: getattr(self, f) for f in ("step", "bucket", "rows", "num_microbatches", "ranks", "cap", "encoder",
+                                              "cp_groups")}
 
     def __setstate__(self, state: dict) -> None:
         for k, v in state.items():
@@ -129,18 +131,22 @@ class StepPlan:
     cap: int | None = None
     span_start: np.ndarray | None = None  # int64 first token of the row's span; None = whole samples
     span_stop: np.ndarray | None = None  # int64 one past its last token (span_start + tokens)
+    cp_size: np.ndarray | None = None  # int64 hybrid CP: the row's group size (a sample has a row per group member)
+    cp_rank: np.ndarray | None = None  # int64 the row's place in its group; None = no hybrid CP
 
     @property
     def num_samples(self) -> int:
         return int(self.source.shape[0])
 
     def heads(self) -> np.ndarray:
-        """Rows that start their sample (all rows unless documents were split)."""
-        return np.ones(self.num_samples, bool) if self.span_start is None else self.span_start == 0
+        """Rows that start their sample (all rows unless documents were split, or a hybrid-CP
+        group's other members hold the same sample)."""
+        out = np.ones(self.num_samples, bool) if self.span_start is None else self.span_start == 0
+        return out if self.cp_rank is None else out & (self.cp_rank == 0)
 
     def counts_per_source(self) -> np.ndarray:
         """Samples started per source (a split document's continuations are not counted again)."""
-        src = self.source if self.span_start is None else self.source[self.heads()]
+        src = self.source if self.span_start is None and self.cp_rank is None else self.source[self.heads()]
         return np.bincount(src, minlength=len(self.source_names)).astype(np.int64)
 
     def bucket_costs(self) -> np.ndarray:
@@ -214,16 +220,24 @@ class StepPlan:
             table[:, 4], table[:, 5] = self.span_start[rows], self.span_stop[rows]
         else:
             table[:, 4], table[:, 5] = 0, -1
-        return ConstructorPlan(step=self.step, bucket=bucket, rows=table, num_microbatches=self.num_microbatches,
-                               ranks=self.bucket_ranks[bucket], cap=self.cap, encoder=self.encoder is not None)
+        if self.cp_size is None:
+            return ConstructorPlan(step=self.step, bucket=bucket, rows=table, num_microbatches=self.num_microbatches,
+                                   ranks=self.bucket_ranks[bucket], cap=self.cap, encoder=self.encoder is not None)
+        count = int(self.microbatch[rows].max()) + 1 if len(rows) else 0  # this bucket's own count
+        groups = np.ones((count, 2), dtype=np.int64)
+        groups[self.microbatch[rows], 0], groups[self.microbatch[rows], 1] = self.cp_size[rows], self.cp_rank[rows]
+        return ConstructorPlan(step=self.step, bucket=bucket, rows=table, num_microbatches=count,
+                               ranks=self.bucket_ranks[bucket], cap=self.cap, encoder=self.encoder is not None,
+                               cp_groups=groups)
 
     def summary(self) -> dict[str, float | int | list[int]]:
         """Numbers worth printing per step: sizes, balance and per-source counts."""
         costs = self.bucket_costs()
+        own = slice(None) if self.cp_rank is None else self.cp_rank == 0  # a hybrid-CP group's sample once
         out: dict[str, float | int | list[int]] = {
             "step": self.step,
-            "samples": self.num_samples,
-            "tokens": int(self.tokens.sum()),
+            "samples": int(self.source[own].shape[0]),
+            "tokens": int(self.tokens[own].sum()),
             "buckets": self.num_buckets,
             "max_over_mean": self.imbalance(),
             "vanilla_max_over_mean": self.vanilla_imbalance(),

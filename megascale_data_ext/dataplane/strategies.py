@@ -14,6 +14,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import numpy as np
+
+from megascale_data_ext.dataplane.balancers.hybrid_cp import CPCost
 from megascale_data_ext.dataplane.costs import TransformerConfig, TransformerCost, ViTCost, get_cost_model
 from megascale_data_ext.dataplane.dgraph import DGraph
 from megascale_data_ext.errors import ConfigError
@@ -135,6 +138,50 @@ class VLMBalance:
         return self.backbone(g)
 
 
+@dataclass(slots=True, kw_only=True)
+class HybridCPBalance(_CostsByModel):
+    """Hybrid context parallelism (issue 26): every document its own power-of-two group of DP×CP
+    consumers, short ones whole on one, as many microbatches per consumer as its documents need
+    (`balancers.hybrid_cp`). ``cap`` is the longest sequence (``data.seq_length``, what a fixed
+    CP job cuts over CP ranks); a consumer holds ``cap / CP`` tokens a microbatch, megatron-core's
+    ``max_seqlen_per_dp_cp_rank``. The cost is the `model`'s per sample plus `per_document` and,
+    per token a split document exchanges, `cp_comm` (in the model's units; 0: splitting is free).
+    Needs a per-token loss and PP 1 (the trainer refuses otherwise, naming the key)."""
+
+    num_microbatches: int
+    cap: int
+    model: str | TransformerConfig | Callable = "llama-12b"
+    per_document: float = 0.0
+    cp_comm: float = 0.0
+    broadcast: tuple[str, ...] = ("tp",)
+    axis: str = "CP"
+    variable_counts: bool = True
+    _cost: Callable = field(init=False, repr=False, compare=False)
+
+    def __call__(self, g: DGraph) -> DGraph:
+        per_gpu = max(int(self.cap) // int(g.tree.cp), 1)
+        g = g.distribute(self.axis).balance_hybrid_cp(cap=per_gpu, cost=_ModelCPCost(self._cost, self.per_document,
+                                                                                       self.cp_comm))
+        for dim in self.broadcast:
+            g = g.broadcast_at(dim)
+        return g
+
+
+class _ModelCPCost(CPCost):
+    """`CPCost` over a strategy's cost model: model(s) / g + per_document + cp_comm · s · (g − 1) / g."""
+
+    __slots__ = ("_model",)
+
+    def __init__(self, model: Callable, per_document: float, cp_comm: float) -> None:
+        CPCost.__init__(self, per_document=per_document, linear=0.0, quadratic=0.0, cp_comm=cp_comm)
+        object.__setattr__(self, "_model", model)
+
+    def per_gpu(self, lens: np.ndarray, group: np.ndarray | int) -> np.ndarray:
+        s = np.asarray(lens, dtype=np.float64)
+        g = np.asarray(group, dtype=np.float64)
+        return self.per_document + np.asarray(self._model(s), dtype=np.float64) / g + self.cp_comm * s * (g - 1) / g
+
+
 STRATEGIES: dict[str, Callable[..., Strategy]] = {}
 
 
@@ -172,6 +219,7 @@ class StrategyName(enum.StrEnum):
     VANILLA = "vanilla"
     LLM_BALANCE = "llm_balance"
     VLM_BALANCE = "vlm_balance"
+    HYBRID_CP = "hybrid_cp"
 
 
 def strategy_args(name: str, args: Mapping[str, Any], *, num_microbatches: int, seq_length: int) -> dict[str, Any]:
@@ -187,3 +235,4 @@ def strategy_args(name: str, args: Mapping[str, Any], *, num_microbatches: int, 
 register_strategy(StrategyName.VANILLA, Vanilla)
 register_strategy(StrategyName.LLM_BALANCE, LLMBalance)
 register_strategy(StrategyName.VLM_BALANCE, _vlm_factory)
+register_strategy(StrategyName.HYBRID_CP, HybridCPBalance)

@@ -124,14 +124,14 @@ class Installation:
                 raise ConfigError("call the pipeline schedule with keyword arguments (as megatron does)")
             if kwargs.get("forward_only"):
                 return self._evaluate(schedule, kwargs)
-            want = self.client.num_microbatches
-            if kwargs.get("num_microbatches", want) != want:
+            step = self.step
+            want = self.client.microbatches(step)  # hybrid CP: this rank's own count this step
+            if not self.client.topology.variable_counts and kwargs.get("num_microbatches", want) != want:
                 raise ConfigError(
                     f"the schedule was asked for {kwargs['num_microbatches']} microbatches but the data service plans "
                     f"{want} per step: set data.num_microbatches = global_batch_size / (DP * micro_batch_size)"
                 )
             kwargs["num_microbatches"] = want
-            step = self.step
             kwargs["data_iterator"] = self.iterators(step)
             with _variable_seq_lengths(kwargs.get("model", [])):
                 out = schedule(**kwargs)
@@ -155,8 +155,8 @@ class Installation:
         client = self.valid_client
         if client is None:
             return schedule(**kwargs)
-        kwargs["num_microbatches"] = client.num_microbatches
         step = client.step
+        kwargs["num_microbatches"] = client.microbatches(step)
         kwargs["data_iterator"] = self.iterators(step, client)
         with _variable_seq_lengths(kwargs.get("model", [])):
             out = schedule(**kwargs)

@@ -187,6 +187,8 @@ class Client:
         self.src, self.group_size = topology.broadcast_source(rank), len(topology.broadcast_group(rank))
         self.cp_rank = topology.tree.coords(rank)["cp"]
         self.step, self.microbatch = 0, 0
+        self._counts: dict[int, int] = {}  # variable counts: microbatches of each step this rank was told of
+        self._ahead: dict[tuple[int, int], dict[str, torch.Tensor] | None] = {}  # fetched to learn a count
         self.last_info: dict[str, Any] | None = None
         """Delivery info (step, bucket, samples, tokens...) of the last microbatch delivered."""
         self.delivered: deque[dict[str, Any]] = deque(maxlen=history)
@@ -237,11 +239,23 @@ class Client:
         return to_torch(slice_for_cp({k: v.numpy() for k, v in batch.items()}, cp_size=self.topology.tree.cp,
                                      cp_rank=self.cp_rank))
 
+    def microbatches(self, step: int) -> int:
+        """How many microbatches this rank runs at `step`: ``num_microbatches``, or where the
+        strategy plans a count per consumer (hybrid CP) what its constructor says (the first
+        microbatch is fetched for it and kept for `get`; collective over the broadcast group)."""
+        if not self.topology.variable_counts:
+            return self.num_microbatches
+        if step not in self._counts:
+            self._ahead[(step, 0)] = self.get(step, 0)
+        return self._counts[step]
+
     def get(self, step: int, microbatch: int) -> dict[str, torch.Tensor] | None:
         """Microbatch `microbatch` of `step` for this rank, without moving the data position.
 
         ``{}`` where the stage reads nothing; None on non-fetching ranks without ``broadcast``.
         """
+        if (step, microbatch) in self._ahead:
+            return self._ahead.pop((step, microbatch))
         if not self.needs_data:
             return {} if self.broadcast else None
         broadcast = self.broadcast and self.group_size > 1
@@ -255,6 +269,10 @@ class Client:
             batch, info = self._broadcast(batch, info)
         if self.cp_slice:
             batch = self._own_cp_slice(batch)
+        if info is not None and "microbatches" in info:
+            self._counts[step] = int(info["microbatches"])
+            for old in [s for s in self._counts if s < step - 8]:
+                del self._counts[old]
         self.last_info = info
         self.delivered.append(info)
         if self.record_digests:
@@ -270,7 +288,7 @@ class Client:
     def skip(self) -> None:
         """Move the data position one microbatch on without delivering it (chunks that read nothing)."""
         self.microbatch += 1
-        if self.microbatch == self.num_microbatches:
+        if self.microbatch >= self._counts.get(self.step, self.num_microbatches):
             self.step, self.microbatch = self.step + 1, 0
 
     def step_iterator(self, step: int | None = None) -> Iterator[dict[str, torch.Tensor] | None]:
@@ -291,7 +309,7 @@ class Client:
         self.seek(step + 1)
 
     def seek(self, step: int, microbatch: int = 0) -> None:
-        if step < 0 or not 0 <= microbatch < self.num_microbatches:
+        if step < 0 or microbatch < 0 or (not self.topology.variable_counts and microbatch >= self.num_microbatches):
             raise ResumeError(f"data position (step {step}, microbatch {microbatch}) is out of range "
                               f"(steps >= 0, microbatches in [0, {self.num_microbatches}))")
         self.step, self.microbatch = int(step), int(microbatch)

@@ -24,12 +24,12 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from megascale_data_ext.dataplane.cp_slicing import slice_for_cp
+from megascale_data_ext.dataplane.cp_slicing import slice_for_cp, slice_for_group
 from megascale_data_ext.dataplane.microbatch import fields_for_stage
 from megascale_data_ext.dataplane.packing import pack_microbatch, span_view
 from megascale_data_ext.dataplane.plan import ConstructorPlan, StepPlan
@@ -113,6 +113,7 @@ class _BuiltStep:
     batches: dict[tuple[int, int], dict[str, np.ndarray]]
     info: dict[tuple[int, int], dict[str, Any]]
     images: _ImageStep | None = None
+    counts: dict[int, int] = field(default_factory=dict)  # microbatches per bucket (hybrid CP: each its own)
 
 
 class DataConstructor:
@@ -210,10 +211,28 @@ class DataConstructor:
         mult = self.config.pad_to_multiple_of * 2 * self.topology.tree.cp
         built, takers = _BuiltStep(batches={}, info={}), {}
         for b, plan in plans.items():
+            built.counts[b] = plan.num_microbatches
             for j, refs in enumerate(plan.microbatches):
                 refs = [r for r in refs if (r.source, r.position) in pool]
                 samples = [span_view(pool[(r.source, r.position)], r.start, r.stop,
                                      name=f"step {step} source {r.source} position {r.position}") for r in refs]
+                group = None if plan.cp_groups is None else (int(plan.cp_groups[j, 0]), int(plan.cp_groups[j, 1]))
+                if group is not None:  # hybrid CP: packed for its group's slicing, up to cap tokens a member
+                    size = group[0]
+                    length = max(plan.cap * size, -(-sum(len(x.tokens) for x in samples) // (2 * size)) * 2 * size)
+                    batch = pack_microbatch(samples, seq_length=length, pad_id=self.pad_id,
+                                            with_attention_mask=False, variable_length=True,
+                                            source_ids=[r.source for r in refs] if self.split_loss else None)
+                    batch = slice_for_group(batch, group_size=size, rank_in_group=group[1])
+                    built.batches[(b, j)] = batch
+                    built.info[(b, j)] = {"step": step, "bucket": b, "microbatch": j, "microbatches": plan.num_microbatches,
+                                          "samples": np.asarray([(r.source, r.position, r.index) for r in refs],
+                                                                dtype=np.int64).reshape(-1, 3),
+                                          "tokens": int(batch["num_tokens"][0]), "local_cp_size": size,
+                                          "rank_in_group": group[1]}
+                    for rank in self.fetchers[b]:
+                        takers.setdefault(rank, set()).add((b, j))
+                    continue
                 batch = pack_microbatch(
                     samples,
                     seq_length=_packed_length(plan.cap, self.config.seq_length, samples, mult),
@@ -314,7 +333,13 @@ class DataConstructor:
         `position` is the step the rank is on (default `step`); a client that prefetches asks
         for later steps while still on an earlier one.
         """
-        return [self.get(step, j, rank, position) for j in range(self.config.num_microbatches)]
+        bucket = self.layout.bucket_of_rank(rank)
+        if bucket not in self.fetchers:
+            raise ValueError(f"rank {rank} belongs to bucket {bucket}, not served here ({self.buckets})")
+        self.held.arrive(rank, _position(step, rank, position))
+        self.skip_to(step)
+        count = self.held.get_or_build(step, self._build).counts.get(bucket, self.config.num_microbatches)
+        return [self.get(step, j, rank, position) for j in range(count)]
 
     def get(self, step: int, microbatch: int, rank: int, position: int | None = None
             ) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
@@ -327,7 +352,8 @@ class DataConstructor:
         built = self.held.get_or_build(step, self._build)
         batch, info = built.batches[(bucket, microbatch)], built.info[(bucket, microbatch)]
         coords = self.topology.tree.coords(rank)
-        if self.topology.tree.cp > 1 and not self.topology.client_slices_cp:  # else every rank slices after the broadcast
+        hybrid = "local_cp_size" in batch  # sliced for its own group already
+        if self.topology.tree.cp > 1 and not self.topology.client_slices_cp and not hybrid:  # else every rank slices after the broadcast
             batch = slice_for_cp(batch, cp_size=self.topology.tree.cp, cp_rank=coords["cp"])
         batch = fields_for_stage(batch, pp_rank=coords["pp"], pp_size=self.topology.tree.pp,
                                  middle_stage_masks=self.config.middle_stage_masks)

@@ -68,6 +68,8 @@ class ServiceTopology:
         job: Which running service this is (``<namespace>#<random id>``, stamped by
             `DataService`; empty for in-process wiring): clients present it on every request
             and a constructor of another job refuses them (`JobMismatchError`).
+        variable_counts: Each consumer runs its own number of microbatches a step (the
+            strategy plans them so: hybrid CP); a client learns its count from the constructor.
     """
 
     tree: ClientPlaceTree
@@ -76,6 +78,7 @@ class ServiceTopology:
     num_sources: int
     namespace: str
     job: str = ""
+    variable_counts: bool = False
 
     @classmethod
     def of(cls, config: Any, tree: ClientPlaceTree, strategy: Any = None) -> ServiceTopology:
@@ -86,7 +89,7 @@ class ServiceTopology:
         n, g = tree.buckets(dist.axis).num_buckets, config.constructor_group
         groups = tuple(tuple(range(i, min(i + g, n))) for i in range(0, n, g))
         return cls(tree=tree, distribution=dist, constructor_groups=groups, num_sources=len(config.sources),
-                   namespace=config.ray.namespace)
+                   namespace=config.ray.namespace, variable_counts=bool(getattr(strategy, "variable_counts", False)))
 
     # -- distribution ----------------------------------------------------------------
     @property

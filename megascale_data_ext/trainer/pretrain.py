@@ -123,19 +123,34 @@ def load_checkpoint(root: str | Path, step: int, chunks: list, optimizer: Any, h
     hooks.load_state_dict(blob["data"])
 
 
+def _own_samples(delivered: list) -> list:
+    """The samples of this rank's delivered microbatches, a hybrid-CP group's only on its first
+    member (every member holds a slice of the same documents), so each sample is logged once."""
+    return [np.asarray(i["samples"]).tolist() for i in delivered if i is not None and not i.get("rank_in_group", 0)]
+
+
 def gpt_model_config(cfg: Any, service_cfg: Any, vocab: int) -> Any:
     """The backbone's `GPTModelConfig` from the run config (`model`, `parallel`, `train` nodes)."""
     from megascale_data_ext.trainer.model import GPTModelConfig
 
     par, mcfg = cfg.parallel, cfg.model
     tp = int(par.tensor_model_parallel_size)
+    hybrid = service_cfg.strategy == "hybrid_cp"  # every document its own CP group: set up on the model side too
+    if hybrid:
+        problems = [f"train.per_token_loss=true (ranks run different numbers of microbatches; got "
+                    f"{cfg.train.get('per_token_loss', False)!r})"] if not cfg.train.get("per_token_loss", False) else []
+        if int(par.pipeline_model_parallel_size) > 1:
+            problems.append("parallel.pipeline_model_parallel_size=1 (1F1B orders a rank's microbatches by its count, "
+                            "so ranks with different counts would meet a group's collectives out of order)")
+        if problems:
+            raise ConfigError("data.strategy=hybrid_cp needs " + "; and ".join(problems))
     return GPTModelConfig(
         vocab_size=-(-vocab // (64 * tp)) * 64 * tp, hidden_size=int(mcfg.hidden_size), num_layers=int(mcfg.num_layers),
         num_attention_heads=int(mcfg.num_attention_heads), seq_length=service_cfg.seq_length, tp=tp,
         pp=int(par.pipeline_model_parallel_size), cp=int(par.get("context_parallel_size", 1)),
         vpp=par.get("virtual_pipeline_model_parallel_size"), seed=int(cfg.train.get("seed", 1234)),
         attention=str(mcfg.get("attention", "auto")), bf16=bool(cfg.train.get("bf16", False)),
-        per_token_loss=bool(cfg.train.get("per_token_loss", False)),
+        per_token_loss=bool(cfg.train.get("per_token_loss", False)), hybrid_cp=hybrid,
     )
 
 
@@ -298,7 +313,7 @@ class TrainingSession:
                          "constructor_lead": max((i.get("lead") or 0 for i in records["delivered"] if i is not None),
                                                  default=None),  # steps its constructor holds ahead of the slowest
                          "digests": records["digests"],
-                         "samples": [np.asarray(i["samples"]).tolist() for i in records["delivered"] if i is not None],
+                         "samples": _own_samples(records["delivered"]),
                          "compute_s": computed,
                          "measured_max_over_mean": max(computed) / max(float(np.mean(computed)), 1e-12),
                          **extra}

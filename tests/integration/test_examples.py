@@ -115,3 +115,22 @@ def test_loss_driven_mixing_end_to_end(run_example, tmp_path):
     for _, losses in state["reports"]:
         assert any(v is not None and 0 < v < 20 for v in losses)
     assert schedule["weights"] != [0.25] * 4  # the mixture moved with the reported losses
+
+
+def test_hybrid_cp_example_trains_each_sample_once_to_the_fixed_cp_losses(run_example, tmp_path):
+    """strategy=hybrid_cp at DP 2 x CP 2: each document its own group of the 4 ranks (short ones
+    whole on one rank), each rank its own number of microbatches; the same steps' samples as the
+    fixed-CP run of llm_balance, each once, and with a per-token loss the same losses."""
+    layout = ["parallel.tensor_model_parallel_size=1", "parallel.pipeline_model_parallel_size=1",
+              "parallel.context_parallel_size=2", "train.per_token_loss=true", "data.seq_length=512",
+              "data.samples_per_step=12", "data.num_microbatches=8", "train.train_iters=3"]
+    hybrid = run_example(tmp_path / "hybrid", *layout, "strategy=hybrid_cp")
+    fixed = run_example(tmp_path / "fixed", *layout)
+    for step in range(3):
+        got = [tuple(k) for rank in hybrid for mb in hybrid[rank][step]["samples"] for k in mb]
+        assert len(got) == len(set(got)) == 12  # every sample of the step once over all ranks
+        want = {tuple(k) for rank in (0, 2) for mb in fixed[rank][step]["samples"] for k in mb}  # CP rank 0s
+        assert set(got) == want
+        assert hybrid[0][step]["loss"] == pytest.approx(fixed[0][step]["loss"], rel=1e-4)
+    counts = {rank: [len(s["digests"]) for s in log] for rank, log in hybrid.items()}
+    assert len({tuple(c) for c in counts.values()}) > 1  # ranks ran different numbers of microbatches
