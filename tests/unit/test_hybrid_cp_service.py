@@ -5,6 +5,7 @@ gets its own number of microbatches, and every sample reaches training exactly o
 from __future__ import annotations
 
 import dataclasses
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -62,3 +63,23 @@ def test_each_consumer_gets_its_groups_slices_and_every_sample_once(service) -> 
         assert sorted(p for src, p, _ in seen if src == s) == list(range(sum(1 for k in seen if k[0] == s)))
     assert split > 0  # documents over CAP tokens ran on groups of 2 or 4
     assert any(len(set(c)) > 1 for c in counts)  # consumers ran different numbers of microbatches
+
+
+def test_hybrid_cp_is_refused_by_key_where_it_cannot_run(tmp_path) -> None:
+    from megascale_data_ext.config import compose_config, load_config
+    from megascale_data_ext.errors import ConfigError
+    from megascale_data_ext.trainer.pretrain import gpt_model_config
+
+    base = ["strategy=hybrid_cp", f"data.data_root={tmp_path}", "sources=demo_text"]
+    make_demo_data(tmp_path, seed=1, rows=20, text_sources=3, image_sources=0, megatron_rows=20, validation_rows=10)
+    cfg = compose_config(base + ["data.tokens_per_step=8192"])
+    with pytest.raises(ConfigError, match=r"`data.tokens_per_step`: strategy hybrid_cp plans a count of samples"):
+        load_config(cfg.data)
+    cfg = compose_config(base + ["parallel.pipeline_model_parallel_size=2"])
+    service = SimpleNamespace(strategy="hybrid_cp", seq_length=512)  # what gpt_model_config reads of it
+    with pytest.raises(ConfigError) as err:
+        gpt_model_config(cfg, service, 128)
+    assert "data.strategy=hybrid_cp needs train.per_token_loss=true" in str(err.value)
+    assert "parallel.pipeline_model_parallel_size=1" in str(err.value)
+    ok = compose_config(base + ["train.per_token_loss=true", "parallel.pipeline_model_parallel_size=1"])
+    assert gpt_model_config(ok, service, 128).hybrid_cp
