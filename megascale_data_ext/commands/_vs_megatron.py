@@ -143,7 +143,8 @@ def planner_per_token_gpu_costs(lens: np.ndarray, gpus: int, m: int, cap: int, m
     """What the planner does where the loss is per token: hybrid CP with as many microbatches
     per GPU as its documents need; where no document was split and that plan stays above the
     bound any count can reach (`lower_bound`, within 0.1 %), exactly m is planned too and the
-    cheaper kept (not planned where the hybrid plan is within 0.1 % of exactly m's floor). Returns the chosen per-GPU costs, which it was (``"variable"`` / ``"exact"``),
+    cheaper kept (not planned where the hybrid plan is within 0.1 % of exactly m's floor).
+    Returns the chosen per-GPU costs, which it was (``"variable"`` / ``"exact"``),
     the planning ms of this decision, the hybrid plan's costs and how many documents it split."""
     cost = cost_terms(model)
     t0 = time.perf_counter()
@@ -161,7 +162,9 @@ def planner_per_token_gpu_costs(lens: np.ndarray, gpus: int, m: int, cap: int, m
                        level="interleaved")
     exact = step_cost(res, cost.fixed)
     ms = (time.perf_counter() - t0) * 1e3
-    return (hybrid, "variable", ms, hybrid, split) if hybrid.max() < exact.max() else (exact, "exact", ms, hybrid, split)
+    if hybrid.max() < exact.max():
+        return hybrid, "variable", ms, hybrid, split
+    return exact, "exact", ms, hybrid, split
 
 
 def fixed_cp_gpu_costs(lens: np.ndarray, gpus: int, cap: int, model: str) -> tuple[np.ndarray, int]:

@@ -396,7 +396,8 @@ class OnlineCalibrator:
                                   per_document=prior.per_document, fitted_for=dict(self.fitted_for),
                                   fit={"online_steps": 0})
         x = _solve(self._gram, self._rhs, self._weight)
-        return CalibratedCost(fixed=x[0], per_document=x[1], linear=x[2], quadratic=x[3], fitted_for=dict(self.fitted_for),
+        return CalibratedCost(fixed=x[0], per_document=x[1], linear=x[2], quadratic=x[3],
+                              fitted_for=dict(self.fitted_for),
                               fit={"online_steps": self._steps, "effective_observations": self._weight,
                                    "decay": self.decay})
 

@@ -225,7 +225,8 @@ class DataConstructor:
                                             source_ids=[r.source for r in refs] if self.split_loss else None)
                     batch = slice_for_group(batch, group_size=size, rank_in_group=group[1])
                     built.batches[(b, j)] = batch
-                    built.info[(b, j)] = {"step": step, "bucket": b, "microbatch": j, "microbatches": plan.num_microbatches,
+                    built.info[(b, j)] = {"step": step, "bucket": b, "microbatch": j,
+                                          "microbatches": plan.num_microbatches,
                                           "samples": np.asarray([(r.source, r.position, r.index) for r in refs],
                                                                 dtype=np.int64).reshape(-1, 3),
                                           "tokens": int(batch["num_tokens"][0]), "local_cp_size": size,
@@ -353,7 +354,8 @@ class DataConstructor:
         batch, info = built.batches[(bucket, microbatch)], built.info[(bucket, microbatch)]
         coords = self.topology.tree.coords(rank)
         hybrid = "local_cp_size" in batch  # sliced for its own group already
-        if self.topology.tree.cp > 1 and not self.topology.client_slices_cp and not hybrid:  # else every rank slices after the broadcast
+        # else every rank slices after the broadcast (or the plan sliced it for its own group)
+        if self.topology.tree.cp > 1 and not self.topology.client_slices_cp and not hybrid:
             batch = slice_for_cp(batch, cp_size=self.topology.tree.cp, cp_rank=coords["cp"])
         batch = fields_for_stage(batch, pp_rank=coords["pp"], pp_size=self.topology.tree.pp,
                                  middle_stage_masks=self.config.middle_stage_masks)

@@ -120,11 +120,14 @@ def test_loss_driven_mixing_end_to_end(run_example, tmp_path):
 def test_hybrid_cp_example_trains_each_sample_once_to_the_fixed_cp_losses(run_example, tmp_path):
     """strategy=hybrid_cp at DP 2 x CP 2: each document its own group of the 4 ranks (short ones
     whole on one rank), each rank its own number of microbatches; the same steps' samples as the
-    fixed-CP run of llm_balance, each once, and with a per-token loss the same losses."""
+    fixed-CP run of llm_balance, each once, and with a per-token loss the same losses; a resume
+    from its checkpoint continues the same stream."""
     layout = ["parallel.tensor_model_parallel_size=1", "parallel.pipeline_model_parallel_size=1",
               "parallel.context_parallel_size=2", "train.per_token_loss=true", "data.seq_length=512",
               "data.samples_per_step=12", "data.num_microbatches=8", "train.train_iters=3"]
-    hybrid = run_example(tmp_path / "hybrid", *layout, "strategy=hybrid_cp")
+    ckpt = tmp_path / "ckpt"
+    hybrid = run_example(tmp_path / "hybrid", *layout, "strategy=hybrid_cp", f"train.save={ckpt}",
+                         "train.save_interval=2")
     fixed = run_example(tmp_path / "fixed", *layout)
     for step in range(3):
         got = [tuple(k) for rank in hybrid for mb in hybrid[rank][step]["samples"] for k in mb]
@@ -134,3 +137,9 @@ def test_hybrid_cp_example_trains_each_sample_once_to_the_fixed_cp_losses(run_ex
         assert hybrid[0][step]["loss"] == pytest.approx(fixed[0][step]["loss"], rel=1e-4)
     counts = {rank: [len(s["digests"]) for s in log] for rank, log in hybrid.items()}
     assert len({tuple(c) for c in counts.values()}) > 1  # ranks ran different numbers of microbatches
+    # Resumed from its step-2 checkpoint, each rank gets step 2's microbatches again, bit for bit.
+    resumed = run_example(tmp_path / "resumed", *layout, "strategy=hybrid_cp", f"train.load={ckpt}")
+    for rank, log in resumed.items():
+        assert [s["step"] for s in log] == [2]
+        assert log[0]["digests"] == hybrid[rank][2]["digests"] and log[0]["samples"] == hybrid[rank][2]["samples"]
+        assert log[0]["loss"] == pytest.approx(hybrid[rank][2]["loss"], rel=1e-6, abs=1e-7)

@@ -44,8 +44,9 @@ def test_each_consumer_gets_its_groups_slices_and_every_sample_once(service) -> 
             assert bucket == tree.coords(rank)["dp"] * 2 + tree.coords(rank)["cp"]  # megatron's DP x CP order
             for j, (batch, info) in enumerate(mbs):
                 size, place = info["local_cp_size"], info["rank_in_group"]
-                assert int(batch["local_cp_size"]) == size and info["microbatches"] == len(mbs) and info["microbatch"] == j
-                assert batch["tokens"].shape[1] <= CAP + 2 * len(info["samples"])  # the cap, and THD padding over the group
+                assert int(batch["local_cp_size"]) == size and info["microbatch"] == j
+                assert info["microbatches"] == len(mbs)
+                assert batch["tokens"].shape[1] <= CAP + 2 * len(info["samples"])  # the cap, and THD padding
                 if place == 0:
                     seen += [tuple(k) for k in info["samples"].tolist()]
                 key = tuple(map(tuple, info["samples"].tolist()))

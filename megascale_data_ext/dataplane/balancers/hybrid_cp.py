@@ -36,7 +36,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from megascale_data_ext.dataplane.balancers.variable_count import balance_variable_count, improve_by_moves, pack_under_cap
+from megascale_data_ext.dataplane.balancers.variable_count import (
+    balance_variable_count,
+    improve_by_moves,
+    pack_under_cap,
+)
 from megascale_data_ext.errors import PlanError
 
 __all__ = [
@@ -121,7 +125,7 @@ def _widen(lens: np.ndarray, groups: np.ndarray, gpus: int, cost: CPCost) -> np.
     out = groups.copy()
     for i in np.flatnonzero(share > mean).tolist():
         g, s = int(out[i]), lens[i]
-        while 2 * g <= top and float(cost.per_gpu(s, g)) > mean and float(cost.per_gpu(s, 2 * g)) < float(cost.per_gpu(s, g)):
+        while 2 * g <= top and mean < float(cost.per_gpu(s, g)) > float(cost.per_gpu(s, 2 * g)):
             g *= 2
         out[i] = g
     return out

@@ -111,8 +111,9 @@ def _best_exchange(hi: int, tried: np.ndarray, members: list[np.ndarray], cost: 
                    tsum: np.ndarray, costs: np.ndarray, tokens: np.ndarray, fixed_load: np.ndarray, fixed: float,
                    cap: int, partners: int = 0) -> tuple | None:
     """The move or swap that most lowers the worse of bucket `hi` and one of the cheapest
-    buckets: per partner (the `partners` cheapest, default PARTNERS) and tried document a, a plain move and swaps
-    with the two documents of the partner whose costs are nearest to evening the two. All
+    buckets: per partner (the `partners` cheapest, default PARTNERS) and tried document a, a
+    plain move and swaps with the two documents of the partner whose costs are nearest to
+    evening the two. All
     (partner, document, option) triples are costed at once; the first best in that order wins.
     Returns (worst, a, b or None, partner, new cost of hi, new cost of partner), or None."""
     cheapest = np.argsort(cost, kind="stable")[:partners or PARTNERS].tolist()
@@ -154,13 +155,14 @@ def _best_exchange(hi: int, tried: np.ndarray, members: list[np.ndarray], cost: 
 
 
 def improve_by_moves(bucket: np.ndarray, costs: np.ndarray, tokens: np.ndarray, k: int, cap: int, fixed: float,
-             rounds: int | None = None, base: np.ndarray | None = None) -> np.ndarray:
+                     rounds: int | None = None, base: np.ndarray | None = None) -> np.ndarray:
     """Lower the most expensive bucket while possible: move one of its documents to one of the
-    cheapest buckets, or swap one for a cheaper document there (the pair whose difference is closest to
-    half the gap), trying the BROAD_PARTNERS cheapest where the PARTNERS cheapest give nothing. A bucket's cost while moving: its documents' costs plus `fixed` per micro-batch
-    its tokens need at least (first-fit decreasing, run once at the end, rarely needs more with
-    short documents); sums per bucket make each try O(1). `base`: what each bucket already
-    carries that cannot move (a hybrid-CP plan's shares of long documents)."""
+    cheapest buckets, or swap one for a cheaper document there (the pair whose difference is
+    closest to half the gap), trying the BROAD_PARTNERS cheapest where the PARTNERS cheapest give
+    nothing. A bucket's cost while moving: its documents' costs plus `fixed` per micro-batch its
+    tokens need at least (first-fit decreasing, run once at the end, rarely needs more with short
+    documents); sums per bucket make each try O(1). `base`: what each bucket already carries that
+    cannot move (a hybrid-CP plan's shares of long documents)."""
     bucket = bucket.copy()
     csum = np.bincount(bucket, weights=costs, minlength=k).astype(np.float64)
     tsum = np.bincount(bucket, weights=tokens, minlength=k).astype(np.int64)
