@@ -219,9 +219,11 @@ class DataConstructor:
                 group = None if plan.cp_groups is None else (int(plan.cp_groups[j, 0]), int(plan.cp_groups[j, 1]))
                 if group is not None:  # hybrid CP: packed for its group's slicing, up to cap tokens a member
                     size = group[0]
-                    length = max(plan.cap * size, -(-sum(len(x.tokens) for x in samples) // (2 * size)) * 2 * size)
-                    batch = pack_microbatch(samples, seq_length=length, pad_id=self.pad_id,
+                    group_mult = self.config.pad_to_multiple_of * 2 * size
+                    need = max(plan.cap * size, sum(len(x.tokens) for x in samples))
+                    batch = pack_microbatch(samples, seq_length=-(-need // group_mult) * group_mult, pad_id=self.pad_id,
                                             with_attention_mask=False, variable_length=True,
+                                            pad_to_multiple_of=group_mult,
                                             source_ids=[r.source for r in refs] if self.split_loss else None)
                     batch = slice_for_group(batch, group_size=size, rank_in_group=group[1])
                     built.batches[(b, j)] = batch
