@@ -12,9 +12,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol
-
-import numpy as np
+from typing import Any, ClassVar, Protocol
 
 from megascale_data_ext.dataplane.balancers.hybrid_cp import CPCost
 from megascale_data_ext.dataplane.costs import TransformerConfig, TransformerCost, ViTCost, get_cost_model
@@ -154,32 +152,17 @@ class HybridCPBalance(_CostsByModel):
     per_document: float = 0.0
     cp_comm: float = 0.0
     broadcast: tuple[str, ...] = ("tp",)
-    axis: str = "CP"
-    variable_counts: bool = True
+    axis: ClassVar[str] = "CP"  # every DP x CP rank a consumer, megatron-core's hybrid-group order
+    variable_counts: ClassVar[bool] = True  # each consumer its own count (the runtime reads it)
     _cost: Callable = field(init=False, repr=False, compare=False)
 
     def __call__(self, g: DGraph) -> DGraph:
         per_gpu = max(int(self.cap) // int(g.tree.cp), 1)
-        g = g.distribute(self.axis).balance_hybrid_cp(cap=per_gpu, cost=_ModelCPCost(self._cost, self.per_document,
-                                                                                       self.cp_comm))
+        cost = CPCost(per_document=self.per_document, cp_comm=self.cp_comm, model=self._cost)
+        g = g.distribute(self.axis).balance_hybrid_cp(cap=per_gpu, cost=cost)
         for dim in self.broadcast:
             g = g.broadcast_at(dim)
         return g
-
-
-class _ModelCPCost(CPCost):
-    """`CPCost` over a strategy's cost model: model(s) / g + per_document + cp_comm · s · (g − 1) / g."""
-
-    __slots__ = ("_model",)
-
-    def __init__(self, model: Callable, per_document: float, cp_comm: float) -> None:
-        CPCost.__init__(self, per_document=per_document, linear=0.0, quadratic=0.0, cp_comm=cp_comm)
-        object.__setattr__(self, "_model", model)
-
-    def per_gpu(self, lens: np.ndarray, group: np.ndarray | int) -> np.ndarray:
-        s = np.asarray(lens, dtype=np.float64)
-        g = np.asarray(group, dtype=np.float64)
-        return self.per_document + np.asarray(self._model(s), dtype=np.float64) / g + self.cp_comm * s * (g - 1) / g
 
 
 STRATEGIES: dict[str, Callable[..., Strategy]] = {}

@@ -30,7 +30,8 @@ import numpy as np
 
 from megascale_data_ext.errors import ConfigError
 
-__all__ = ["LONG_TAIL_SPAN", "PAPER_WORKLOADS", "Workload", "WorkloadName", "fill_workload", "generate_workload", "megatron_windows", "workload_names"]
+__all__ = ["LONG_TAIL_SPAN", "PAPER_WORKLOADS", "Workload", "WorkloadName", "fill_workload", "generate_workload",
+           "megatron_windows", "workload_names"]
 
 WorkloadName = Literal["coyo", "navit", "long-short", "long-tail"]
 #: A long-tail workload's longest document over the per-GPU cap it is planned with.

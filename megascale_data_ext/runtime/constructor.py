@@ -216,36 +216,22 @@ class DataConstructor:
                 refs = [r for r in refs if (r.source, r.position) in pool]
                 samples = [span_view(pool[(r.source, r.position)], r.start, r.stop,
                                      name=f"step {step} source {r.source} position {r.position}") for r in refs]
-                group = None if plan.cp_groups is None else (int(plan.cp_groups[j, 0]), int(plan.cp_groups[j, 1]))
-                if group is not None:  # hybrid CP: packed for its group's slicing, up to cap tokens a member
-                    size = group[0]
-                    group_mult = self.config.pad_to_multiple_of * 2 * size
-                    need = max(plan.cap * size, sum(len(x.tokens) for x in samples))
-                    batch = pack_microbatch(samples, seq_length=-(-need // group_mult) * group_mult, pad_id=self.pad_id,
-                                            with_attention_mask=False, variable_length=True,
-                                            pad_to_multiple_of=group_mult,
-                                            source_ids=[r.source for r in refs] if self.split_loss else None)
-                    batch = slice_for_group(batch, group_size=size, rank_in_group=group[1])
-                    built.batches[(b, j)] = batch
-                    built.info[(b, j)] = {"step": step, "bucket": b, "microbatch": j,
-                                          "microbatches": plan.num_microbatches,
-                                          "samples": np.asarray([(r.source, r.position, r.index) for r in refs],
-                                                                dtype=np.int64).reshape(-1, 3),
-                                          "tokens": int(batch["num_tokens"][0]), "local_cp_size": size,
-                                          "rank_in_group": group[1]}
-                    for rank in self.fetchers[b]:
-                        takers.setdefault(rank, set()).add((b, j))
-                    continue
-                batch = pack_microbatch(
-                    samples,
-                    seq_length=_packed_length(plan.cap, self.config.seq_length, samples, mult),
-                    pad_id=self.pad_id,
-                    image_token_id=self.image_token_id,
-                    with_attention_mask=self.config.with_attention_mask,
-                    pad_to_multiple_of=mult,
-                    variable_length=True,
-                    source_ids=[r.source for r in refs] if self.split_loss else None,
-                )
+                source_ids = [r.source for r in refs] if self.split_loss else None
+                if plan.cp_groups is None:
+                    batch = pack_microbatch(
+                        samples,
+                        seq_length=_packed_length(plan.cap, self.config.seq_length, samples, mult),
+                        pad_id=self.pad_id,
+                        image_token_id=self.image_token_id,
+                        with_attention_mask=self.config.with_attention_mask,
+                        pad_to_multiple_of=mult,
+                        variable_length=True,
+                        source_ids=source_ids,
+                    )
+                else:  # hybrid CP: this consumer's slice of the pack of its microbatch's group
+                    size, place = int(plan.cp_groups[j, 0]), int(plan.cp_groups[j, 1])
+                    batch = slice_for_group(self._group_pack(samples, plan.cap, size, source_ids), group_size=size,
+                                            rank_in_group=place)
                 built.batches[(b, j)] = batch
                 delivered = [(r.source, r.position, r.index) for r in refs]
                 built.info[(b, j)] = {
@@ -255,6 +241,9 @@ class DataConstructor:
                     "samples": np.asarray(delivered, dtype=np.int64).reshape(-1, 3),
                     "tokens": int(batch["num_tokens"][0]),
                 }
+                if plan.cp_groups is not None:  # each consumer's own count, and its microbatch's group
+                    built.info[(b, j)].update(microbatches=plan.num_microbatches, local_cp_size=size,
+                                              rank_in_group=place)
                 if any(r.stop is not None for r in refs):  # token mode: which token span of each sample
                     built.info[(b, j)]["spans"] = np.asarray(
                         [(r.source, r.position, r.start, r.stop) for r in refs], dtype=np.int64).reshape(-1, 4)
@@ -271,6 +260,15 @@ class DataConstructor:
         self.build_seconds.append(time.perf_counter() - t0)
         self.built_steps += 1
         return built, takers
+
+    def _group_pack(self, samples: list, cap: int, size: int, source_ids: list[int] | None) -> dict[str, np.ndarray]:
+        """The whole pack of a hybrid-CP microbatch over `size` consumers (up to `cap` tokens each),
+        padded to ``pad_to_multiple_of × 2 × size`` as a fixed-CP pack is to its CP size; every
+        member of the group builds the same one and keeps its own slice."""
+        mult = self.config.pad_to_multiple_of * 2 * size
+        need = max(cap * size, sum(len(x.tokens) for x in samples))
+        return pack_microbatch(samples, seq_length=-(-need // mult) * mult, pad_id=self.pad_id, variable_length=True,
+                               pad_to_multiple_of=mult, source_ids=source_ids)
 
     def _decoded(self, step: int, pool: dict[tuple[int, int], Any]) -> dict[tuple[int, int], Any]:
         """`pool` with deferred images decoded; a sample whose image cannot be decoded is left

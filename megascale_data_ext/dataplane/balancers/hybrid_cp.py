@@ -32,6 +32,7 @@ Pure numpy: the Planner runs it for every step.
 from __future__ import annotations
 
 import heapq
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -54,18 +55,21 @@ class CPCost:
     ``per_document + (linear·s + quadratic·s²) / g + cp_comm · s · (g - 1) / g`` (the K/V of
     the other ``g - 1`` GPUs' tokens reach it over the ring), plus ``fixed`` per microbatch
     (one forward/backward: launches, the fixed part of a step). With only ``quadratic = 1``
-    this is megatron-core's own estimator (s² / g)."""
+    this is megatron-core's own estimator (s² / g). A per-sample cost `model` (a strategy's
+    FLOPs or calibrated model) replaces ``linear·s + quadratic·s²`` where given."""
 
     fixed: float = 0.0
     per_document: float = 0.0
     linear: float = 0.0
     quadratic: float = 1.0
     cp_comm: float = 0.0
+    model: Callable[[np.ndarray], np.ndarray] | None = None
 
     def per_gpu(self, lens: np.ndarray, group: np.ndarray | int) -> np.ndarray:
         s = np.asarray(lens, dtype=np.float64)
         g = np.asarray(group, dtype=np.float64)
-        return self.per_document + (self.linear * s + self.quadratic * s * s) / g + self.cp_comm * s * (g - 1) / g
+        work = self.linear * s + self.quadratic * s * s if self.model is None else np.asarray(self.model(s), np.float64)
+        return self.per_document + work / g + self.cp_comm * s * (g - 1) / g
 
 
 @dataclass(frozen=True, slots=True)

@@ -113,8 +113,8 @@ def _best_exchange(hi: int, tried: np.ndarray, members: list[np.ndarray], cost: 
     """The move or swap that most lowers the worse of bucket `hi` and one of the cheapest
     buckets: per partner (the `partners` cheapest, default PARTNERS) and tried document a, a
     plain move and swaps with the two documents of the partner whose costs are nearest to
-    evening the two. All
-    (partner, document, option) triples are costed at once; the first best in that order wins.
+    evening the two. All (partner, document, option) triples are costed at once; the first best
+    in that order wins.
     Returns (worst, a, b or None, partner, new cost of hi, new cost of partner), or None."""
     cheapest = np.argsort(cost, kind="stable")[:partners or PARTNERS].tolist()
     partners = np.array([lo for lo in cheapest if lo != hi], dtype=np.int64)
