@@ -15,7 +15,7 @@ the rank's GPU (cpu:gloo,cuda:nccl; `train.bf16=true` for bf16; run on an H100: 
 
 from __future__ import annotations
 
-from megascale_data_ext.trainer.app import run
+from megascale_data_ext.trainer.app import exit_process, run
 
 
 def train(cfg):
@@ -29,4 +29,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    exit_process(main())

@@ -13,7 +13,7 @@ NAME` composes your own config (megascale_data_ext/trainer/app.py has the flags)
 
 from __future__ import annotations
 
-from megascale_data_ext.trainer.app import run
+from megascale_data_ext.trainer.app import exit_process, run
 
 
 def train(cfg):
@@ -27,4 +27,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    exit_process(main())

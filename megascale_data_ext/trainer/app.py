@@ -43,7 +43,7 @@ import time
 import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from megascale_data_ext.errors import ConfigError, MegascaleDataError, root_cause
 from megascale_data_ext.megatron.preflight import preflight
@@ -188,6 +188,25 @@ def run(train: TrainFn, argv: Sequence[str] | None = None, *, config_name: str, 
             raise
         say_error(error_line(cause, write_error_log(log, e)))
         return 1
+
+
+def exit_process(code: int | str | None) -> NoReturn:
+    """End a rank's process with `code` about 1.5 s sooner: a training script's last act
+    (``exit_process(main())``), never a library call's.
+
+    It leaves Ray first (at interpreter exit Ray's own hook sleeps 0.5 s for driver log lines that
+    ``log_to_driver=False`` never prints), then freezes the heap, so that the interpreter's
+    exit-time garbage collection skips the objects torch and megatron-core created at import (about
+    1 s a process on 2 cores; four ranks pay it on the same cores). Nothing among them needs
+    finalizing: the run closed its files, writers and services before returning.
+    """
+    import gc
+
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        ray.shutdown()
+    gc.freeze()
+    raise SystemExit(code)
 
 
 def say_error(line: str) -> None:

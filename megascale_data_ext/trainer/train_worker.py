@@ -141,4 +141,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from megascale_data_ext.trainer.app import exit_process
+
+    exit_process(main())

@@ -63,16 +63,26 @@ def install() -> None:
 def main(argv: list[str]) -> None:
     """``lazy_compile.py SCRIPT ARGS`` or ``lazy_compile.py -m MODULE ARGS``: install, then run it as __main__."""
     install()
-    if argv[:1] == ["-m"]:
-        module, rest = argv[1], argv[2:]
-        sys.argv = [module, *rest]
-        sys.path[0] = os.getcwd()  # as `python -m MODULE` would have it
-        runpy.run_module(module, run_name="__main__", alter_sys=True)
+    try:
+        if argv[:1] == ["-m"]:
+            module, rest = argv[1], argv[2:]
+            sys.argv = [module, *rest]
+            sys.path[0] = os.getcwd()  # as `python -m MODULE` would have it
+            runpy.run_module(module, run_name="__main__", alter_sys=True)
+        else:
+            script, rest = Path(argv[0]).resolve(), argv[1:]
+            sys.argv = [str(script), *rest]
+            sys.path[0] = str(script.parent)  # as `python SCRIPT` would have it
+            runpy.run_path(str(script), run_name="__main__")
+    except SystemExit as e:
+        code = e.code
     else:
-        script, rest = Path(argv[0]).resolve(), argv[1:]
-        sys.argv = [str(script), *rest]
-        sys.path[0] = str(script.parent)  # as `python SCRIPT` would have it
-        runpy.run_path(str(script), run_name="__main__")
+        code = 0
+    # A test's own worker script ends as the examples do (~1.5 s sooner a rank); an exception
+    # other than SystemExit propagates unchanged with its traceback.
+    from megascale_data_ext.trainer.app import exit_process
+
+    exit_process(code)
 
 
 if __name__ == "__main__":
