@@ -23,7 +23,7 @@ def train(cfg):
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run(train, argv, config_name="train_vlm", doc=__doc__)
+    return run(train, argv, config_name="train_vlm", doc=__doc__, start_service_first=True)
 
 
 if __name__ == "__main__":

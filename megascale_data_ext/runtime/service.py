@@ -129,6 +129,10 @@ class DataService:
         self._held: list[Any] = []  # large actor arguments by reference (`runtime.ray_actor.Held`)
         self._stopping = threading.Event()
         self._home_watch: threading.Thread | None = None
+        self._placement_of_constructors: Any = None  # `runtime.placement.Placement`, with trainer_nodes
+        self.asked_at: float | None = None  # perf_counter when the actors were asked for (`launch`, `start*`)
+        self.launched_early = False  # `launch` asked for them before `start_in_background` waited
+        self._launched_state: dict | None = None
 
     def _phase(self, name: str, t0: float, detail: str = "") -> None:
         self.phases[name] = time.perf_counter() - t0
@@ -153,7 +157,7 @@ class DataService:
             reshard: Accept a `state` saved under another parallel layout (elastic resume,
                 `runtime.elastic`); the trainer resumes at ``state["step"]``.
         """
-        t0 = time.perf_counter()
+        self.asked_at = t0 = time.perf_counter()
         self._init_ray()
         return self._start_actors(t0, state, reshard)
 
@@ -163,13 +167,34 @@ class DataService:
         here, on the calling thread, which must outlive the service (Ray's driver state is
         tied to the thread that ran ``ray.init``). Meanwhile the caller must add no environment
         variable: the thread's C ``getenv`` (pyarrow, Ray) would race the reallocation
-        (`trainer.model.settle_model_environ` writes megatron's model-build variables first)."""
-        t0 = time.perf_counter()
-        self._init_ray()
+        (`trainer.model.settle_model_environ` writes megatron's model-build variables first).
+        After `launch`, the thread only waits for what was launched (`state` must be the same)."""
+        launched = self.launched_early
+        if launched and state != self._launched_state:
+            raise ValueError("start_in_background(state=...) after launch(state=...) must pass the same state")
+        if not launched:
+            self.asked_at = time.perf_counter()
+            self._init_ray()
+        t0 = self.asked_at
         pool = ThreadPoolExecutor(1, thread_name_prefix="megascale-service-start")
-        future = pool.submit(self._start_actors, t0, state, reshard)
+        future = pool.submit(self._start_actors, t0, state, reshard, launched)
         pool.shutdown(wait=False)
         return future
+
+    def launch(self, *, state: dict | None = None) -> None:
+        """Join or start Ray, check the sources and ask for every actor, then return without
+        waiting for any: they start in their own processes while this one does its own slow
+        start-up (a trainer imports torch and megatron-core) with no thread of ours running.
+        `start_in_background` (same `state`) then waits for them. Raises what `start` would
+        have raised by then; nothing is left running."""
+        self.asked_at = t0 = time.perf_counter()
+        self.launched_early, self._launched_state = True, state
+        self._init_ray()
+        try:
+            self._launch_actors(t0, state, warm_first=False)
+        except Exception:
+            self._kill_actors()
+            raise
 
     def _init_ray(self) -> None:
         cfg, t0 = self.config, time.perf_counter()
@@ -180,63 +205,77 @@ class DataService:
             self._owns_ray = True
         self.ray_init_seconds = time.perf_counter() - t0
 
-    def _start_actors(self, t0: float, state: dict | None, reshard: bool) -> ServiceHandles:
+    def _start_actors(self, t0: float, state: dict | None, reshard: bool, launched: bool = False) -> ServiceHandles:
+        try:
+            if not launched:
+                self._launch_actors(t0, state, warm_first=True)
+            self._await_actors(t0, state, reshard)
+        except Exception:  # a source that cannot open, a bad resume state: leave nothing running
+            self._kill_actors()
+            raise
+        self.startup_seconds = time.perf_counter() - t0
+        if self._placement_of_constructors is not None and self.config.placement.move_back_s > 0 and self.ft.restart:
+            self._home_watch = threading.Thread(target=self._watch_homes, args=(self.config.placement.move_back_s,),
+                                                daemon=True, name="megascale-home-watch")
+            self._home_watch.start()
+        return ServiceHandles(
+            address=ray.get_runtime_context().gcs_address,
+            topology=self.topology,
+            ray_env={k: v for k, v in os.environ.items() if k.startswith("RAY_AUTH_")},
+        )
+
+    def _launch_actors(self, t0: float, state: dict | None, *, warm_first: bool) -> None:
+        """Checks, the loader plan, the Planner (which starts its loaders) and, with nothing to
+        restore, the constructors: asked for, not waited for (but with `warm_first` the Planner's
+        process is up before the constructors are asked for, so its loaders get Ray's warm workers)."""
         cfg, topo, ft = self.config, self.topology, self.ft
         _check_namespace_free(topo.namespace)
         check_sources(cfg.sources)
         ckpt = self._prepare_checkpoint_dir()
         self._phase("sources checked", t0, f" ({len(cfg.sources)} sources)")
-        try:
-            placement = self._placement()
-            loader_opts = ft.actor_options(retry_tasks=False)
-            if cfg.autoscale.enabled:
-                from megascale_data_ext.runtime.autoscale_plan import build_autoscale_plan
+        self._placement_of_constructors = placement = self._placement()
+        loader_opts = ft.actor_options(retry_tasks=False)
+        if cfg.autoscale.enabled:
+            from megascale_data_ext.runtime.autoscale_plan import build_autoscale_plan
 
-                plan, self.partition = build_autoscale_plan(cfg, nodes=self._nodes(), placement=placement,
-                                                            progress=self.progress, restart_options=loader_opts)
-                self._phase("loaders partitioned", t0, f" ({len(self.config.sources)} sources -> "
-                                                       f"{len(plan.actors)} loader actors)")
-            else:
-                from megascale_data_ext.runtime.autoscale_plan import per_source_plan
+            plan, self.partition = build_autoscale_plan(cfg, nodes=self._nodes(), placement=placement,
+                                                        progress=self.progress, restart_options=loader_opts)
+            self._phase("loaders partitioned", t0, f" ({len(self.config.sources)} sources -> "
+                                                   f"{len(plan.actors)} loader actors)")
+        else:
+            from megascale_data_ext.runtime.autoscale_plan import per_source_plan
 
-                plan = per_source_plan(cfg, loader_opts)
-            plan.shadows = ft.shadow_loaders
-            # by reference, kept here for as long as the actors may restart (`runtime.ray_actor.Held`)
-            self._held = [Held.put(cfg, owner=topo.job), Held.put(plan, owner=topo.job)]
-            self.planner = start_planner(self._held[0], topo, self._held[1], ft, ckpt)
-            start_step = 0 if state is None else int(state["step"])
-            if state is None:  # nothing to restore first: constructor processes start beside the loaders'
+            plan = per_source_plan(cfg, loader_opts)
+        plan.shadows = ft.shadow_loaders
+        # by reference, kept here for as long as the actors may restart (`runtime.ray_actor.Held`)
+        self._held = [Held.put(cfg, owner=topo.job), Held.put(plan, owner=topo.job)]
+        self.planner = start_planner(self._held[0], topo, self._held[1], ft, ckpt)
+        if state is None:  # nothing to restore first: constructor processes start beside the loaders'
+            if warm_first:
                 ray.get(self.planner.__ray_ready__.remote())  # its loaders asked for first (warm workers)
-                self.constructors = start_constructors(cfg, topo, self.planner, ft, start_step=0, placement=placement,
-                                                       held_config=self._held[0])
-            loaders, shadows = ray.get([self.planner.loader_actors.remote(),  # surfaces source errors now
-                                        self.planner.shadow_actors.remote()])
-            self._phase("loaders up", t0, f" ({len(loaders)} loader actors" +
-                        (f" + {len(shadows)} shadows" if shadows else "") + ", started by the planner)")
-            if state is not None:
-                ray.get(self.planner.load_state_dict.remote(state, reshard))
-            self._phase("planner up", t0, f" (step {start_step}{', resharded' if reshard and state else ''})")
-            first_plan = self.planner.plan_summary.remote(start_step)  # planned while the constructors start
-            if state is not None:  # after the restore: a constructor asks for plans from its first call
-                self.constructors = start_constructors(cfg, topo, self.planner, ft, start_step=start_step,
-                                                       placement=placement, held_config=self._held[0])
-            ray.get(first_plan)
-            self._phase("first plan", t0)
-            ray.get([c.stats.remote() for c in self.constructors])
-            self._phase("constructors up", t0, f" ({len(self.constructors)})")
-        except Exception:  # a source that cannot open, a bad resume state: leave nothing running
-            self._kill_actors()
-            raise
-        self.startup_seconds = time.perf_counter() - t0
-        if placement is not None and cfg.placement.move_back_s > 0 and ft.restart:
-            self._home_watch = threading.Thread(target=self._watch_homes, args=(cfg.placement.move_back_s,),
-                                                daemon=True, name="megascale-home-watch")
-            self._home_watch.start()
-        return ServiceHandles(
-            address=ray.get_runtime_context().gcs_address,
-            topology=topo,
-            ray_env={k: v for k, v in os.environ.items() if k.startswith("RAY_AUTH_")},
-        )
+            self.constructors = start_constructors(cfg, topo, self.planner, ft, start_step=0, placement=placement,
+                                                   held_config=self._held[0])
+
+    def _await_actors(self, t0: float, state: dict | None, reshard: bool) -> None:
+        """Wait for what `_launch_actors` asked for; restore `state`, then start the constructors."""
+        cfg, topo, ft = self.config, self.topology, self.ft
+        start_step = 0 if state is None else int(state["step"])
+        loaders, shadows = ray.get([self.planner.loader_actors.remote(),  # surfaces source errors now
+                                    self.planner.shadow_actors.remote()])
+        self._phase("loaders up", t0, f" ({len(loaders)} loader actors" +
+                    (f" + {len(shadows)} shadows" if shadows else "") + ", started by the planner)")
+        if state is not None:
+            ray.get(self.planner.load_state_dict.remote(state, reshard))
+        self._phase("planner up", t0, f" (step {start_step}{', resharded' if reshard and state else ''})")
+        first_plan = self.planner.plan_summary.remote(start_step)  # planned while the constructors start
+        if state is not None:  # after the restore: a constructor asks for plans from its first call
+            self.constructors = start_constructors(cfg, topo, self.planner, ft, start_step=start_step,
+                                                   placement=self._placement_of_constructors,
+                                                   held_config=self._held[0])
+        ray.get(first_plan)
+        self._phase("first plan", t0)
+        ray.get([c.stats.remote() for c in self.constructors])
+        self._phase("constructors up", t0, f" ({len(self.constructors)})")
 
     def _nodes(self) -> Any:
         from megascale_data_ext.runtime.placement import ClusterNodes

@@ -47,6 +47,7 @@ from typing import Any, NoReturn
 
 from megascale_data_ext.errors import ConfigError, MegascaleDataError, root_cause
 from megascale_data_ext.megatron.preflight import preflight
+from megascale_data_ext.trainer import early_start
 from megascale_data_ext.trainer.run_dir import error_log_path, resolve_run_paths, write_error_log, write_run_config
 
 TrainFn = Callable[[Any], "list[dict] | None"]
@@ -139,7 +140,7 @@ def write_step_log(cfg: Any, log: list[dict] | None) -> None:
 
 
 def run(train: TrainFn, argv: Sequence[str] | None = None, *, config_name: str, doc: str | None = None,
-        prog: str | None = None) -> int:
+        prog: str | None = None, start_service_first: bool = False) -> int:
     """Parse ``argv``, then print help / the config, or compose and ``train(cfg)``; the exit code.
 
     Args:
@@ -148,6 +149,8 @@ def run(train: TrainFn, argv: Sequence[str] | None = None, *, config_name: str, 
         config_name: The config composed when ``--config-name`` is not given.
         doc: The script's docstring, shown by ``--help``.
         prog: Program name in the usage line (default: the script's file name).
+        start_service_first: Rank 0 asks for the data service before torch and megatron-core are
+            imported (`trainer.early_start`), for a `train` that runs a `TrainingSession`.
     """
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = build_parser(prog or Path(sys.argv[0]).name, doc)
@@ -175,6 +178,8 @@ def run(train: TrainFn, argv: Sequence[str] | None = None, *, config_name: str, 
     os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     log = error_log_path(cfg)
     try:
+        if start_service_first:
+            early_start.launch(cfg)
         from torch.distributed.elastic.multiprocessing.errors import record
 
         record(_train, error_handler=_error_handler(log))(train, cfg)
@@ -188,6 +193,8 @@ def run(train: TrainFn, argv: Sequence[str] | None = None, *, config_name: str, 
             raise
         say_error(error_line(cause, write_error_log(log, e)))
         return 1
+    finally:
+        early_start.stop_unclaimed()  # a config refused after the launch: nothing left running
 
 
 def exit_process(code: int | str | None) -> NoReturn:

@@ -31,6 +31,8 @@ import torch
 import torch.distributed as dist
 
 from megascale_data_ext.errors import ConfigError, ResumeError, root_cause
+from megascale_data_ext.trainer.checkpoint_dir import latest_step, load_data_state, step_dir
+from megascale_data_ext.trainer.early_start import VALIDATION_LABEL
 
 CHECKPOINT_VERSION = 1
 
@@ -42,6 +44,11 @@ def begin_serve(service_config: Any, tree: Any, *, state: dict | None, label: st
     if dist.get_rank() != 0:
         return None, None
     from megascale_data_ext.runtime.service import DataService, print_progress
+    from megascale_data_ext.trainer import early_start
+
+    launched = early_start.take(label, service_config, tree, state)  # asked for before torch was imported
+    if launched is not None:
+        return launched
 
     service = DataService(service_config, tree, progress=(lambda line: print_progress(label + line)) if label
                           else print_progress)
@@ -72,14 +79,10 @@ def finish_serve(pending: Any) -> tuple[Any, float]:
     return payload[0], time.perf_counter() - t0
 
 
-def _ckpt_dir(root: str | Path, step: int) -> Path:
-    return Path(root) / f"step_{step:07d}"
-
-
 def save_checkpoint(root: str | Path, step: int, chunks: list, optimizer: Any, hooks: Any, service: Any,
                     scheduler: Any = None) -> Path:
     """Save model, optimizer, LR schedule and data state after `step` steps (the next step to run is `step`)."""
-    path = _ckpt_dir(root, step)
+    path = step_dir(root, step)
     path.mkdir(parents=True, exist_ok=True)
     rank = dist.get_rank()
     torch.save(
@@ -96,20 +99,9 @@ def save_checkpoint(root: str | Path, step: int, chunks: list, optimizer: Any, h
     return path
 
 
-def latest_step(root: str | Path) -> int:
-    marker = Path(root) / "latest"
-    if not marker.exists():
-        raise ResumeError(f"no checkpoint in {root}: {marker} is missing (train.load must point at a train.save dir)")
-    return int(marker.read_text())
-
-
-def load_data_state(root: str | Path, step: int) -> dict:
-    return json.loads((_ckpt_dir(root, step) / "data_state.json").read_text())
-
-
 def load_checkpoint(root: str | Path, step: int, chunks: list, optimizer: Any, hooks: Any,
                     scheduler: Any = None) -> None:
-    path = _ckpt_dir(root, step) / f"rank_{dist.get_rank():05d}.pt"
+    path = step_dir(root, step) / f"rank_{dist.get_rank():05d}.pt"
     if not path.exists():
         raise ResumeError(f"{path} is missing: was the checkpoint written with another world size?")
     blob = torch.load(path, weights_only=False)
@@ -187,8 +179,9 @@ class TrainingSession:
         self.service, self._pending = begin_serve(service_cfg, self.tree, state=state)
         # The validation service (held-out sources, its own namespace) starts beside it, on the same Ray.
         self.valid_service, self._valid_pending = (None, None) if self.valid_cfg is None else begin_serve(
-            self.valid_cfg, self.tree, state=None, label="validation service: ")
-        self.started = time.perf_counter()  # Ray is up (rank 0): the actors start while the model is built
+            self.valid_cfg, self.tree, state=None, label=VALIDATION_LABEL)
+        # when rank 0 asked for the actors: before torch was imported (`trainer.early_start`), or now
+        self.started = getattr(self.service, "asked_at", None) or time.perf_counter()
         self.client = self.valid_client = self.planner = self.handles = None
         self._fit_from: int | None = None  # the first step the Planner balanced with the online fit
         if state is not None and state.get("cost_model") is not None:
@@ -223,10 +216,11 @@ class TrainingSession:
 
             self.planner = find_planner(self.handles.namespace)
             svc = self.service
-            built = time.perf_counter() - self.started - waited
+            own = time.perf_counter() - self.started - waited
             print(f"[megascale-data] start-up: Ray {svc.ray_init_seconds:.2f} s, then the service's actors "
-                  f"({svc.startup_seconds - svc.ray_init_seconds:.2f} s) beside {built:.2f} s of model construction: "
-                  f"the trainer waited {waited:.2f} s for the service", flush=True)
+                  f"({svc.startup_seconds - svc.ray_init_seconds:.2f} s) beside {own:.2f} s of the trainer's own start-up "
+                  f"({'imports, ' if svc.launched_early else ''}model construction): the trainer waited {waited:.2f} s "
+                  "for the service", flush=True)
         return self.client
 
     def plan(self, step: int) -> Any:

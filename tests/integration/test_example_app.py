@@ -232,6 +232,9 @@ def test_healthy_run_prints_no_warning_and_keeps_its_config_and_tensorboard_scal
     warned = warning_lines(proc.stdout)
     assert warned == [], "\n".join(warned)
     assert RAY_ELINE not in proc.stdout
+    # rank 0 asked for both services before importing torch (trainer.early_start), and the loop took them
+    assert "of the trainer's own start-up (imports, model construction)" in proc.stdout
+    assert "[megascale-data] validation service: constructors up" in proc.stdout
     evaluations = [line for line in proc.stdout.splitlines() if line.startswith("validation after")]
     assert [line.split(" | ")[0] for line in evaluations] == ["validation after 2 steps", "validation after 3 steps"]
     assert "validation steps 0..1" in evaluations[0] and "validation steps 2..3" in evaluations[1]
