@@ -277,14 +277,16 @@ class DGraph(_GraphBase):
         self.encoder = g
         return g
 
-    def balance_hybrid_cp(self, *, cap: int, cost: CPCost) -> DGraph:
+    def balance_hybrid_cp(self, *, cap: int, cost: CPCost, aligned: bool = False) -> DGraph:
         """Hybrid context parallelism over the buckets (`balancers.hybrid_cp`): each sample its own
         power-of-two group of consecutive buckets, as many microbatches per bucket as it needs,
         at most `cap` tokens per bucket and microbatch. A sample split over g buckets becomes g
         rows, one per bucket, carrying ``cp_size`` = g and ``cp_rank`` = its place in the group
         (every bucket of a group holds the same samples in the same order in that microbatch);
         a row's cost is its share on one bucket. Needs `distribute` over the DP×CP consumers (axis
-        ``"CP"``, bucket ``dp * CP + cp``, megatron-core's hybrid-group order)."""
+        ``"CP"``, bucket ``dp * CP + cp``, megatron-core's hybrid-group order). `aligned` (pipeline
+        parallelism) puts each group microbatch at the same index on all its buckets
+        (`HybridPlan.slots`); an index a bucket has no rows at is a filler for its constructor."""
         if self.layout is None:
             raise PlanError("balance_hybrid_cp() needs distribute(axis) first: it decides how many buckets there are")
         if int(self.cols["num_images"].sum()) if len(self) else 0:
@@ -295,16 +297,18 @@ class DGraph(_GraphBase):
         except PlanError as exc:
             raise type(exc)(f"step {self.step}: {exc} [{self._describe_rows(exc)}]") from exc
         rows, bucket, mb, size, rank = [], [], [], [], []
-        count = np.zeros(self.layout.num_buckets, dtype=np.int64)
-        for m in plan.microbatches:
+        count = np.zeros(self.layout.num_buckets, dtype=np.int64)  # per bucket: its next index
+        slots = plan.slots() if aligned else None
+        for i, m in enumerate(plan.microbatches):
             n = len(m.docs)
             for r, b in enumerate(m.gpus()):
+                at = count[b] if slots is None else slots[i]
                 rows.append(m.docs)
                 bucket.append(np.full(n, b))
-                mb.append(np.full(n, count[b]))
+                mb.append(np.full(n, at))
                 size.append(np.full(n, m.size))
                 rank.append(np.full(n, r))
-                count[b] += 1
+                count[b] = at + 1
         if len(count) and int(count.min()) == 0:
             raise PlanError(f"step {self.step}: hybrid CP left {int((count == 0).sum())} of {len(count)} consumers "
                             f"without a microbatch ({len(self)} samples); every rank runs at least one: raise "

@@ -54,23 +54,27 @@ MEGATRON_DTYPES: Mapping[str, np.dtype] = MappingProxyType(
         "images": np.dtype(np.float32),
         "image_seqlens": np.dtype(np.int32),
         "source_ids": np.dtype(np.int32),
+        "local_cp_size": np.dtype(np.int64),
     }
 )
 """The dtype Megatron allocates for each field (``get_batch_on_this_tp_rank``'s receive buffers)."""
 
 FIRST_STAGE_FIELDS: frozenset[str] = frozenset(
     {"tokens", "position_ids", "attention_mask", "cu_seqlens", "cu_seqlens_padded", "max_seqlen", "images",
-     "image_seqlens"}
+     "image_seqlens", "local_cp_size"}
 )
-"""Fields the first pipeline stage reads: embedding inputs plus what its attention needs."""
+"""Fields the first pipeline stage reads: embedding inputs plus what its attention needs (with
+hybrid CP, ``local_cp_size``: the microbatch's group)."""
 
 LAST_STAGE_FIELDS: frozenset[str] = frozenset(
-    {"labels", "loss_mask", "attention_mask", "cu_seqlens", "cu_seqlens_padded", "max_seqlen", "source_ids"}
+    {"labels", "loss_mask", "attention_mask", "cu_seqlens", "cu_seqlens_padded", "max_seqlen", "source_ids",
+     "local_cp_size"}
 )
 """Fields the last pipeline stage reads: loss inputs (``source_ids`` splits the loss per source
 for feedback mixing) plus what its attention needs."""
 
-MIDDLE_STAGE_FIELDS: frozenset[str] = frozenset({"attention_mask", "cu_seqlens", "cu_seqlens_padded", "max_seqlen"})
+MIDDLE_STAGE_FIELDS: frozenset[str] = frozenset({"attention_mask", "cu_seqlens", "cu_seqlens_padded", "max_seqlen",
+                                                 "local_cp_size"})
 """What a middle stage needs so packed documents do not attend across their boundaries."""
 
 

@@ -224,7 +224,8 @@ class StepPlan:
             return ConstructorPlan(step=self.step, bucket=bucket, rows=table, num_microbatches=self.num_microbatches,
                                    ranks=self.bucket_ranks[bucket], cap=self.cap, encoder=self.encoder is not None)
         count = int(self.microbatch[rows].max()) + 1 if len(rows) else 0  # this bucket's own count
-        groups = np.ones((count, 2), dtype=np.int64)
+        groups = np.zeros((count, 2), dtype=np.int64)
+        groups[:, 0] = 1  # an index without rows (aligned plans, pipeline parallelism): a filler, on its own
         groups[self.microbatch[rows], 0], groups[self.microbatch[rows], 1] = self.cp_size[rows], self.cp_rank[rows]
         return ConstructorPlan(step=self.step, bucket=bucket, rows=table, num_microbatches=count,
                                ranks=self.bucket_ranks[bucket], cap=self.cap, encoder=self.encoder is not None,

@@ -144,7 +144,8 @@ class HybridCPBalance(_CostsByModel):
     CP job cuts over CP ranks); a consumer holds ``cap / CP`` tokens a microbatch, megatron-core's
     ``max_seqlen_per_dp_cp_rank``. The cost is the `model`'s per sample plus `per_document` and,
     per token a split document exchanges, `cp_comm` (in the model's units; 0: splitting is free).
-    Needs a per-token loss and PP 1 (the trainer refuses otherwise, naming the key)."""
+    Needs a per-token loss (the trainer refuses otherwise, naming the key); with PP > 1 each group
+    microbatch sits at one index on all its consumers, fillers in the holes (`HybridPlan.slots`)."""
 
     num_microbatches: int
     cap: int
@@ -159,7 +160,8 @@ class HybridCPBalance(_CostsByModel):
     def __call__(self, g: DGraph) -> DGraph:
         per_gpu = max(int(self.cap) // int(g.tree.cp), 1)
         cost = CPCost(per_document=self.per_document, cp_comm=self.cp_comm, model=self._cost)
-        g = g.distribute(self.axis).balance_hybrid_cp(cap=per_gpu, cost=cost)
+        # with PP every group at one index on all its consumers: 1F1B orders a rank's microbatches by index
+        g = g.distribute(self.axis).balance_hybrid_cp(cap=per_gpu, cost=cost, aligned=g.tree.pp > 1)
         for dim in self.broadcast:
             g = g.broadcast_at(dim)
         return g

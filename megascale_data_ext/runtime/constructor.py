@@ -264,9 +264,11 @@ class DataConstructor:
     def _group_pack(self, samples: list, cap: int, size: int, source_ids: list[int] | None) -> dict[str, np.ndarray]:
         """The whole pack of a hybrid-CP microbatch over `size` consumers (up to `cap` tokens each),
         padded to ``pad_to_multiple_of × 2 × size`` as a fixed-CP pack is to its CP size; every
-        member of the group builds the same one and keeps its own slice."""
+        member of the group builds the same one and keeps its own slice. Without samples (a
+        filler) it is one multiple of padding, no token counted."""
         mult = self.config.pad_to_multiple_of * 2 * size
-        need = max(cap * size, sum(len(x.tokens) for x in samples))
+        # a filler (an index where an aligned plan has nothing for this consumer): the shortest pack
+        need = max(cap * size, sum(len(x.tokens) for x in samples)) if samples else mult
         return pack_microbatch(samples, seq_length=-(-need // mult) * mult, pad_id=self.pad_id, variable_length=True,
                                pad_to_multiple_of=mult, source_ids=source_ids)
 

@@ -22,9 +22,12 @@ What this module adds to megatron-core:
   microbatch's group instead (`forward_step` enters it around the model call). megatron-core's own
   hybrid CP never meets this: it runs every sequence alone, in SBHD.
 
-Pipeline parallelism is refused (`GPTModelConfig.validate`): megatron-core's 1F1B schedules
-interleave the forwards and backwards of a rank's microbatches by its count, so ranks with
-different counts reach the same group's collectives in different orders.
+With pipeline parallelism megatron-core's 1F1B schedule runs a rank's forward of its microbatch
+i before its backward of microbatch j exactly when ``i <= j + warmup``, the warm-up being the
+stage's; so the plan puts every group microbatch at the same index on all its ranks
+(`HybridPlan.slots`, a filler pack where a rank has nothing), and every member meets the group's
+collectives in the same order. Every stage of a pipeline runs its DP×CP position's microbatches;
+the groups are megatron-core's, one set per stage.
 """
 
 from __future__ import annotations

@@ -143,10 +143,6 @@ class GPTModelConfig:
             if not self.per_token_loss:
                 layout.append("`hybrid_cp` runs as many microbatches per rank as its documents need, which needs "
                               "`per_token_loss`=True (Megatron's --calculate-per-token-loss)")
-            if self.pp > 1:
-                layout.append(f"`hybrid_cp` with pp={self.pp}: pipelined schedules interleave a rank's microbatches by "
-                              "its count, so ranks with different counts meet a group's collectives out of order; "
-                              "use pp=1")
             if self.attention == "dense":
                 layout.append("`hybrid_cp` needs per-document attention; use attention=flex or auto")
             dp_cp = None if world_size is None else world_size // (self.tp * self.pp)

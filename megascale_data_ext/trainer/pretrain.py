@@ -131,9 +131,9 @@ def gpt_model_config(cfg: Any, service_cfg: Any, vocab: int) -> Any:
     if hybrid:
         problems = [f"train.per_token_loss=true (ranks run different numbers of microbatches; got "
                     f"{cfg.train.get('per_token_loss', False)!r})"] if not cfg.train.get("per_token_loss", False) else []
-        if int(par.pipeline_model_parallel_size) > 1:
-            problems.append("parallel.pipeline_model_parallel_size=1 (1F1B orders a rank's microbatches by its count, "
-                            "so ranks with different counts would meet a group's collectives out of order)")
+        if int(par.pipeline_model_parallel_size) > 2 and not getattr(service_cfg, "middle_stage_masks", True):
+            problems.append("data.middle_stage_masks=true (a middle pipeline stage needs each microbatch's group "
+                            "and document boundaries)")
         if problems:
             raise ConfigError("data.strategy=hybrid_cp needs " + "; and ".join(problems))
     return GPTModelConfig(

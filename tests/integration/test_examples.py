@@ -120,8 +120,8 @@ def test_loss_driven_mixing_end_to_end(run_example, tmp_path):
 def test_hybrid_cp_example_trains_each_sample_once_to_the_fixed_cp_losses(run_example, tmp_path):
     """strategy=hybrid_cp at DP 2 x CP 2: each document its own group of the 4 ranks (short ones
     whole on one rank), each rank its own number of microbatches; the same steps' samples as the
-    fixed-CP run of llm_balance, each once, and with a per-token loss the same losses; a resume
-    from its checkpoint continues the same stream."""
+    fixed-CP run of llm_balance, each once, and with a per-token loss the same losses; at PP 2 x CP 2
+    each sample once through the 1F1B schedule; a resume from its checkpoint continues the same stream."""
     layout = ["parallel.tensor_model_parallel_size=1", "parallel.pipeline_model_parallel_size=1",
               "parallel.context_parallel_size=2", "train.per_token_loss=true", "data.seq_length=512",
               "data.samples_per_step=12", "data.num_microbatches=8", "train.train_iters=3"]
@@ -137,6 +137,15 @@ def test_hybrid_cp_example_trains_each_sample_once_to_the_fixed_cp_losses(run_ex
         assert hybrid[0][step]["loss"] == pytest.approx(fixed[0][step]["loss"], rel=1e-4)
     counts = {rank: [len(s["digests"]) for s in log] for rank, log in hybrid.items()}
     assert len({tuple(c) for c in counts.values()}) > 1  # ranks ran different numbers of microbatches
+    # PP 2 x CP 2: hybrid groups of 1 and 2 in each stage, through megatron-core's 1F1B schedule.
+    pp2 = run_example(tmp_path / "pp2", *[a for a in layout if "pipeline" not in a and "train_iters" not in a],
+                      "parallel.pipeline_model_parallel_size=2", "train.train_iters=2", "strategy=hybrid_cp")
+    for step in range(2):
+        got = [tuple(k) for rank in (0, 1) for mb in pp2[rank][step]["samples"] for k in mb]  # stage 0
+        assert len(got) == len(set(got)) == 12
+        assert all(np.isfinite(pp2[rank][step]["loss"]) for rank in pp2)
+        for rank in (0, 1):  # each stage-1 rank ran its pipeline's microbatches
+            assert len(pp2[rank + 2][step]["digests"]) == len(pp2[rank][step]["digests"])
     # Resumed from its step-2 checkpoint, each rank gets step 2's microbatches again, bit for bit.
     resumed = run_example(tmp_path / "resumed", *layout, "strategy=hybrid_cp", f"train.load={ckpt}")
     for rank, log in resumed.items():

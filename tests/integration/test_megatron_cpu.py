@@ -401,6 +401,7 @@ def test_cp2_thd_training_equals_cp1(tmp_path: Path) -> None:
 
 HYBRID_CAP = 16  # tokens per rank: documents over 16 run on 2 or 4 ranks
 HYBRID_LENS = (40, 9, 13, 5, 22, 1, 17, 30, 6, 12, 60, 8, 3, 11, 7, 14, 2, 10)
+HYBRID_PP_LENS = (9, 13, 5, 22, 1, 17, 30, 6, 12, 8, 3, 11, 7, 14, 2, 10, 25, 19, 4)  # groups of 1 and 2
 
 
 def _hybrid_docs() -> list[dict[str, np.ndarray]]:
@@ -451,14 +452,57 @@ def _hybrid_worker(out: Path) -> None:
         dist.all_gather_object(gathered, sizes)
         results["hybrid" if hybrid else "fixed"] = {"steps": steps, "sizes": gathered}
         ps.destroy_model_parallel()
+    # PP 2 x CP 2 (DP 1): hybrid groups of 1 and 2 over the 2 DP x CP ranks of each stage, every
+    # group microbatch at one index on both (`HybridPlan.slots`), fillers in the holes; against the
+    # fixed CP 2 run of the same documents.
+    lens = HYBRID_PP_LENS
+    docs = [{"tokens": (7 * i + 3 * np.arange(n)) % VOCAB} for i, n in enumerate(lens)]
+    for hybrid in (True, False):
+        chunks, optimizer = _tiny_gpt(cp=2, pp=2, hybrid_cp=hybrid)
+        if hybrid:
+            gpu = ps.get_data_parallel_rank(with_context_parallel=True)
+            plan = balance_hybrid_cp(np.array(lens), 2, HYBRID_CAP, CPCost(linear=1.0, quadratic=0.05))
+            # in another order than the planner's (whole documents between the groups), so that fillers occur
+            plan.microbatches = [plan.microbatches[i] for i in np.random.default_rng(5).permutation(len(plan.microbatches))]
+            at = {int(t): mb for t, mb in zip(plan.slots(), plan.microbatches, strict=True) if gpu in mb.gpus()}
+            filler = slice_for_group(pack_microbatch([], seq_length=4, pad_id=0, variable_length=True), group_size=1,
+                                     rank_in_group=0)
+            batches = [slice_for_group(pack_microbatch([docs[i] for i in at[t].docs], seq_length=SEQ, pad_id=0,
+                                                       variable_length=True),
+                                       group_size=at[t].size, rank_in_group=gpu - at[t].first_gpu)
+                       if t in at else filler for t in range(max(at) + 1)]
+            sizes = [int(b["local_cp_size"]) if t in at else 0 for t, b in enumerate(batches)]  # 0: a filler
+        else:
+            batches = [slice_for_cp(p, cp_size=2, cp_rank=ps.get_context_parallel_rank())
+                       for p in _greedy_packs(docs, cp=2)]
+            sizes = [2] * len(batches)
+        steps = [train_step(chunks, optimizer, iter(list(batches)), num_microbatches=len(batches), seq_length=SEQ,
+                            clip_grad=1.0) for _ in range(2)]
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, sizes)
+        results["hybrid_pp2" if hybrid else "fixed_pp2"] = {"steps": steps, "sizes": gathered}
+        ps.destroy_model_parallel()
     _write_from_rank0(out / "hybrid.json", results)
 
 
+def _greedy_packs(docs: list[dict[str, np.ndarray]], cp: int) -> list[dict[str, np.ndarray]]:
+    """`docs` in order, a new pack where the next document (padded for `cp`) would pass SEQ."""
+    from megascale_data_ext.dataplane.packing import pack_microbatch
+
+    groups: list[list[dict[str, np.ndarray]]] = [[]]
+    for doc in docs:
+        if sum(-(-len(d["tokens"]) // (2 * cp)) * 2 * cp for d in groups[-1] + [doc]) > SEQ:
+            groups.append([])
+        groups[-1].append(doc)
+    return [pack_microbatch(g, seq_length=SEQ, pad_id=0, variable_length=True) for g in groups]
+
+
 @pytest.mark.slow
-def test_hybrid_cp_training_equals_fixed_cp(tmp_path: Path) -> None:
+def test_hybrid_cp_training_equals_fixed_cp_also_under_pp2(tmp_path: Path) -> None:
     """DP 2 x CP 2 on gloo: with hybrid CP every rank runs its own number of microbatches, short
     documents whole on one rank, long ones over groups of 2 and 4, and trains to the same losses
-    and grad norms as the fixed-CP run of the same documents."""
+    and grad norms as the fixed-CP run of the same documents. Then PP 2 x CP 2 in the same ranks
+    (megatron-core's 1F1B schedule): groups aligned by index, fillers in the holes, fixed CP's losses."""
     run_torchrun(Path(__file__), nproc=4, timeout=300, args=[str(tmp_path)], env={"HYBRID_WORKER": "1"},
                  lazy_compile=True)
     got = json.loads((tmp_path / "hybrid.json").read_text())
@@ -466,6 +510,17 @@ def test_hybrid_cp_training_equals_fixed_cp(tmp_path: Path) -> None:
     assert {s for rank in sizes for s in rank} == {1, 2, 4}  # whole, pairs and all four
     assert len({len(rank) for rank in sizes}) > 1  # ranks ran different numbers of microbatches
     for hybrid, fixed in zip(got["hybrid"]["steps"], got["fixed"]["steps"], strict=True):
+        assert hybrid["num_tokens"] == fixed["num_tokens"]
+        assert hybrid["loss"] == pytest.approx(fixed["loss"], rel=1e-5)
+        assert hybrid["grad_norm"] == pytest.approx(fixed["grad_norm"], rel=1e-4)
+    # PP 2: the ranks of a stage ran different numbers of microbatches, both groups sizes and fillers
+    # occurred, each stage's two ranks (global 0, 1 and 2, 3) alike, and through megatron-core's 1F1B
+    # schedule (no deadlock) the losses are fixed CP 2's.
+    pp = got["hybrid_pp2"]["sizes"]
+    assert pp[0] == pp[2] and pp[1] == pp[3]  # a pipeline's stages run the same list
+    assert {s for rank in pp for s in rank} == {0, 1, 2} and pp[0] != pp[1]
+    assert [i for i, s in enumerate(pp[0]) if s == 2] == [i for i, s in enumerate(pp[1]) if s == 2]
+    for hybrid, fixed in zip(got["hybrid_pp2"]["steps"], got["fixed_pp2"]["steps"], strict=True):
         assert hybrid["num_tokens"] == fixed["num_tokens"]
         assert hybrid["loss"] == pytest.approx(fixed["loss"], rel=1e-5)
         assert hybrid["grad_norm"] == pytest.approx(fixed["grad_norm"], rel=1e-4)

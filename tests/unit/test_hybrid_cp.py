@@ -113,5 +113,83 @@ def test_the_model_config_refuses_hybrid_cp_where_it_cannot_run() -> None:
     with pytest.raises(ParallelLayoutError) as err:
         GPTModelConfig(pp=2, hybrid_cp=True, attention="dense").validate(world_size=12)
     text = str(err.value)
-    assert "needs `per_token_loss`=True" in text and "use pp=1" in text and "attention=flex" in text
+    assert "needs `per_token_loss`=True" in text and "attention=flex" in text
     assert "power of two of DP x CP ranks (>= 2), got 6" in text
+    GPTModelConfig(pp=2, cp=2, hybrid_cp=True, per_token_loss=True, attention="flex").validate(world_size=8)
+
+
+def _one_f_one_b(n: int, warmup: int) -> list[tuple[str, int]]:
+    """megatron-core's 1F1B order of a rank's ``n`` microbatches (forward_backward_pipelining_without_
+    interleaving): ``warmup`` forwards, then forward/backward pairs, then the remaining backwards."""
+    w = min(warmup, n)
+    order = [("F", i) for i in range(w)]
+    for i in range(n - w):
+        order += [("F", w + i), ("B", i)]
+    return order + [("B", i) for i in range(n - w, n)]
+
+
+def _pipeline_deadlocks(plan, positions: dict[int, dict[int, int]], warmup: int) -> bool:
+    """Whether the ranks of one stage, each running its list through 1F1B (`positions[gpu]`:
+    microbatch -> index, the rest fillers), can wait on each other forever: every group
+    microbatch's forward and backward is a collective of its GPUs, so the union of every GPU's
+    order over those events must have no cycle."""
+    edges: dict[tuple[str, int], set] = {}
+    for gpu, index in positions.items():
+        by_index = {j: mb for mb, j in index.items()}
+        events = [(kind, by_index[j]) for kind, j in _one_f_one_b(max(by_index) + 1, warmup) if j in by_index]
+        events = [e for e in events if plan.microbatches[e[1]].size > 1]  # collectives only
+        for a, b in zip(events, events[1:]):
+            edges.setdefault(a, set()).add(b)
+    state: dict = {}
+
+    def cyclic(node) -> bool:  # depth-first search for a back edge
+        state[node] = 1
+        for nxt in edges.get(node, ()):
+            if state.get(nxt) == 1 or (nxt not in state and cyclic(nxt)):
+                return True
+        state[node] = 2
+        return False
+
+    return any(node not in state and cyclic(node) for node in list(edges))
+
+
+def _positions(plan) -> tuple[dict[int, dict[int, int]], dict[int, dict[int, int]]]:
+    """Per GPU, microbatch -> index: aligned (`HybridPlan.slots`) and packed (its own list, no fillers)."""
+    slots = plan.slots()
+    aligned: dict[int, dict[int, int]] = {g: {} for g in range(plan.num_gpus)}
+    packed: dict[int, dict[int, int]] = {g: {} for g in range(plan.num_gpus)}
+    for i, mb in enumerate(plan.microbatches):
+        for g in mb.gpus():
+            aligned[g][i] = int(slots[i])
+            packed[g][i] = len(packed[g])
+    for g in range(plan.num_gpus):  # one microbatch per index, the plan's order kept
+        assert sorted(aligned[g].values()) == [aligned[g][i] for i in sorted(aligned[g])]
+    return aligned, packed
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_with_pipeline_parallelism_groups_sit_at_one_index_and_1f1b_cannot_deadlock(seed) -> None:
+    from megascale_data_ext.dataplane.balancers.hybrid_cp import HybridPlan
+
+    rng = np.random.default_rng(seed)  # documents for groups of 2, 4 and 8 of 16 GPUs at cap 1024, and short ones
+    lens = rng.permutation(np.concatenate([rng.integers(1100, 2000, 12), rng.integers(2100, 4000, 6),
+                                           rng.integers(4200, 8000, 2), rng.integers(50, 1000, 150)]))
+    plan = balance_hybrid_cp(lens, 16, 1024, CPCost(linear=100.0, quadratic=1.0, cp_comm=200.0))
+    assert {mb.size for mb in plan.microbatches} == {1, 2, 4, 8}
+    # The planner's order (aligned blocks, largest groups first, then whole documents) already puts
+    # every group at one index on all its GPUs: no filler, the PP 1 lists as they are.
+    aligned, packed = _positions(plan)
+    assert aligned == packed
+    assert len({len(index) for index in aligned.values()}) > 1  # ranks run their own numbers of microbatches
+    for warmup in (1, 2, 3):  # the stages of a PP 4 pipeline
+        assert not _pipeline_deadlocks(plan, aligned, warmup)
+    # The same microbatches in another order, which PP 1 runs without a deadlock: whole documents
+    # between a GPU's groups put a group at different indices on its GPUs. Aligned, fillers take the
+    # holes and 1F1B cannot deadlock; packed, it can (the check above can fail).
+    shuffled = HybridPlan([plan.microbatches[i] for i in rng.permutation(len(plan.microbatches))], plan.group_size,
+                          plan.gpu_cost, plan.num_gpus)
+    assert _run_in_order(shuffled) == len(plan.microbatches)
+    aligned, packed = _positions(shuffled)
+    assert any(max(index.values()) + 1 > len(index) for index in aligned.values())  # fillers occur
+    assert not any(_pipeline_deadlocks(shuffled, aligned, w) for w in (1, 2, 3))
+    assert any(_pipeline_deadlocks(shuffled, packed, w) for w in (1, 2, 3))

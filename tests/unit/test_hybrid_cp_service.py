@@ -81,6 +81,45 @@ def test_hybrid_cp_is_refused_by_key_where_it_cannot_run(tmp_path) -> None:
     with pytest.raises(ConfigError) as err:
         gpt_model_config(cfg, service, 128)
     assert "data.strategy=hybrid_cp needs train.per_token_loss=true" in str(err.value)
-    assert "parallel.pipeline_model_parallel_size=1" in str(err.value)
-    ok = compose_config(base + ["train.per_token_loss=true", "parallel.pipeline_model_parallel_size=1"])
+    ok = compose_config(base + ["train.per_token_loss=true", "parallel.pipeline_model_parallel_size=2"])
     assert gpt_model_config(ok, service, 128).hybrid_cp
+
+
+def test_under_pp2_a_group_sits_at_one_index_on_its_consumers_and_holes_are_fillers(tmp_path, monkeypatch) -> None:
+    """With PP 2 the plan is aligned (`HybridPlan.slots`). The planner's own order needs no filler,
+    so the plan is shuffled here (as another planner could order it) to make holes: every
+    consumer's list then has the group at one index, and a filler (padding, no token) elsewhere."""
+    from megascale_data_ext.dataplane import dgraph
+    from megascale_data_ext.dataplane.balancers.hybrid_cp import balance_hybrid_cp
+
+    def shuffled(*args, **kwargs):
+        plan = balance_hybrid_cp(*args, **kwargs)
+        plan.microbatches = [plan.microbatches[i] for i in np.random.default_rng(3).permutation(len(plan.microbatches))]
+        return plan
+
+    monkeypatch.setattr(dgraph, "balance_hybrid_cp", shuffled)
+    specs = make_demo_data(tmp_path, seed=5, rows=150, text_sources=2, image_sources=0, megatron_rows=100)
+    tree = ClientPlaceTree.from_sizes(dp=2, cp=2, pp=2)
+    cfg = ServiceConfig(sources=[dataclasses.replace(s, truncate=True) for s in specs], seed=7, samples_per_step=24,
+                        num_microbatches=2, seq_length=SEQ, strategy="hybrid_cp", strategy_args={"model": "gpt-tiny"},
+                        buffer_size=64)
+    svc = InProcessService(cfg, tree)
+    seen, fillers = [], 0
+    for step in range(4):
+        at: dict[tuple, set] = {}
+        for rank in range(8):
+            stage = tree.coords(rank)["pp"]
+            for j, (batch, info) in enumerate(svc.constructor_of(rank).get_step(step, rank)):
+                assert int(batch["local_cp_size"]) == info["local_cp_size"]  # every stage runs it on its group
+                if len(info["samples"]) == 0:
+                    fillers += 1
+                    assert info["local_cp_size"] == 1 and info["tokens"] == 0
+                    field = next(v for k, v in batch.items() if k in ("tokens", "labels", "loss_mask"))
+                    assert field.shape[1] <= 2 * cfg.pad_to_multiple_of  # the shortest pack
+                    continue
+                at.setdefault(tuple(map(tuple, info["samples"].tolist())), set()).add((stage, j))
+                if stage == 0 and info["rank_in_group"] == 0:
+                    seen += [tuple(k) for k in info["samples"].tolist()]
+        assert all(len({j for _, j in where}) == 1 for where in at.values())  # one index on all members, both stages
+    assert fillers > 0
+    assert len(seen) == len(set(seen)) == 4 * 24

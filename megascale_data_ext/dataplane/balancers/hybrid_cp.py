@@ -99,6 +99,24 @@ class HybridPlan:
     def for_gpu(self, gpu: int) -> list[HybridMicrobatch]:
         return [mb for mb in self.microbatches if mb.first_gpu <= gpu < mb.first_gpu + mb.size]
 
+    def slots(self) -> np.ndarray:
+        """Each microbatch's position in the list of every GPU it covers, when a group must sit at
+        the same position on all its GPUs: the earliest position free on all of them, in the plan's
+        order; a GPU runs a filler (a pack of padding, no collective) at a position it has nothing.
+
+        Pipeline parallelism needs this: 1F1B runs a rank's forward of position i before its
+        backward of position j exactly when ``i <= j + warmup``, and the warm-up is the same for
+        every rank of a stage, so groups placed at equal positions meet in the same order on every
+        member whatever each rank's count; at unequal positions two groups sharing GPUs could each
+        wait for the other."""
+        nxt = np.zeros(max(self.num_gpus, 1), dtype=np.int64)
+        out = np.empty(len(self.microbatches), dtype=np.int64)
+        for i, mb in enumerate(self.microbatches):
+            members = slice(mb.first_gpu, mb.first_gpu + mb.size)
+            out[i] = slot = int(nxt[members].max())
+            nxt[members] = slot + 1
+        return out
+
     def max_over_mean(self) -> float:
         mean = float(self.gpu_cost.mean()) if self.gpu_cost.size else 0.0
         return float(self.gpu_cost.max()) / mean if mean > 0 else 1.0
