@@ -145,6 +145,9 @@ class GPTModelConfig:
                               "`per_token_loss`=True (Megatron's --calculate-per-token-loss)")
             if self.attention == "dense":
                 layout.append("`hybrid_cp` needs per-document attention; use attention=flex or auto")
+            if self.vpp is not None:
+                layout.append(f"`hybrid_cp` with vpp={self.vpp}: the interleaved schedule orders a rank's microbatches "
+                              "by its count across model chunks (only 1F1B is aligned for); use vpp=None")
             dp_cp = None if world_size is None else world_size // (self.tp * self.pp)
             if dp_cp is not None and (dp_cp < 2 or dp_cp & (dp_cp - 1)):
                 layout.append(f"`hybrid_cp` needs a power of two of DP x CP ranks (>= 2), got {dp_cp}")

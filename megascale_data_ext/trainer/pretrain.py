@@ -131,6 +131,9 @@ def gpt_model_config(cfg: Any, service_cfg: Any, vocab: int) -> Any:
     if hybrid:
         problems = [f"train.per_token_loss=true (ranks run different numbers of microbatches; got "
                     f"{cfg.train.get('per_token_loss', False)!r})"] if not cfg.train.get("per_token_loss", False) else []
+        if par.get("virtual_pipeline_model_parallel_size") is not None:
+            problems.append("parallel.virtual_pipeline_model_parallel_size=null (the interleaved schedule orders a "
+                            "rank's microbatches by its count across model chunks; only 1F1B is aligned for)")
         if int(par.pipeline_model_parallel_size) > 2 and not getattr(service_cfg, "middle_stage_masks", True):
             problems.append("data.middle_stage_masks=true (a middle pipeline stage needs each microbatch's group "
                             "and document boundaries)")

@@ -116,6 +116,8 @@ def test_the_model_config_refuses_hybrid_cp_where_it_cannot_run() -> None:
     assert "needs `per_token_loss`=True" in text and "attention=flex" in text
     assert "power of two of DP x CP ranks (>= 2), got 6" in text
     GPTModelConfig(pp=2, cp=2, hybrid_cp=True, per_token_loss=True, attention="flex").validate(world_size=8)
+    with pytest.raises(ParallelLayoutError, match="with vpp=2: the interleaved schedule"):
+        GPTModelConfig(pp=2, vpp=2, cp=2, hybrid_cp=True, per_token_loss=True, attention="flex").validate(world_size=8)
 
 
 def _one_f_one_b(n: int, warmup: int) -> list[tuple[str, int]]:
