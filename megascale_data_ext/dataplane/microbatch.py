@@ -38,6 +38,7 @@ __all__ = [
     "pad_for_cp",
     "reassemble_cp",
     "slice_for_cp",
+    "without_patches",
 ]
 
 MEGATRON_DTYPES: Mapping[str, np.dtype] = MappingProxyType(
@@ -76,6 +77,17 @@ for feedback mixing) plus what its attention needs."""
 MIDDLE_STAGE_FIELDS: frozenset[str] = frozenset({"attention_mask", "cu_seqlens", "cu_seqlens_padded", "max_seqlen",
                                                  "local_cp_size"})
 """What a middle stage needs so packed documents do not attend across their boundaries."""
+
+
+def without_patches(batch: Mapping[str, Any]) -> dict[str, Any]:
+    """`batch` without its image patches (``images``), keeping ``image_seqlens``.
+
+    Under a strategy with an encoder plan every image goes to its encoder rank only
+    (`DataConstructor.get_encoder_images`) and the backbone takes the images' features from
+    there by the microbatch's ``image_keys``: shipping the patches inside the microbatch too sent
+    every image twice. ``image_seqlens`` stays: which placeholders each image's features fill.
+    """
+    return {k: v for k, v in batch.items() if k != "images"}
 
 
 def fields_for_stage(

@@ -17,16 +17,16 @@ R reading stages:
 * THD metadata, every reading stage, every copy: cu_seqlens int32 (N + M + K entries) and
   max_seqlen int32 (M): 4 c R (N + 2M + K); CP slices also carry cu_seqlens_padded
   (4 c R (N + M + K) more);
-* images, first stage, every copy (CP slicing keeps images whole): float32 patches 4 d Q and
-  image_seqlens int32 4 I: c (4 d Q + 4 I).
+* images: each goes to its encoder rank only (below), so a first-stage microbatch carries
+  image_seqlens alone (int32, which placeholders each image fills), every copy: 4 c I.
 
 bytes_per_step = the sum; ``bytes_per_step_selective`` the same with c = 1. Not modelled: the
 attention mask (off here) and a feedback mixing schedule's per-token ``source_ids`` (int32 to
 the last stage; the constant schedule simulated here has none). The hybrid
 strategy's WORLD encoder delivery (`get_encoder_images`: every image once to its encoder
 rank, patches + int32 seqlen + 3 int64 keys) is the same with either broadcast and is
-reported apart as ``encoder_bytes_per_step``; note that the runtime currently ships images
-both ways (in first-stage microbatches and to encoder ranks), which the breakdown shows.
+reported apart as ``encoder_bytes_per_step``: the backbone's first stage takes the images'
+features from their encoder ranks (`trainer.vlm`), not their patches from its microbatches.
 """
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ def step_bytes(totals: dict[str, int], *, pp: int, copies: int, stages: int, pat
     p = totals["cp_positions"] if sliced else totals["positions"]
     sequence = 28 * p + (8 * copies * m if pp == 1 else 0)
     metadata = 4 * copies * stages * (n + 2 * m + k + (n + m + k if sliced else 0))
-    images = copies * (4 * patch_dim * totals["image_patches"] + 4 * totals["images"])
+    images = copies * 4 * totals["images"]  # image_seqlens; the patches go to encoder ranks only
     return {"sequence": sequence, "metadata": metadata, "images": images, "total": sequence + metadata + images}
 
 

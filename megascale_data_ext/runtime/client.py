@@ -195,6 +195,7 @@ class Client:
         self.fetch_seconds: deque[float] = deque(maxlen=history)
         self.digests: deque[str] = deque(maxlen=history)
         self.encoder_seconds: deque[float] = deque(maxlen=history)
+        self.received = {"bytes": 0, "patch_bytes": 0}  # from the service since the last drain (image patches apart)
 
     @classmethod
     def connect(cls, handles: Any, rank: int, *, num_microbatches: int, **kwargs: Any) -> Client:
@@ -219,7 +220,12 @@ class Client:
         seconds = time.perf_counter() - t0
         self.fetch_seconds.append(seconds)
         self.metrics.fetch_latency(seconds, self.rank)
+        self._count(batch.values(), batch.get("images"))
         return batch, info
+
+    def _count(self, arrays: Any, patches: np.ndarray | None) -> None:
+        self.received["bytes"] += sum(int(np.asarray(a).nbytes) for a in arrays)
+        self.received["patch_bytes"] += 0 if patches is None else int(np.asarray(patches).nbytes)
 
     def _broadcast(self, batch: dict[str, torch.Tensor] | None, info: dict | None):
         """Send (on the fetcher) or receive (elsewhere) one microbatch within the broadcast group."""
@@ -328,6 +334,7 @@ class Client:
         except Exception as exc:
             raise_service_error(exc)
         self.encoder_seconds.append(time.perf_counter() - t0)
+        self._count(out, out[0])
         return out
 
     def report_loss(self, step: int, losses: Mapping[int, float]) -> None:
@@ -339,13 +346,15 @@ class Client:
         except Exception as exc:
             raise_service_error(exc)
 
-    def drain(self) -> dict[str, list]:
-        """The records since the last drain (``delivered``, ``fetch_seconds``, ``digests``), cleared."""
+    def drain(self) -> dict[str, Any]:
+        """The records since the last drain (``delivered``, ``fetch_seconds``, ``digests``, and
+        the ``bytes`` received from the service, ``patch_bytes`` of them image patches), cleared."""
         out = {"delivered": list(self.delivered), "fetch_seconds": list(self.fetch_seconds),
-               "digests": list(self.digests)}
+               "digests": list(self.digests), **self.received}
         self.delivered.clear()
         self.fetch_seconds.clear()
         self.digests.clear()
+        self.received = {"bytes": 0, "patch_bytes": 0}
         return out
 
     # -- state ---------------------------------------------------------------------

@@ -9,7 +9,9 @@ CP slice of its cp rank, fields of its PP stage.
 Hybrid (VLM, paper Alg. 2) steps also carry an `EncoderPlan`: every image of the step goes
 to one encoder rank over WORLD. A constructor keeps the decoded patches of its buckets'
 images per encoder rank and hands them out with `get_encoder_images(step, rank)`; every rank
-asks every constructor, so the union over constructors is that rank's encoder share.
+asks every constructor, so the union over constructors is that rank's encoder share. The
+microbatches of such a step carry no patches (`without_patches`): each image travels once, to its
+encoder rank, and the backbone takes its features from there by the microbatch's ``image_keys``.
 
 Thread contract: `get` and `get_encoder_images` are called concurrently by clients while a
 prefetch thread builds the next steps. A step's data (microbatches and encoder shares) lives
@@ -30,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from megascale_data_ext.dataplane.cp_slicing import slice_for_cp, slice_for_group
-from megascale_data_ext.dataplane.microbatch import fields_for_stage
+from megascale_data_ext.dataplane.microbatch import fields_for_stage, without_patches
 from megascale_data_ext.dataplane.packing import pack_microbatch, span_view
 from megascale_data_ext.dataplane.plan import ConstructorPlan, StepPlan
 from megascale_data_ext.errors import PlanError, SampleError
@@ -232,6 +234,8 @@ class DataConstructor:
                     size, place = int(plan.cp_groups[j, 0]), int(plan.cp_groups[j, 1])
                     batch = slice_for_group(self._group_pack(samples, plan.cap, size, source_ids), group_size=size,
                                             rank_in_group=place)
+                if rows is not None:  # each image to its encoder rank only; the backbone takes its features
+                    batch = without_patches(batch)
                 built.batches[(b, j)] = batch
                 delivered = [(r.source, r.position, r.index) for r in refs]
                 built.info[(b, j)] = {

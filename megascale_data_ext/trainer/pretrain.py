@@ -307,6 +307,8 @@ class TrainingSession:
                          "lr": result["lr"], "grad_norm": result["grad_norm"],
                          "fetch_p50_ms": float(np.median(fetch)) * 1e3 if fetch else 0.0,
                          "data_wait_ms": float(np.sum(fetch)) * 1e3,  # time this rank waited on the service
+                         "data_bytes": records["bytes"],  # what it received from the service (encoder share too)
+                         "patch_bytes": records["patch_bytes"],  # of which image patches
                          "constructor_lead": max((i.get("lead") or 0 for i in records["delivered"] if i is not None),
                                                  default=None),  # steps its constructor holds ahead of the slowest
                          "digests": records["digests"],

@@ -104,7 +104,8 @@ def pretrain_vlm(cfg: Any) -> list[dict]:
               f"{s['vanilla_max_over_mean']:.3f} -> {s['max_over_mean']:.3f} | encoder max/mean vanilla "
               f"{e['encoder_vanilla_max_over_mean']:.3f} -> {e['encoder_max_over_mean']:.3f} "
               f"({len(plan.encoder.sample)} images, patches/rank {e['patches_per_rank']}) | "
-              f"encode+exchange {entry['encode_seconds']:.2f} s | {entry['seconds']:.2f} s", flush=True)
+              f"encode+exchange {entry['encode_seconds']:.2f} s | received {entry['data_bytes'] / 2**20:.2f} MiB "
+              f"({entry['patch_bytes'] / 2**20:.2f} of patches) | {entry['seconds']:.2f} s", flush=True)
 
     log = session.run(chunks, optimizer, scheduler=scheduler, transform=feed, before_step=encode, report=report)
     # image tokens embedded during each step (VLMFeed counts cumulatively)

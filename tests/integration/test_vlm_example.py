@@ -12,6 +12,7 @@ import pytest
 from tests.dist import launch
 
 pytestmark = pytest.mark.slow
+PATCH_DIM = 768  # conf/train_vlm.yaml vision.patch_dim (16 x 16 x 3)
 
 
 def test_vlm_example_encodes_over_world_and_trains_at_pp2_dp2(data_root, tmp_path):
@@ -39,3 +40,8 @@ def test_vlm_example_encodes_over_world_and_trains_at_pp2_dp2(data_root, tmp_pat
         embedded = sum(logs[r][step]["image_tokens_embedded"] for r in range(4))
         assert embedded == sum(head["balance"]["patches_per_rank"])
         assert head["balance"]["encoder_max_over_mean"] <= head["balance"]["encoder_vanilla_max_over_mean"] + 1e-9
+        # each image's patches reached one rank, its encoder rank, and nothing else: every rank's
+        # patch bytes are exactly its encoder share (float32), none inside its microbatches
+        for rank in range(4):
+            got = logs[rank][step]
+            assert got["patch_bytes"] == 4 * PATCH_DIM * got["encoded_patches"] < got["data_bytes"]
