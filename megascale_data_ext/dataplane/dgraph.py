@@ -296,29 +296,16 @@ class DGraph(_GraphBase):
             plan = balance_hybrid_cp(lens, self.layout.num_buckets, cap, cost)
         except PlanError as exc:
             raise type(exc)(f"step {self.step}: {exc} [{self._describe_rows(exc)}]") from exc
-        rows, bucket, mb, size, rank = [], [], [], [], []
-        count = np.zeros(self.layout.num_buckets, dtype=np.int64)  # per bucket: its next index
-        slots = plan.slots() if aligned else None
-        for i, m in enumerate(plan.microbatches):
-            n = len(m.docs)
-            for r, b in enumerate(m.gpus()):
-                at = count[b] if slots is None else slots[i]
-                rows.append(m.docs)
-                bucket.append(np.full(n, b))
-                mb.append(np.full(n, at))
-                size.append(np.full(n, m.size))
-                rank.append(np.full(n, r))
-                count[b] = at + 1
+        picked, bucket, mb, size, rank, count = plan.placements(aligned=aligned)
         if len(count) and int(count.min()) == 0:
             raise PlanError(f"step {self.step}: hybrid CP left {int((count == 0).sum())} of {len(count)} consumers "
                             f"without a microbatch ({len(self)} samples); every rank runs at least one: raise "
                             "data.samples_per_step")
-        cat = lambda parts: np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, np.int64)  # noqa: E731
-        picked, self.cp_size, self.cp_rank = cat(rows), cat(size), cat(rank)
+        self.cp_size, self.cp_rank = size, rank
         selected = self.selected
         self._select(picked)
         self.selected = selected  # the step's buffer rows, not its replicas
-        self.bucket, self.microbatch = cat(bucket), cat(mb)
+        self.bucket, self.microbatch = bucket, mb
         self.costs = cost.per_gpu(self.cols["seq_len"], self.cp_size)
         self.num_microbatches = int(count.max()) if count.size else 1
         self.cap = int(cap)

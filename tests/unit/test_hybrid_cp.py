@@ -195,3 +195,38 @@ def test_with_pipeline_parallelism_groups_sit_at_one_index_and_1f1b_cannot_deadl
     assert any(max(index.values()) + 1 > len(index) for index in aligned.values())  # fillers occur
     assert not any(_pipeline_deadlocks(shuffled, aligned, w) for w in (1, 2, 3))
     assert any(_pipeline_deadlocks(shuffled, packed, w) for w in (1, 2, 3))
+
+
+def _placements_by_loop(plan, aligned: bool) -> tuple[np.ndarray, ...]:
+    """`HybridPlan.placements` written as the loop it replaces (one microbatch and GPU at a time)."""
+    rows: list[list[int]] = [[], [], [], [], []]
+    count = np.zeros(plan.num_gpus, dtype=np.int64)
+    slots = plan.slots() if aligned else None
+    for i, mb in enumerate(plan.microbatches):
+        for r, g in enumerate(mb.gpus()):
+            at = int(count[g]) if slots is None else int(slots[i])
+            for d in mb.docs.tolist():
+                for col, v in zip(rows, (d, g, at, mb.size, r), strict=True):
+                    col.append(v)
+            count[g] = at + 1
+    return (*(np.asarray(c, dtype=np.int64) for c in rows), count)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_placements_are_one_row_per_document_and_gpu_as_the_loop_gives_them(seed) -> None:
+    from megascale_data_ext.dataplane.balancers.hybrid_cp import HybridPlan
+
+    rng = np.random.default_rng(seed)
+    lens = rng.permutation(np.concatenate([rng.integers(1100, 2000, 12), rng.integers(2100, 4000, 6),
+                                           rng.integers(4200, 8000, 2), rng.integers(50, 1000, 150)]))
+    plan = balance_hybrid_cp(lens, 16, 1024, CPCost(linear=100.0, quadratic=1.0, cp_comm=200.0))
+    shuffled = HybridPlan([plan.microbatches[i] for i in rng.permutation(len(plan.microbatches))], plan.group_size,
+                          plan.gpu_cost, plan.num_gpus)
+    for p in (plan, shuffled):
+        for aligned in (False, True):
+            got, want = p.placements(aligned=aligned), _placements_by_loop(p, aligned)
+            for g, w in zip(got, want, strict=True):
+                np.testing.assert_array_equal(g, w)
+    docs, gpu, _, size, place, _ = plan.placements()
+    assert np.bincount(docs, minlength=len(lens)).tolist() == plan.group_size.tolist()  # a document once per GPU
+    assert ((place < size) & (gpu - place >= 0)).all()

@@ -99,6 +99,37 @@ class HybridPlan:
     def for_gpu(self, gpu: int) -> list[HybridMicrobatch]:
         return [mb for mb in self.microbatches if mb.first_gpu <= gpu < mb.first_gpu + mb.size]
 
+    def placements(self, *, aligned: bool = False) -> tuple[np.ndarray, ...]:
+        """The plan as one row per document and GPU holding it (its slice, or the whole of it), in
+        the plan's order: ``(document, gpu, index of its microbatch on that gpu, group size, place in
+        the group)``, and each GPU's count of microbatches. The index is the microbatch's position
+        among that GPU's in the plan's order, or with `aligned` its `slots` index (a GPU's count
+        then includes its fillers)."""
+        k, mbs = max(self.num_gpus, 1), self.microbatches
+        empty = np.zeros(0, dtype=np.int64)
+        if not mbs:
+            return empty, empty, empty, empty, empty, np.zeros(k, dtype=np.int64)
+        size = np.fromiter((mb.size for mb in mbs), np.int64, len(mbs))
+        first = np.fromiter((mb.first_gpu for mb in mbs), np.int64, len(mbs))
+        ndocs = np.fromiter((len(mb.docs) for mb in mbs), np.int64, len(mbs))
+        which = np.repeat(np.arange(len(mbs)), size)  # one entry per (microbatch, GPU of its group)
+        place = np.arange(which.size) - np.repeat(np.cumsum(size) - size, size)
+        gpu = first[which] + place
+        if aligned:
+            index = self.slots()[which]
+        else:
+            order = np.argsort(gpu, kind="stable")
+            index = np.empty_like(gpu)
+            index[order] = np.arange(gpu.size) - np.searchsorted(gpu[order], gpu[order])
+        count = np.zeros(k, dtype=np.int64)
+        np.maximum.at(count, gpu, index + 1)
+        reps = ndocs[which]  # each entry expanded to its microbatch's documents
+        entry = np.repeat(np.arange(which.size), reps)
+        within = np.arange(entry.size) - np.repeat(np.cumsum(reps) - reps, reps)
+        docs = np.concatenate([np.asarray(mb.docs, dtype=np.int64) for mb in mbs])
+        docs = docs[(np.cumsum(ndocs) - ndocs)[which][entry] + within]
+        return docs, gpu[entry], index[entry], size[which][entry], place[entry], count
+
     def slots(self) -> np.ndarray:
         """Each microbatch's position in the list of every GPU it covers, when a group must sit at
         the same position on all its GPUs: the earliest position free on all of them, in the plan's
