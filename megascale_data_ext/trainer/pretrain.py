@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from megascale_data_ext.errors import ConfigError, ResumeError, root_cause
 from megascale_data_ext.trainer.checkpoint_dir import latest_step, load_data_state, step_dir
-from megascale_data_ext.trainer.early_start import VALIDATION_LABEL
+from megascale_data_ext.trainer import early_start
 
 CHECKPOINT_VERSION = 1
 
@@ -44,7 +44,6 @@ def begin_serve(service_config: Any, tree: Any, *, state: dict | None, label: st
     if dist.get_rank() != 0:
         return None, None
     from megascale_data_ext.runtime.service import DataService, print_progress
-    from megascale_data_ext.trainer import early_start
 
     launched = early_start.take(label, service_config, tree, state)  # asked for before torch was imported
     if launched is not None:
@@ -182,7 +181,7 @@ class TrainingSession:
         self.service, self._pending = begin_serve(service_cfg, self.tree, state=state)
         # The validation service (held-out sources, its own namespace) starts beside it, on the same Ray.
         self.valid_service, self._valid_pending = (None, None) if self.valid_cfg is None else begin_serve(
-            self.valid_cfg, self.tree, state=None, label=VALIDATION_LABEL)
+            self.valid_cfg, self.tree, state=None, label=early_start.VALIDATION_LABEL)
         # when rank 0 asked for the actors: before torch was imported (`trainer.early_start`), or now
         self.started = getattr(self.service, "asked_at", None) or time.perf_counter()
         self.client = self.valid_client = self.planner = self.handles = None
