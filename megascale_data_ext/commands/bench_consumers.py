@@ -1,7 +1,8 @@
 """`megascale-data bench consumers`: ranks as fast as a GPU step, one that stalls; memory stays bounded.
 
 One service on embedded Ray (seeded image-text and text Parquet sources, ``vlm_balance`` by
-default, DP x PP ranks) is consumed by one thread per rank, each pulling its encoder share and
+default, DP x PP ranks; ``hybrid_cp`` on text sources over DP x CP x PP, each rank its own count of
+microbatches) is consumed by one thread per rank, each pulling its encoder share and
 its microbatches as fast as they arrive (``--client-prefetch`` steps in flight). At
 ``--stall-at`` the last fetching rank sleeps ``--stall`` seconds, then races to catch up. Every
 ``--sample-seconds`` the resident memory of each Data Constructor actor and of this client
@@ -33,7 +34,7 @@ NAME = "bench consumers"
 HELP = "Racing and stalling trainer ranks on the Ray service: every step whole, constructor/client memory bounded."
 
 VLM_ARGS = {"model": "gpt-tiny", "encoder_model": "vit-1b", "encoder_axis": "WORLD", "axis": "DP"}
-STRATEGY_ARGS = {"vlm_balance": VLM_ARGS, "llm_balance": {"model": "gpt-tiny"}}
+STRATEGY_ARGS = {"vlm_balance": VLM_ARGS, "llm_balance": {"model": "gpt-tiny"}, "hybrid_cp": {"model": "gpt-tiny"}}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -41,6 +42,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--strategy", default="vlm_balance", choices=sorted(STRATEGY_ARGS))
     p.add_argument("--dp", type=int, default=3)
     p.add_argument("--pp", type=int, default=2)
+    p.add_argument("--cp", type=int, default=1, help="context parallel size (hybrid_cp: groups of the DP x CP ranks)")
     p.add_argument("--client-prefetch", type=int, default=4, help="steps each rank keeps requested ahead")
     p.add_argument("--stall-at", type=int, default=50, help="step at which the last fetching rank stalls")
     p.add_argument("--stall", type=float, default=30.0, help="seconds it stalls before racing")
@@ -73,7 +75,9 @@ def consume(source: Any, topology: Any, rank: int, steps: range, *, images_first
         if stall is not None and step == stall[0]:
             time.sleep(stall[1])
         images = source.get_encoder_images(step, rank) if hybrid and images_first else None
-        mbs = [source.get(step, j, rank) for j in range(m)] if fetches else []
+        mbs = []
+        while fetches and len(mbs) < (m if not mbs else mbs[0][1].get("microbatches", m)):  # hybrid CP: its own count
+            mbs.append(source.get(step, len(mbs), rank))
         if hybrid and not images_first:
             images = source.get_encoder_images(step, rank)
         out[step] = step_digest(mbs, images)
@@ -119,11 +123,11 @@ def lockstep(service: Any, steps: list[int], *, hybrid: bool, m: int) -> dict[in
 
 
 # -- the benchmark ------------------------------------------------------------------------
-def _specs(root: Path) -> list[Any]:
+def _specs(root: Path, *, images: bool = True) -> list[Any]:
     from megascale_data_ext.sources.demo_data import make_demo_data
 
-    out = make_demo_data(root, seed=8, rows=400, image_rows=400, text_sources=1, image_sources=2,
-                         megatron_source=False, max_image_patches=64)
+    out = make_demo_data(root, seed=8, rows=400, image_rows=400, text_sources=1 if images else 3,
+                         image_sources=2 if images else 0, megatron_source=False, max_image_patches=64)
     return [dataclasses.replace(s, truncate=True, max_tokens=1024 - (64 if s.image_column else 0)) for s in out]
 
 
@@ -139,9 +143,10 @@ def run(args: argparse.Namespace) -> int:
     from megascale_data_ext.runtime.service import DataService
 
     hybrid = args.strategy == "vlm_balance"
-    tree = ClientPlaceTree.from_sizes(dp=args.dp, pp=args.pp)
-    with tempfile.TemporaryDirectory(prefix="bench-consumers-") as tmp:
-        cfg = ServiceConfig(sources=_specs(Path(tmp)), seed=13, samples_per_step=4 * args.dp, num_microbatches=2,
+    tree = ClientPlaceTree.from_sizes(dp=args.dp, pp=args.pp, cp=args.cp)
+    with tempfile.TemporaryDirectory(prefix="bench-consumers-") as tmp:  # hybrid CP plans text only
+        cfg = ServiceConfig(sources=_specs(Path(tmp), images=args.strategy != "hybrid_cp"), seed=13,
+                            samples_per_step=4 * args.dp * args.cp, num_microbatches=2,
                             seq_length=1024, strategy=args.strategy, strategy_args=dict(STRATEGY_ARGS[args.strategy]),
                             buffer_size=64, ray=RayConfig(namespace=f"bench-consumers-{args.strategy}", num_cpus=2))
         ft = FaultToleranceConfig(client_prefetch=args.client_prefetch)

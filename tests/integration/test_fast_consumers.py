@@ -14,7 +14,7 @@ import dataclasses
 
 import pytest
 
-from megascale_data_ext.commands.bench_consumers import lockstep, race
+from megascale_data_ext.commands.bench_consumers import lockstep, race, step_digest
 from megascale_data_ext.dataplane.placetree import ClientPlaceTree
 from megascale_data_ext.runtime.config import RayConfig, ServiceConfig
 from megascale_data_ext.runtime.fault_tolerance import FaultToleranceConfig
@@ -106,3 +106,32 @@ def test_racing_and_stalled_ranks_in_one_process_get_the_slow_consumers_bytes(sp
         for rank in range(tree.world_size):
             assert got[rank] == {s: want[rank][s] for s in steps}
     assert all(c.buffered_steps() <= 3 for c in svc.constructors)
+
+
+def test_hybrid_cp_ranks_race_on_ray_and_each_gets_its_own_count_whole(ray_local, tmp_path):
+    """strategy=hybrid_cp at DP 2 x CP 2 x PP 2: each rank its own number of microbatches, which a
+    racing consumer learns from its first one; every rank's bytes equal the lockstep consumer's."""
+    text = [dataclasses.replace(s, truncate=True, max_tokens=1024) for s in
+            make_demo_data(tmp_path, seed=8, rows=300, text_sources=3, image_sources=0, megatron_source=False)]
+    tree = ClientPlaceTree.from_sizes(dp=2, cp=2, pp=2)
+    cfg = ServiceConfig(sources=text, seed=13, samples_per_step=16, num_microbatches=2, seq_length=1024,
+                        strategy="hybrid_cp", strategy_args={"model": "gpt-tiny"}, buffer_size=64,
+                        ray=RayConfig(namespace="fast-hybrid_cp"))
+    steps = list(range(12))
+    inproc = InProcessService(cfg, tree)  # each fetching rank's count of every step, from the plan
+    want = lockstep(InProcessService(cfg, tree), steps, hybrid=False, m=cfg.num_microbatches)
+    svc = DataService(cfg, tree, fault_tolerance=FT, progress=None)
+    handles = svc.start()
+    try:
+        topo = handles.topology
+        whole = {s: {r: inproc.constructor_of(r).get_step(s, r) for r in topo.fetch_ranks()} for s in steps}
+        counts = [{r: len(mbs) for r, mbs in whole[s].items()} for s in steps]
+        assert any(len(set(c.values())) > 1 for c in counts) and any(n != 2 for c in counts for n in c.values())
+        for s in steps:  # the lockstep consumer took each rank's whole step, whatever its count
+            assert all(want[r][s] == step_digest(mbs, None) for r, mbs in whole[s].items())
+        got = race(lambda: RemoteConstructors(topo, prefetch_steps=4, fault_tolerance=FT), topo, steps,
+                   images_first=True, hybrid=False, m=cfg.num_microbatches)
+        for rank in range(tree.world_size):
+            assert got[rank] == want[rank], f"rank {rank}: bytes differ"
+    finally:
+        svc.stop()
