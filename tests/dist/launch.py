@@ -22,6 +22,7 @@ from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 LAZY_COMPILE = Path(__file__).resolve().with_name("lazy_compile.py")
+TORCHRUN = Path(__file__).resolve().with_name("torchrun.py")  # torchrun's main, ending as the ranks do
 
 
 class TorchrunError(RuntimeError):
@@ -68,7 +69,7 @@ def run_torchrun(
     timeout: float = 240.0,
     lazy_compile: bool = False,
 ) -> subprocess.CompletedProcess[str]:
-    """Run ``python -m torch.distributed.run --standalone --nproc_per_node N script args``.
+    """Run ``torchrun --standalone --nproc_per_node N script args`` (through `TORCHRUN`).
 
     Args:
         script: The per-rank Python script.
@@ -87,7 +88,7 @@ def run_torchrun(
         TorchrunError: non-zero exit or timeout, with the captured output.
     """
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+        sys.executable, str(TORCHRUN), "--standalone", f"--nproc_per_node={nproc}",
         *([str(LAZY_COMPILE)] if lazy_compile else []), str(script), *map(str, args),
     ]
     # A new session lets a timeout kill torchrun *and* its worker ranks (our own process group).

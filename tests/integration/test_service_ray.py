@@ -19,7 +19,7 @@ from megascale_data_ext.runtime.config import RayConfig, ServiceConfig
 from megascale_data_ext.runtime.service import DataService
 from megascale_data_ext.sources.demo_data import make_demo_data
 from megascale_data_ext.sources.tokenizer import ByteTokenizer
-from tests.dist.launch import LAZY_COMPILE
+from tests.dist.launch import LAZY_COMPILE, TORCHRUN
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
@@ -45,7 +45,7 @@ def config(specs, namespace="t", **kw):
 def train_workers(handles, out, *args: str) -> dict[int, dict]:
     """8 torchrun ranks of `trainer.train_worker` on the service; returns {rank: its log}.
     (Started through tests/dist/lazy_compile.py: megatron's fusions compile on first call, not at import.)"""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=8", str(LAZY_COMPILE),
+    cmd = [sys.executable, str(TORCHRUN), "--standalone", "--nproc_per_node=8", str(LAZY_COMPILE),
            "-m", "megascale_data_ext.trainer.train_worker", *args, "--seq-length", "1024",
            "--vocab-size", str(ByteTokenizer().vocab_size), "--namespace", handles.namespace,
            "--address", handles.address, "--record-digests", "--out", str(out)]
