@@ -83,6 +83,15 @@ def test_hybrid_cp_is_refused_by_key_where_it_cannot_run(tmp_path) -> None:
     assert "data.strategy=hybrid_cp needs train.per_token_loss=true" in str(err.value)
     ok = compose_config(base + ["train.per_token_loss=true", "parallel.pipeline_model_parallel_size=2"])
     assert gpt_model_config(ok, service, 128).hybrid_cp
+    vpp = compose_config(base + ["train.per_token_loss=true", "parallel.pipeline_model_parallel_size=2",
+                                 "parallel.virtual_pipeline_model_parallel_size=2"])
+    with pytest.raises(ConfigError, match=r"parallel.virtual_pipeline_model_parallel_size=null"):
+        gpt_model_config(vpp, service, 128)
+    pp4 = compose_config(base + ["train.per_token_loss=true", "parallel.pipeline_model_parallel_size=4"])
+    no_masks = SimpleNamespace(strategy="hybrid_cp", seq_length=512, middle_stage_masks=False)
+    with pytest.raises(ConfigError, match=r"data.middle_stage_masks=true"):
+        gpt_model_config(pp4, no_masks, 128)
+    assert gpt_model_config(pp4, service, 128).hybrid_cp  # with the masks (the default) it runs
 
 
 def test_under_pp2_a_group_sits_at_one_index_on_its_consumers_and_holes_are_fillers(tmp_path, monkeypatch) -> None:
