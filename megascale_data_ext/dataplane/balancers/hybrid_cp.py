@@ -16,9 +16,10 @@ splitting a document cost something (`CPCost`):
    pack is one microbatch of an aligned block of ``g`` GPUs (``first_gpu % g == 0``, Megatron's
    hybrid groups), placed on the block whose busiest GPU is least loaded, largest first.
 3. Documents of group size 1 run whole on one GPU: balanced over the GPUs on top of the loads
-   step 2 left (greedy by cost, then `variable_count.improve_by_moves`), then packed first-fit
-   decreasing under ``cap`` into as many microbatches as each GPU needs (the loss must be per
-   token, Megatron's condition for its own scheduler).
+   step 2 left (LPT by cost, then `variable_count.improve_by_moves`, kept where it packs
+   cheaper: `variable_count.packed_better`), then packed first-fit decreasing under ``cap`` into
+   as many microbatches as each GPU needs (the loss must be per token, Megatron's condition for
+   its own scheduler).
 
 A GPU runs the microbatches that cover it in the plan's order: every group microbatch first,
 in one global order, then its own. Two groups that share GPUs are met in the same order on
@@ -31,16 +32,17 @@ Pure numpy: the Planner runs it for every step.
 
 from __future__ import annotations
 
-import heapq
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from megascale_data_ext.dataplane.balancers.lpt import lpt_onto
 from megascale_data_ext.dataplane.balancers.variable_count import (
     balance_variable_count,
     improve_by_moves,
     pack_under_cap,
+    packed_better,
 )
 from megascale_data_ext.errors import PlanError
 
@@ -221,35 +223,20 @@ def balance_hybrid_cp(lens: np.ndarray, gpus: int, cap: int, cost: CPCost | None
     short = np.flatnonzero(groups == 1)
     if short.size:
         costs = cost.per_gpu(lens[short], 1)
-        if not microbatches:  # nothing split: the variable-count plan (KK, moves, first-fit decreasing)
+        if not microbatches:  # nothing split: the variable-count plan (LPT, moves, first-fit decreasing)
             res = balance_variable_count(costs, lens[short], k, cap, fixed=cost.fixed)
             bucket, slot = res.bucket, res.microbatch
         else:
-            bucket = _spread(costs + cost.fixed * lens[short] / cap, load, k)
-            bucket = improve_by_moves(bucket, costs, lens[short], k, cap, cost.fixed, base=load)
-            slot = np.zeros(short.size, dtype=np.int64)
-            for gpu in np.unique(bucket).tolist():
-                mine = np.flatnonzero(bucket == gpu)
-                slot[mine] = pack_under_cap(lens[short], mine, cap)
+            start = lpt_onto(costs + cost.fixed * lens[short] / cap, load)
+            improved = improve_by_moves(start, costs, lens[short], k, cap, cost.fixed, base=load)
+            bucket, slot = packed_better(start, improved, costs, lens[short], k, cap, cost.fixed, base=load)
         order = np.lexsort((slot, bucket))
         cuts = np.flatnonzero(np.diff(bucket[order] * (int(slot.max()) + 1) + slot[order])) + 1
-        for run in np.split(order, cuts):
-            gpu = int(bucket[run[0]])
-            load[gpu] += cost.fixed + float(costs[run].sum())
-            microbatches.append(HybridMicrobatch(gpu, 1, short[run]))
+        runs = np.split(order, cuts)
+        firsts = bucket[order[np.concatenate(([0], cuts))]].tolist()
+        microbatches.extend(HybridMicrobatch(gpu, 1, short[run]) for gpu, run in zip(firsts, runs))
+        load += np.bincount(bucket, weights=costs, minlength=k) + cost.fixed * np.bincount(firsts, minlength=k)
     return HybridPlan(microbatches=microbatches, group_size=groups, gpu_cost=load, num_gpus=k)
-
-
-def _spread(weights: np.ndarray, base: np.ndarray, k: int) -> np.ndarray:
-    """Greedy (largest first) onto the least loaded GPU, starting from `base`."""
-    heap = [(float(base[g]), g) for g in range(k)]
-    heapq.heapify(heap)
-    out = np.empty(len(weights), dtype=np.int64)
-    for i in np.argsort(-weights, kind="stable").tolist():
-        loaded, g = heapq.heappop(heap)
-        out[i] = g
-        heapq.heappush(heap, (loaded + float(weights[i]), g))
-    return out
 
 
 def plan_gpu_costs(plan: HybridPlan, lens: np.ndarray, cost: CPCost) -> np.ndarray:

@@ -18,7 +18,7 @@ import numpy as np
 from megascale_data_ext.dataplane.balancers.bins import Bins, cap_array, no_room
 from megascale_data_ext.dataplane.balancers.merge import merge_rows
 
-__all__ = ["evict_over_cap", "greedy", "greedy_core"]
+__all__ = ["evict_over_cap", "greedy", "greedy_core", "lpt_onto"]
 
 #: Items cheaper than this fraction of the mean bin load are water-filled instead of sorted.
 TAIL_FRACTION = 0.01
@@ -334,3 +334,14 @@ def greedy(costs: np.ndarray, k: int, *, tokens: np.ndarray | None = None, cap: 
     if sizes is not None and cap is None and np.all(sizes == sizes[0]) and costs.shape[0] == k * int(sizes[0]):
         return _tree_merge(costs, k) if costs.shape[0] else np.zeros(0, dtype=np.int64)
     return greedy_core(costs, k, tokens=tokens, cap=cap, sizes=sizes)
+
+
+def lpt_onto(costs: np.ndarray, base: np.ndarray) -> np.ndarray:
+    """LPT for every item, no water-filled tail, onto bins that already carry `base`: the bin per
+    item. What LPT's last items do (even out the bins to about the size of one) is the point where
+    this is used, so the tail is placed item by item too, in rounds."""
+    out = np.full(costs.shape[0], -1, dtype=np.int64)
+    if costs.shape[0]:
+        _rounds(np.argsort(-costs, kind="stable"), costs, None, Bins(load=np.array(base, dtype=np.float64)), out,
+                lpt=True)
+    return out
