@@ -251,6 +251,38 @@ def _prefix(path: str) -> str:
     return path
 
 
+def peek_document_lengths(paths: list[str]) -> np.ndarray | None:
+    """Tokens per document of the prefixes `paths`, read from the ``.idx`` headers and arrays
+    alone (no ``.bin`` mapped, no index mapped): what start-up profiling needs of a source it
+    does not measure (issue 25: opening 1,024 prefixes for this took 0.4 s). None where anything
+    is off (missing file, bad header, counts past the file's end): opening the source then says
+    what, by name."""
+    out = []
+    for prefix in (_prefix(p) for p in paths):
+        idx = prefix + ".idx"
+        try:
+            size = os.path.getsize(idx)
+            with open(idx, "rb") as f:
+                head = f.read(_HEADER.size)
+                if len(head) < _HEADER.size:
+                    return None
+                magic, version, code, n_seq, n_doc = _HEADER.unpack(head)
+                if magic != _INDEX_HEADER or version != _INDEX_VERSION or code not in _DTYPE_CODES or n_doc < 1:
+                    return None
+                if _HEADER.size + n_seq * 12 + n_doc * 8 > size:
+                    return None
+                seq = np.fromfile(f, dtype="<i4", count=n_seq)
+                f.seek(_HEADER.size + 12 * n_seq)
+                docs = np.fromfile(f, dtype="<i8", count=n_doc)
+        except OSError:
+            return None
+        if seq.size != n_seq or docs.size != n_doc or int(docs[-1]) != n_seq or int(docs[0]) < 0:
+            return None
+        csum = np.concatenate([[0], np.cumsum(seq, dtype=np.int64)])
+        out.append(csum[docs[1:]] - csum[docs[:-1]])
+    return np.concatenate(out) if out else None
+
+
 class MegatronIndexedSource(RowSource):
     """One or more Megatron ``.bin/.idx`` prefixes concatenated into one source.
 

@@ -331,14 +331,39 @@ def profile_sources(specs: Sequence[Any], journal_path: str | Path | None, *, sa
             reps.setdefault(kind, []).append((timing, held))
             keep(_measured_profile(spec, timing, held.after_reads, current[spec.name]), True)
     rates = {kind: _KindRates.of(measured) for kind, measured in reps.items()}
-    with _tracing():  # one session for every extended source
-        for spec, kind, measure in zip(todo, kinds, pick, strict=True):
-            if not measure:
-                held = _measure_held(spec, [], tokenizer(spec, kind))
+    opened: list[tuple[Any, str]] = []
+    for spec, kind, measure in zip(todo, kinds, pick, strict=True):  # from metadata files alone where a format can
+        if not measure:
+            held = _peeked(spec, tokenizer(spec, kind), rates[kind])
+            if held is None:
+                opened.append((spec, kind))
+            else:
                 keep(rates[kind].profile(spec, current[spec.name], held), False)
+    with _tracing():  # one session for every extended source that must be opened
+        for spec, kind in opened:
+            held = _measure_held(spec, [], tokenizer(spec, kind))
+            keep(rates[kind].profile(spec, current[spec.name], held), False)
     if journal_path is not None:
         journal.save(journal_path)
     return journal.require([s.name for s in specs]), [s.name for s in todo], stale
+
+
+def _peeked(spec: Any, tokenizer: Any, rates: _KindRates) -> _Held | None:
+    """An extended Megatron source's `_Held` from its ``.idx`` files alone (document count and
+    token counts as its metadata table will have them), its memory once open from its measured
+    kind-mates' bytes per document: no ``.bin`` mapped, no tracemalloc. None for other formats,
+    or where the index cannot be read that way (opening it then names the problem)."""
+    if spec.format != "megatron" or rates.opened_per_sample is None:
+        return None
+    from megascale_data_ext.sources.megatron_indexed import peek_document_lengths
+    from megascale_data_ext.sources.transforms import SampleTransform
+
+    lengths = peek_document_lengths(list(spec.paths))
+    if lengths is None or not lengths.size:
+        return None
+    counts = SampleTransform(spec, tokenizer).final_token_counts(lengths, add_eod=spec.append_eod)
+    opened = int(rates.opened_per_sample * lengths.size)
+    return _Held(num_samples=int(lengths.size), opened=opened, after_reads=opened, mean_tokens=float(counts.mean()))
 
 
 @dataclass(slots=True, kw_only=True)
@@ -351,6 +376,7 @@ class _KindRates:
     bytes_per_token: float | None
     bytes_per_sample: float
     read_state: float
+    opened_per_sample: float | None = None  # what an open source holds per sample (its metadata table)
 
     @classmethod
     def of(cls, reps: Sequence[tuple[_Timing, _Held]]) -> _KindRates:
@@ -359,7 +385,9 @@ class _KindRates:
                    overhead_s=float(np.median([t.overhead_s for t, _ in reps])),
                    bytes_per_token=float(np.median(per_token)) if per_token else None,
                    bytes_per_sample=float(np.median([t.bytes_per_sample for t, _ in reps])),
-                   read_state=max(0.0, float(np.median([h.after_reads - h.opened for _, h in reps]))))
+                   read_state=max(0.0, float(np.median([h.after_reads - h.opened for _, h in reps]))),
+                   opened_per_sample=float(np.median([h.opened / h.num_samples for _, h in reps if h.num_samples > 0]))
+                   if any(h.num_samples > 0 for _, h in reps) else None)
 
     def profile(self, spec: Any, fingerprint: str, held: _Held) -> SourceProfile:
         """An extended source's profile: its own count, metadata and memory, the kind's rates."""

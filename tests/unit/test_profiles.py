@@ -124,3 +124,42 @@ def test_profile_sources_measure_all_matches_profile_source(tmp_path) -> None:
     one = profile_source(specs[1], samples=8, batch=4)
     assert one.num_samples == profiles[1].num_samples and one.bytes_per_sample == profiles[1].bytes_per_sample
     assert abs(one.access_state_bytes - profiles[1].access_state_bytes) < 0.2 * one.access_state_bytes
+
+
+def test_extended_megatron_sources_are_profiled_from_their_index_files_alone(tmp_path, monkeypatch) -> None:
+    # Issue 25: opening every extended source (its .bin mapped, under tracemalloc) was 0.4 s of a
+    # 1,024-prefix start. Their profiles now come from the .idx arrays, the same figures as opening
+    # gives: sample counts and bytes per sample equal, memory held within a fifth.
+    from megascale_data_ext.sources import profiling
+    from megascale_data_ext.sources.megatron_indexed import MegatronIndexedSource, peek_document_lengths
+
+    specs = _megatron_specs(tmp_path, 6)
+    for spec in specs:
+        assert (peek_document_lengths(list(spec.paths)) == MegatronIndexedSource(spec).document_lengths).all()
+    peeked, _, _ = profiling.profile_sources(specs, None, samples=8, batch=4, measure_per_kind=2)
+    opened_paths = []
+    measure_held = profiling._measure_held
+    monkeypatch.setattr(profiling, "_measure_held", lambda spec, *a: opened_paths.append(spec.name) or
+                        measure_held(spec, *a))
+    monkeypatch.setattr(profiling, "_peeked", lambda *a: None)
+    opened, _, _ = profiling.profile_sources(specs, None, samples=8, batch=4, measure_per_kind=2)
+    assert len(opened_paths) == 6  # 2 measured + 4 opened, where the peek is off
+    for a, b in zip(peeked, opened, strict=True):
+        if a.samples_profiled == 0:
+            assert (a.num_samples, a.bytes_per_sample) == (b.num_samples, b.bytes_per_sample)
+            assert abs(a.access_state_bytes - b.access_state_bytes) < 0.2 * b.access_state_bytes
+
+
+def test_a_damaged_index_is_not_peeked_but_opened_and_named(tmp_path) -> None:
+    from megascale_data_ext.errors import SourceError
+    from megascale_data_ext.sources import profiling
+    from megascale_data_ext.sources.megatron_indexed import peek_document_lengths
+
+    specs = _megatron_specs(tmp_path, 4)
+    idx = specs[3].paths[0] + ".idx"
+    with open(idx, "r+b") as f:
+        f.write(b"NOTANIDX!")
+    assert peek_document_lengths(list(specs[3].paths)) is None
+    assert peek_document_lengths([str(tmp_path / "missing")]) is None
+    with pytest.raises(SourceError, match="s3"):
+        profiling.profile_sources(specs, None, samples=8, batch=4, measure_per_kind=2)
