@@ -108,8 +108,9 @@ def packed_better(start: np.ndarray, improved: np.ndarray, costs: np.ndarray, to
     """Of two assignments, the one whose most expensive bucket is cheaper once packed (first-fit
     decreasing, then `repair_packing`), with its micro-batch per document. The moves count a
     bucket's micro-batches as the fewest its tokens need; a bucket they filled to just under a
-    multiple of the cap can need one more, and this keeps them from ever making the packed plan
-    worse than where they started."""
+    multiple of the cap can need one more, and this keeps them from making the packed plan worse
+    than where they started. The start is not packed where the improved plan already packs to no
+    more than the start's own cost at that fewest count (which its packing reaches at best)."""
     base = np.zeros(k) if base is None else np.asarray(base, dtype=np.float64)
 
     def packed(bucket: np.ndarray) -> tuple[float, np.ndarray, np.ndarray]:
