@@ -13,8 +13,9 @@ prefixes, each from start to the first microbatch of DP rank 0 (imports excluded
 * **service Ray cold / journal**: `DataService` with ``autoscale.enabled`` (sources profiled
   and partitioned into loader actors) on embedded Ray, through a trainer `Client`; cold = no
   profile journal yet (written at the end of that start), journal = the same start again with
-  it present. ``ray.init`` runs once per process and is reported apart (``ray_init_s``: that one
-  start's seconds, on every row).
+  it present. Each start has a Ray of its own, as each job launch has (`fresh_ray`: Ray's
+  prestarted workers free for its actors); ``ray.init`` is reported apart (``ray_init_s``: the
+  cold start's).
 * **Ray calls per step** (``ray_calls_per_step``): after the journal start's first microbatch,
   every fetching rank takes `CALL_STEPS` steps; the calls the actors made to each other
   (`DataService.ray_calls`: plans, routes, metadata, fetches) over them, per step. The
@@ -163,21 +164,22 @@ def time_inprocess(config: Any, dp: int) -> float:
     return time.perf_counter() - t0
 
 
-_RAY_INIT_S: list[float] = []  # this process's one ray.init
+def fresh_ray(config: Any) -> float:
+    """A Ray of its own for one service start, as each job launch has: the one before shut down
+    (its workers gone), this one started as the service starts it. Returns `ray.init`'s seconds.
 
-
-def start_ray(config: Any) -> float:
-    """`ray.init` once for the whole run (as a job starts it once); the seconds it took, also on later calls."""
+    One Ray for every start (as before the thirteenth session) left the later starts without the
+    worker processes Ray prestarts (the earlier services' actors had taken them): their actors
+    waited for cold processes a job's first service never waits for."""
     import ray
 
     from megascale_data_ext.runtime.embedded_ray import init_ray
 
-    if not ray.is_initialized():
-        t0 = time.perf_counter()
-        init_ray(config.ray, log_to_driver=False)  # as the service starts it
-        _RAY_INIT_S[:] = [time.perf_counter() - t0]
-        _progress(f"ray.init took {_RAY_INIT_S[0]:.2f} s (once for every size)")
-    return _RAY_INIT_S[0] if _RAY_INIT_S else 0.0
+    if ray.is_initialized():
+        ray.shutdown()
+    t0 = time.perf_counter()
+    init_ray(config.ray, log_to_driver=False)  # as the service starts it
+    return time.perf_counter() - t0
 
 
 def time_ray(config: Any, dp: int, *, count_calls: bool = False) -> tuple[float, dict[str, float] | None]:
@@ -261,11 +263,14 @@ def measure(n: int, args: argparse.Namespace, work: Path, calls_by_kind: dict[in
         journal.unlink(missing_ok=True)
         configs = [service_config(prefixes, dp=args.dp, seq_length=args.seq_length, seed=args.seed, journal=journal,
                                   namespace=f"{ns}-{kind}") for kind in ("cold", "journal")]
-        row["ray_init_s"] = start_ray(configs[0])
+        row["ray_init_s"] = fresh_ray(configs[0])
         row["service_ray_cold_s"], _ = time_ray(configs[0], args.dp)
-        _progress(f"{n} prefixes: Ray service cold {row['service_ray_cold_s']:.2f} s")
+        _progress(f"{n} prefixes: Ray service cold {row['service_ray_cold_s']:.2f} s (ray.init {row['ray_init_s']:.2f} s "
+                  "apart)")
+        ray_init = fresh_ray(configs[1])
         row["service_ray_journal_s"], calls = time_ray(configs[1], args.dp, count_calls=True)
-        _progress(f"{n} prefixes: Ray service with journal {row['service_ray_journal_s']:.2f} s")
+        _progress(f"{n} prefixes: Ray service with journal {row['service_ray_journal_s']:.2f} s (ray.init "
+                  f"{ray_init:.2f} s apart)")
         memory = calls.pop("memory_mib")
         row["ray_calls_per_step"] = calls["total"]
         row.update({f"{role}_mib": round(mib, 1) for role, mib in memory.items()})
