@@ -255,12 +255,14 @@ def peek_document_lengths(paths: list[str]) -> np.ndarray | None:
     """Tokens per document of the prefixes `paths`, read from the ``.idx`` headers and arrays
     alone (no ``.bin`` mapped, no index mapped): what start-up profiling needs of a source it
     does not measure (issue 25: opening 1,024 prefixes for this took 0.4 s). None where anything
-    is off (missing file, bad header, counts past the file's end): opening the source then says
-    what, by name."""
+    is off (a missing file, an empty .bin, a bad header, counts past the file's end): opening the
+    source then says what, by name."""
     out = []
     for prefix in (_prefix(p) for p in paths):
         idx = prefix + ".idx"
         try:
+            if not os.path.getsize(prefix + ".bin"):  # a missing or empty .bin: opening names it, now
+                return None
             size = os.path.getsize(idx)
             with open(idx, "rb") as f:
                 head = f.read(_HEADER.size)

@@ -169,5 +169,9 @@ def test_a_damaged_index_is_not_peeked_but_opened_and_named(tmp_path) -> None:
         f.write(b"NOTANIDX!")
     assert peek_document_lengths(list(specs[3].paths)) is None
     assert peek_document_lengths([str(tmp_path / "missing")]) is None
+    os.remove(specs[1].paths[0] + ".bin")
+    assert peek_document_lengths(list(specs[1].paths)) is None
     with pytest.raises(SourceError, match="s3"):
-        profiling.profile_sources(specs, None, samples=8, batch=4, measure_per_kind=2)
+        profiling.profile_sources(specs[2:], None, samples=8, batch=4, measure_per_kind=1)
+    with pytest.raises(SourceError, match="s1.*missing"):
+        profiling.profile_sources([specs[0], specs[1]], None, samples=8, batch=4, measure_per_kind=1)
