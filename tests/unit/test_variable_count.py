@@ -141,3 +141,31 @@ def test_a_micro_batch_more_than_the_tokens_need_is_emptied_into_room_elsewhere(
     same = vc.repair_packing(bucket, vc.pack_buckets_under_cap(full, bucket, 2, cap), full.astype(np.float64), full, 2,
                              cap, fixed, base)
     assert np.array_equal(same[0], bucket)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_repair_keeps_every_document_under_the_cap_in_dense_micro_batches(seed) -> None:
+    # Buckets filled to just under multiples of the cap (what the moves leave) on 64 GPUs: after the
+    # repair every micro-batch is within the cap, each bucket's are numbered 0..count-1, nothing is
+    # lost, and the slowest bucket is no slower.
+    rng = np.random.default_rng(seed)
+    k, cap, fixed = 64, 4096, 2000.0
+    tokens = rng.integers(200, 3600, size=20 * k)
+    costs = tokens.astype(np.float64)
+    bucket = rng.integers(0, k, size=tokens.size)
+    base = rng.random(k) * 3000
+    slot = vc.pack_buckets_under_cap(tokens, bucket, k, cap)
+
+    def check(b, s):
+        fill = np.zeros((k, int(s.max()) + 1), dtype=np.int64)
+        np.add.at(fill, (b, s), tokens)
+        assert fill.max() <= cap
+        count = np.zeros(k, dtype=np.int64)
+        np.maximum.at(count, b, s + 1)
+        assert ((fill > 0).sum(axis=1) == count).all()  # no gaps in a bucket's numbering
+        return (base + np.bincount(b, weights=costs, minlength=k) + fixed * count).max()
+
+    before = check(bucket, slot)
+    new_bucket, new_slot = vc.repair_packing(bucket, slot, costs, tokens, k, cap, fixed, base)
+    assert new_bucket.shape == bucket.shape and ((0 <= new_bucket) & (new_bucket < k)).all()
+    assert check(new_bucket, new_slot) <= before

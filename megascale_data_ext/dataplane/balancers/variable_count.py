@@ -25,8 +25,8 @@ from megascale_data_ext.dataplane.balancers.lpt import greedy, lpt_onto
 from megascale_data_ext.dataplane.balancers.levels import BalanceResult
 from megascale_data_ext.errors import PlanError
 
-__all__ = ["balance_variable_count", "improve_by_moves", "lower_bound", "pack_buckets_under_cap", "pack_under_cap",
-           "packed_better", "repair_packing", "step_cost"]
+__all__ = ["balance_variable_count", "improve_by_moves", "lower_bound", "members_by_bucket", "pack_buckets_under_cap",
+           "pack_under_cap", "packed_better", "repair_packing", "step_cost"]
 
 #: Documents of the most expensive bucket tried per move (each with a move and two swaps) ...
 MOVE_CANDIDATES = 24
@@ -103,6 +103,13 @@ def pack_buckets_under_cap(tokens: np.ndarray, bucket: np.ndarray, k: int, cap: 
     return out
 
 
+def members_by_bucket(bucket: np.ndarray, k: int) -> list[np.ndarray]:
+    """Each bucket's documents (ascending ids), from one sort: ``flatnonzero(bucket == b)`` for
+    every b would read all documents k times (65 ms at 4,096 buckets)."""
+    order = np.argsort(bucket, kind="stable")
+    return np.split(order, np.cumsum(np.bincount(bucket, minlength=k))[:-1])
+
+
 def packed_better(start: np.ndarray, improved: np.ndarray, costs: np.ndarray, tokens: np.ndarray, k: int,
                   cap: int, fixed: float, base: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Of two assignments, the one whose most expensive bucket is cheaper once packed (first-fit
@@ -142,39 +149,50 @@ def repair_packing(bucket: np.ndarray, slot: np.ndarray, costs: np.ndarray, toke
     np.add.at(fill, (bucket, slot), tokens)
     count = (fill > 0).sum(axis=1)
     step = base + np.bincount(bucket, weights=costs, minlength=k) + fixed * count
+    room = np.where(fill > 0, cap - fill, -1)  # what each micro-batch a bucket runs can still take
+    best_room = room.max(axis=1)
+    members = members_by_bucket(bucket, k)
     for _ in range(k):
         b = int(np.argmax(step))
         if count[b] <= -(-int(fill[b].sum()) // cap):
             break  # the most expensive bucket has no micro-batch more than its tokens need
         used = np.flatnonzero(fill[b] > 0)
         last = int(used[np.argmin(fill[b, used])])
-        docs = np.flatnonzero((bucket == b) & (slot == last))
+        mine = members[b]
+        docs = mine[slot[mine] == last]
         docs = docs[np.argsort(-tokens[docs], kind="stable")]
-        top = float(step[b])
-        moves, trial_fill, trial_step = [], fill.copy(), step.copy()
+        top, held = float(step[b]), best_room[b]
+        best_room[b] = -1
+        moves: list[tuple[int, int, int]] = []
         for i in docs.tolist():
-            room = (trial_fill > 0) & (cap - trial_fill >= tokens[i])  # micro-batches it already runs
-            room[b] = False
-            ok = room.any(axis=1) & (trial_step + costs[i] < top)
+            ok = (best_room >= tokens[i]) & (step + costs[i] < top)
             if not ok.any():
                 break
-            r = int(np.flatnonzero(ok)[np.argmin(trial_step[ok])])
-            m = int(np.flatnonzero(room[r])[0])
-            trial_fill[r, m] += tokens[i]
-            trial_step[r] += costs[i]
+            r = int(np.flatnonzero(ok)[np.argmin(step[ok])])
+            m = int(np.flatnonzero(room[r] >= tokens[i])[0])
+            room[r, m] -= tokens[i]
+            best_room[r] = room[r].max()
+            step[r] += costs[i]
             moves.append((i, r, m))
-        if len(moves) < docs.size:
+        if len(moves) < docs.size:  # not emptied whole: undo, and stop
+            for i, r, m in moves:
+                room[r, m] += tokens[i]
+                best_room[r] = room[r].max()
+                step[r] -= costs[i]
+            best_room[b] = held
             break
         for i, r, m in moves:
             bucket[i], slot[i] = r, m
-        fill, step = trial_fill, trial_step
-        fill[b, last] = 0
+            fill[r, m] += tokens[i]
+            members[r] = np.append(members[r], i)
+        members[b] = mine = mine[bucket[mine] == b]  # the moved ones are in their new buckets now
         count[b] -= 1
         step[b] -= fixed + float(costs[docs].sum())
-        later = (bucket == b) & (slot > last)  # keep a bucket's micro-batches numbered 0..count-1
-        slot[later] -= 1
-        fill[b, last:-1] = fill[b, last + 1:].copy()
-        fill[b, -1] = 0
+        slot[mine[slot[mine] > last]] -= 1  # keep a bucket's micro-batches numbered 0..count-1
+        for arr, empty in ((fill, 0), (room, -1)):
+            arr[b, last:-1] = arr[b, last + 1:].copy()
+            arr[b, -1] = empty
+        best_room[b] = room[b].max()
     return bucket, slot
 
 
@@ -460,7 +478,7 @@ def improve_by_moves(bucket: np.ndarray, costs: np.ndarray, tokens: np.ndarray, 
         csum, tsum, cost = sums()
     if not above(cost):
         return bucket
-    members = [np.flatnonzero(bucket == b) for b in range(k)]
+    members = members_by_bucket(bucket, k)
     moved = False
     for _ in range(budget if k < PAIRED_MIN_BUCKETS else min(budget, FINISHING_ROUNDS)):
         hi = int(np.argmax(cost))
