@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from megascale_data_ext.dataplane.balancers import microbatches as mb
 from megascale_data_ext.dataplane.balancers import variable_count as vc
 
 
@@ -17,18 +18,18 @@ def test_packing_every_bucket_at_once_is_first_fit_decreasing_per_bucket(seed, k
     tokens = np.maximum(tokens, 1)
     bucket = rng.integers(0, k, size=tokens.size)
     bucket[:3] = 0  # one bucket fuller than the others
-    slot = vc.pack_buckets_under_cap(tokens, bucket, k, cap)
+    slot = mb.pack_buckets_under_cap(tokens, bucket, k, cap)
     for b in range(k):
         members = np.flatnonzero(bucket == b)
         if members.size:
-            assert np.array_equal(slot[members], vc.pack_under_cap(tokens, members, cap))
+            assert np.array_equal(slot[members], mb.pack_under_cap(tokens, members, cap))
             assert np.bincount(slot[members], weights=tokens[members]).max() <= cap
 
 
 def _sums(bucket, costs, tokens, k, fixed, cap, base):
     csum = np.bincount(bucket, weights=costs, minlength=k)
     tsum = np.bincount(bucket, weights=tokens, minlength=k).astype(np.int64)
-    return csum, tsum, base + vc._total(csum, tsum, fixed, cap)
+    return csum, tsum, base + mb.bucket_cost(csum, tsum, fixed, cap)
 
 
 @pytest.mark.parametrize("seed,fixed", [(0, 0.0), (1, 5e5), (2, 2e6)])
@@ -81,7 +82,7 @@ def test_the_packed_plan_is_never_worse_than_the_start(monkeypatch) -> None:
     # document into bucket 1 looks cheaper to them (14,489 against 14,541 for the worse bucket), but
     # bucket 1's 11,489 tokens then take 4 micro-batches of 4,096 under first-fit decreasing, not 3:
     # 15,489 packed. The guard keeps the start (here without the repair, which could mend it).
-    monkeypatch.setattr(vc, "repair_packing", lambda bucket, slot, *a: (bucket, slot))
+    monkeypatch.setattr(mb, "repair_packing", lambda bucket, slot, *a: (bucket, slot))
     cap, fixed = 4096, 1000.0
     tokens = np.array([3589, 1907, 1562, 1041, 788, 788, 788, 787, 239, 4000, 3500, 3000])
     costs = tokens.astype(np.float64)
@@ -90,15 +91,15 @@ def test_the_packed_plan_is_never_worse_than_the_start(monkeypatch) -> None:
     start[3] = 0
 
     def model(bucket):
-        return vc._total(np.bincount(bucket, weights=costs), np.bincount(bucket, weights=tokens).astype(np.int64),
+        return mb.bucket_cost(np.bincount(bucket, weights=costs), np.bincount(bucket, weights=tokens).astype(np.int64),
                          fixed, cap).max()
 
     assert model(improved) == 14489 < model(start) == 14541
-    assert vc.pack_buckets_under_cap(tokens, improved, 2, cap)[improved == 1].max() + 1 == 4
-    bucket, micro = vc.packed_better(start, improved, costs, tokens, 2, cap, fixed)
+    assert mb.pack_buckets_under_cap(tokens, improved, 2, cap)[improved == 1].max() + 1 == 4
+    bucket, micro = mb.packed_better(start, improved, costs, tokens, 2, cap, fixed)
     assert np.array_equal(bucket, start)
-    assert np.array_equal(micro, vc.pack_buckets_under_cap(tokens, start, 2, cap))
-    assert np.array_equal(vc.packed_better(improved, start, costs, tokens, 2, cap, fixed)[0], start)
+    assert np.array_equal(micro, mb.pack_buckets_under_cap(tokens, start, 2, cap))
+    assert np.array_equal(mb.packed_better(improved, start, costs, tokens, 2, cap, fixed)[0], start)
 
 
 @pytest.mark.parametrize("k", [8, 128])
@@ -121,10 +122,10 @@ def test_a_micro_batch_more_than_the_tokens_need_is_emptied_into_room_elsewhere(
     tokens = np.array([3589, 1907, 1562, 1041, 788, 788, 788, 787, 239, 3000, 2000])
     costs = tokens.astype(np.float64)
     bucket = np.array([0] * 9 + [1, 1])
-    slot = vc.pack_buckets_under_cap(tokens, bucket, 2, cap)
+    slot = mb.pack_buckets_under_cap(tokens, bucket, 2, cap)
     assert slot[bucket == 0].max() + 1 == 4
     base = np.zeros(2)
-    new_bucket, new_slot = vc.repair_packing(bucket, slot, costs, tokens, 2, cap, fixed, base)
+    new_bucket, new_slot = mb.repair_packing(bucket, slot, costs, tokens, 2, cap, fixed, base)
 
     def packed_cost(b, s):
         count = np.zeros(2, dtype=np.int64)
@@ -138,7 +139,7 @@ def test_a_micro_batch_more_than_the_tokens_need_is_emptied_into_room_elsewhere(
     assert (new_slot[new_bucket == 0].max() + 1) == 3 and new_bucket[7] == 1
     # No room anywhere: left as it was.
     full = np.array([3589, 1907, 1562, 1041, 788, 788, 788, 787, 239, 4000, 4000])
-    same = vc.repair_packing(bucket, vc.pack_buckets_under_cap(full, bucket, 2, cap), full.astype(np.float64), full, 2,
+    same = mb.repair_packing(bucket, mb.pack_buckets_under_cap(full, bucket, 2, cap), full.astype(np.float64), full, 2,
                              cap, fixed, base)
     assert np.array_equal(same[0], bucket)
 
@@ -154,7 +155,7 @@ def test_repair_keeps_every_document_under_the_cap_in_dense_micro_batches(seed) 
     costs = tokens.astype(np.float64)
     bucket = rng.integers(0, k, size=tokens.size)
     base = rng.random(k) * 3000
-    slot = vc.pack_buckets_under_cap(tokens, bucket, k, cap)
+    slot = mb.pack_buckets_under_cap(tokens, bucket, k, cap)
 
     def check(b, s):
         fill = np.zeros((k, int(s.max()) + 1), dtype=np.int64)
@@ -166,6 +167,6 @@ def test_repair_keeps_every_document_under_the_cap_in_dense_micro_batches(seed) 
         return (base + np.bincount(b, weights=costs, minlength=k) + fixed * count).max()
 
     before = check(bucket, slot)
-    new_bucket, new_slot = vc.repair_packing(bucket, slot, costs, tokens, k, cap, fixed, base)
+    new_bucket, new_slot = mb.repair_packing(bucket, slot, costs, tokens, k, cap, fixed, base)
     assert new_bucket.shape == bucket.shape and ((0 <= new_bucket) & (new_bucket < k)).all()
     assert check(new_bucket, new_slot) <= before

@@ -7,8 +7,9 @@ over buckets and micro-batches (`balance_step`) live in `levels`.
 
 Modules, each importing only those before it: `bins` (bin state, caps, input checks),
 `merge` (balanced merge of sorted k-tuples), `lpt`, `karmarkar_karp`, `registry` (names,
-`partition`), `levels`, `variable_count` (as many micro-batches per bucket as its documents
-need, where the loss is per token), `hybrid_cp` (each document its own power-of-two CP group
+`partition`), `levels`, `microbatches` (a bucket's documents packed into micro-batches under
+the cap, and the repair where packing needs one more than counted), `variable_count` (as many
+micro-batches per bucket as its documents need, where the loss is per token), `hybrid_cp` (each document its own power-of-two CP group
 of DP×CP GPUs, whole short documents balanced around them).
 """
 

@@ -17,7 +17,7 @@ splitting a document cost something (`CPCost`):
    hybrid groups), placed on the block whose busiest GPU is least loaded, largest first.
 3. Documents of group size 1 run whole on one GPU: balanced over the GPUs on top of the loads
    step 2 left (LPT by cost, then `variable_count.improve_by_moves`, kept where it packs
-   cheaper: `variable_count.packed_better`), then packed first-fit decreasing under ``cap`` into
+   cheaper: `microbatches.packed_better`), then packed first-fit decreasing under ``cap`` into
    as many microbatches as each GPU needs (the loss must be per token, Megatron's condition for
    its own scheduler).
 
@@ -38,12 +38,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from megascale_data_ext.dataplane.balancers.lpt import lpt_onto
-from megascale_data_ext.dataplane.balancers.variable_count import (
-    balance_variable_count,
-    improve_by_moves,
-    pack_under_cap,
-    packed_better,
-)
+from megascale_data_ext.dataplane.balancers.microbatches import pack_under_cap, packed_better
+from megascale_data_ext.dataplane.balancers.variable_count import balance_variable_count, improve_by_moves
 from megascale_data_ext.errors import PlanError
 
 __all__ = [
