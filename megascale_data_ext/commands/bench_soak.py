@@ -60,6 +60,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--flat", type=float, default=0.05, help="largest growth after warm-up that counts as flat")
     p.add_argument("--json", type=Path, default=None, help="write the summary and the samples here")
     p.add_argument("--plot", type=Path, default=None, help="write the memory-over-time plot (PNG) here")
+    p.add_argument("--heap-profile", type=Path, default=None, metavar="DIR",
+                   help="record each constructor's native heap with memray from warm-up to the end, one "
+                        "capture per constructor in DIR (`pip install memray`; read with `memray table --leaks`)")
 
 
 def soak_config(root: Path, *, clients: int, constructors: int, sources: int, client_prefetch: int) -> tuple:
@@ -132,6 +135,27 @@ class LockstepWindow:
                     return False
                 self._cond.wait(0.5)
         return not self.stop.is_set()
+
+
+_TRACKER: Any = None
+
+
+def _start_heap_tracker(_actor: Any, path: str) -> int:
+    """Run inside an actor (`__ray_call__`): record every allocation still live when it stops."""
+    global _TRACKER
+    import memray
+
+    _TRACKER = memray.Tracker(path, native_traces=True, trace_python_allocators=True,
+                              file_format=memray.FileFormat.AGGREGATED_ALLOCATIONS)
+    _TRACKER.__enter__()
+    return os.getpid()
+
+
+def _stop_heap_tracker(_actor: Any) -> None:
+    global _TRACKER
+    if _TRACKER is not None:
+        _TRACKER.__exit__(None, None, None)
+        _TRACKER = None
 
 
 def plot(result: dict[str, Any], path: Path) -> None:
@@ -229,13 +253,25 @@ def run(args: argparse.Namespace) -> int:
         sampler.start()
         for t in threads:
             t.start()
-        stop.wait(args.seconds)
+        profiled = []
+        if args.heap_profile:
+            import memray  # noqa: F401 -- refuse before the run, not after it
+
+            args.heap_profile.mkdir(parents=True, exist_ok=True)
+            if not stop.wait(args.warmup * args.seconds):
+                profiled = svc.constructors
+                ray.get([c.__ray_call__.remote(_start_heap_tracker, str(args.heap_profile / f"constructor{i}.bin"))
+                         for i, c in enumerate(profiled)])
+                print(f"[soak] heap profile of {len(profiled)} constructors from "
+                      f"{time.perf_counter() - t0:.0f} s into {args.heap_profile}", flush=True)
+        stop.wait(max(0.0, args.seconds - (time.perf_counter() - t0)))
         stop.set()
         for t in threads:
             t.join(timeout=max(60.0, svc.ft.recovery_timeout_s))
         sampler.join(timeout=60)
         stuck = [t.name for t in threads if t.is_alive()]
         wall = time.perf_counter() - t0
+        ray.get([c.__ray_call__.remote(_stop_heap_tracker) for c in profiled])
         svc.stop()
     ray.shutdown()
     ms = np.asarray([x for lat in latencies for x in lat]) * 1e3

@@ -24,7 +24,7 @@ from __future__ import annotations
 import functools
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -46,6 +46,7 @@ from megascale_data_ext.runtime.placement import constructor_homes
 from megascale_data_ext.runtime.planner import Planner
 from megascale_data_ext.runtime.planner_recovery import PlannerRecovery
 from megascale_data_ext.runtime.ray_actor import Held, resolve
+from megascale_data_ext.runtime.routing import RouteBook
 from megascale_data_ext.runtime.shadows import Replica
 from megascale_data_ext.runtime.topology import ServiceTopology
 
@@ -77,8 +78,10 @@ class ConstructorStep:
 
     plans: list[ConstructorPlan]  # one per bucket asked for, in that order
     sources: list[int]  # every source those plans read
-    routes: list[list[Replica]]  # per source of `sources`: its shards' loader actors (shard k at k)
+    routes: list[list[int]]  # per source of `sources`: its shards' loader actor ids (shard k at k)
     encoder: EncoderRows | None  # the buckets' images per encoder rank; None: no images this step
+    fleet: str = ""  # whose actor ids these are (`AutoScaler.fleet`)
+    replicas: dict[int, Replica] = field(default_factory=dict)  # handles of the ids the caller lacks
 
 
 class PlannerActor:
@@ -109,6 +112,7 @@ class PlannerActor:
         self.calls, self.metrics = CallCounter(), service_metrics()  # this actor process's registry
         restarted = reconstructed()
         self.scaler = self._start_loaders(config, loaders, checkpoints if restarted else None)
+        self._route_book = RouteBook()  # which constructors hold which loader actors' handles
         self._horizon = delivery_horizon(config, self.ft)
         summarize_many = functools.partial(self.scaler.summaries, ft=self.ft, calls=self.calls)
         self.planner = Planner(config, topology, None, summarize_many=summarize_many,
@@ -205,18 +209,23 @@ class PlannerActor:
         return [plan.constructor_do_plan(b) for b in buckets]
 
     def constructor_step(self, step: int, buckets: list[int], constructor: int,
-                         floor: int | None = None) -> ConstructorStep:
+                         floor: int | None = None, handles: str | None = None) -> ConstructorStep:
         """A constructor's one call per step: its buckets' plans, the routes of every source they
         read and the encoder rows, instead of a call per bucket plus ``routes`` and ``encoder_plan``;
         `floor` (its slowest consumer's step, when it rose since the last call) rides along
         instead of a ``constructor_floor`` call. Floors only free plans and loaders, so one that
-        arrives a step late keeps them a step longer."""
+        arrives a step late keeps them a step longer. Routes are actor ids; the handles of those
+        the constructor's cache `handles` (its token) was not sent yet come along (`RouteBook`)."""
         if floor is not None:
             self.planner.constructor_floor(constructor, floor)
         plan = self._plan(step)  # plans (and observes) up to `step` first, so its layout is decided
         plans = [plan.constructor_do_plan(b) for b in buckets]
         sources = np.unique(np.concatenate([p.rows[:, 1] for p in plans])).tolist() if plans else []
-        return ConstructorStep(plans, sources, self.scaler.routes(step, sources), encoder_rows(plan, buckets))
+        ids = self.scaler.route_ids(step, sources)
+        used = {a for row in ids for a in row}
+        send = used if handles is None else self._route_book.unsent(constructor, handles, used)
+        return ConstructorStep(plans, sources, ids, encoder_rows(plan, buckets), fleet=self.scaler.fleet,
+                               replicas=self.scaler.replicas(send))
 
     def encoder_plan(self, step: int, buckets: list[int]) -> EncoderRows | None:
         """The EncoderPlan rows (images, their (source, position), encoder rank) of `buckets`' samples."""

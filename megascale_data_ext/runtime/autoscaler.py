@@ -28,8 +28,9 @@ Checkpoint (`StateSchema` "autoscaler", version 1): fingerprint = sources; field
 from __future__ import annotations
 
 import threading
+import uuid
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -109,6 +110,7 @@ class AutoScaler:
         self._next_id = 0
         self._lock = threading.RLock()
         self.suspects = Suspects(5.0)  # primaries whose shadow answers the Planner's metadata calls first
+        self.fleet = uuid.uuid4().hex  # this AutoScaler's actor ids (`route_ids`) mean these actors only
 
     # -- actors --------------------------------------------------------------------
     def _new_actor(self, members: list[tuple[ShardRef, SourceSpec]], workers: int, options: dict) -> int:
@@ -158,21 +160,24 @@ class AutoScaler:
     def routes(self, step: int, sources: Sequence[int]) -> list[list[Replica]]:
         """Per source of `sources`, the loader actors (with their shadows) holding its samples of
         `step`, shard k at index k: a constructor's whole step in one call."""
-        with self._lock:
-            self.max_routed = max(self.max_routed, step)
+        with self._lock:  # re-entrant: ids and handles of one moment
+            ids = self.route_ids(step, sources)
             # one Replica object per actor in the answer: its pickle then carries each actor's handles
             # once, not once per source (at 1,000+ sources in one loader group: ~40 copies a step)
-            replicas: dict[int, Replica] = {}
-            out = []
-            for s in sources:
-                row = []
-                for a in self._layout_at(step, s).actors:
-                    rep = replicas.get(a)
-                    if rep is None:
-                        rep = replicas[a] = self._replica(a)
-                    row.append(rep)
-                out.append(row)
-            return out
+            replicas = self.replicas({a for row in ids for a in row})
+            return [[replicas[a] for a in row] for row in ids]
+
+    def route_ids(self, step: int, sources: Sequence[int]) -> list[list[int]]:
+        """`routes` as actor ids (each with its handles in `replicas`; an id is never reused within
+        this fleet): what a constructor's step reply carries (`routing.RouteBook`)."""
+        with self._lock:
+            self.max_routed = max(self.max_routed, step)
+            return [list(self._layout_at(step, s).actors) for s in sources]
+
+    def replicas(self, ids: Iterable[int]) -> dict[int, Replica]:
+        """The `Replica` of each actor id (a reclaimed actor's is absent)."""
+        with self._lock:
+            return {a: self._replica(a) for a in ids if a in self.actors}
 
     def metadata_replica(self, source: int) -> Replica:
         """An actor of `source`'s newest layout, for metadata (`summary_buffer`); every shard has it all."""

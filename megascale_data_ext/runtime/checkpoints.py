@@ -63,6 +63,7 @@ class PlannerCheckpoints:
         self.keep = keep
         self._lock = threading.Lock()
         self._fingerprint: Any = None  # the fingerprint last written to FINGERPRINT
+        self._written: set[int] | None = None  # steps whose files exist (the directory is this service's)
 
     def path(self, step: int) -> Path:
         return self.directory / f"planner-{step:010d}.json"
@@ -82,9 +83,13 @@ class PlannerCheckpoints:
             self._fingerprint = fp
         write_atomic(self.path(step), {**state, "fingerprint": FINGERPRINT})
         below = step - self.keep + 1 if keep_from is None else min(step - self.keep + 1, keep_from)
-        with self._lock:
-            for old in [s for s in self.steps() if s < below]:
+        with self._lock:  # pruned from what was written, not a listing of the directory per step
+            if self._written is None:
+                self._written = set(self.steps())
+            self._written.add(step)
+            for old in [s for s in self._written if s < below]:
                 self.path(old).unlink(missing_ok=True)
+                self._written.discard(old)
 
     def at(self, step: int) -> dict[str, Any] | None:
         """The state before `step`, or None when it was never written or was pruned."""
@@ -129,3 +134,4 @@ class PlannerCheckpoints:
         (self.directory / FINGERPRINT).unlink(missing_ok=True)
         with self._lock:
             self._fingerprint = None
+            self._written = None

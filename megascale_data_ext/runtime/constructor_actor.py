@@ -82,12 +82,12 @@ class DataConstructorActor:
             with self._lock:
                 floor, self._floor = self._floor, None
             try:
-                got = ask("constructor_step", step, buckets, self._index, floor)
+                got = ask("constructor_step", step, buckets, self._index, floor, fetch.token)
             except BaseException:
                 if floor is not None:  # not told: the next call carries it
                     self._on_floor(floor, wake=False)
                 raise
-            fetch.prime(step, got.sources, got.routes)
+            fetch.prime_ids(step, got.sources, got.routes, got.fleet, got.replicas)
             if got.encoder is not None:
                 with self._lock:
                     self._encoder[step] = got.encoder

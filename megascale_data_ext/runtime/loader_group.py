@@ -44,6 +44,7 @@ from megascale_data_ext.errors import SourceError
 from megascale_data_ext.runtime.calls import CallCounter
 from megascale_data_ext.runtime.failover import missing_buckets, read_buckets
 from megascale_data_ext.runtime.fault_injection import crash_self
+from megascale_data_ext.runtime.fetch_wire import encode_fetch
 from megascale_data_ext.runtime.loader import SourceLoader
 from megascale_data_ext.runtime.metrics import rss_bytes, samples_in, service_metrics
 from megascale_data_ext.runtime.ray_actor import Held, actor, resolve
@@ -311,7 +312,7 @@ class LoaderGroupActor:
             samples, tokens, skipped = samples_in(got)
             self.metrics.source_read(self.group.loaders[s].spec.name, samples=samples, tokens=tokens,
                                      skipped=skipped)
-        return out
+        return {s: encode_fetch(got) for s, got in out.items()}  # text as columns (`runtime.fetch_wire`)
 
     def stats(self) -> dict:
         return {"members": self.group.stats(), "rereads": self.group.rereads, "workers": self.group.workers,

@@ -10,23 +10,54 @@ with shadow loaders its shadow answers when the primary is down or slow (`runtim
 
 from __future__ import annotations
 
+import threading
+import uuid
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from megascale_data_ext.runtime.calls import CallCounter
 from megascale_data_ext.runtime.failover import raise_unless_recovering
 from megascale_data_ext.runtime.fault_tolerance import FaultToleranceConfig
+from megascale_data_ext.runtime.fetch_wire import decode_fetch
 from megascale_data_ext.runtime.loader_group import merge_fetches
 from megascale_data_ext.runtime.retry import Retry
 from megascale_data_ext.runtime.shadows import Replica, Suspects, first_answers
 
-__all__ = ["CACHED_STEPS", "RoutedFetch"]
+__all__ = ["CACHED_STEPS", "HANDLES_KEPT", "RouteBook", "RoutedFetch"]
 
 CACHED_STEPS = 16
 """Steps whose routes a constructor keeps (it builds a few steps ahead; an older one is asked again)."""
+HANDLES_KEPT = 4096
+"""Loader actors whose handles a constructor keeps; past it, it forgets them all and is sent them again."""
 
 Route = Callable[[int, list[int]], list[list[Replica]]]
 """``(step, sources) -> per source, its shards' replicas (shard k at index k)``."""
+
+
+class RouteBook:
+    """The Planner's record of which loader actors' handles each constructor already holds.
+
+    Routes travel as actor ids (`AutoScaler.route_ids`); an actor's handles (a `Replica`) go to
+    a constructor once. Deserializing actor handles was a tenth of a constructor's CPU per
+    step when every step's reply carried them. A constructor names its handle cache by a token
+    (`RoutedFetch.token`): a new token (a restarted constructor, a cleared cache) starts its
+    record afresh. Ids never repeat within a Planner's fleet (`AutoScaler.fleet`).
+    """
+
+    def __init__(self) -> None:
+        self._sent: dict[int, tuple[str, set[int]]] = {}
+        self._lock = threading.Lock()  # constructors ask from several threads
+
+    def unsent(self, constructor: int, token: str, ids: Iterable[int]) -> list[int]:
+        """Which of `ids` the constructor holding cache `token` lacks; they count as sent from now."""
+        with self._lock:
+            have, sent = self._sent.get(constructor, ("", set()))
+            if have != token:
+                sent = set()
+                self._sent[constructor] = (token, sent)
+            new = sorted(set(ids) - sent)
+            sent.update(new)
+            return new
 
 
 class RoutedFetch:
@@ -43,6 +74,10 @@ class RoutedFetch:
         self.ft = ft or FaultToleranceConfig(restart=False)
         self.calls = calls
         self.suspects = Suspects(self.ft.suspect_s)
+        self.token = uuid.uuid4().hex  # names `handles` for the Planner's `RouteBook`
+        self.fleet: str | None = None  # the Planner fleet the handles belong to
+        self.handles: dict[int, Replica] = {}  # loader actor id -> its replica, sent once per token
+        self._lock = threading.Lock()
         # step -> source -> replicas, for the newest CACHED_STEPS steps asked (each route holds
         # fresh actor handles, a few KiB each: kept for every step they grew a constructor steadily)
         self._cache: OrderedDict[int, dict[int, list[Replica]]] = OrderedDict()
@@ -56,6 +91,30 @@ class RoutedFetch:
         """Take routes the caller already has (they came with the step's plans: no ``routes`` call)."""
         self._cache.setdefault(step, {}).update(zip(sources, routes, strict=True))
         self._trim()
+
+    def prime_ids(self, step: int, sources: list[int], ids: list[list[int]], fleet: str,
+                  replicas: dict[int, Replica]) -> None:
+        """`prime` from routes by actor id (`RouteBook`): `replicas` are the handles not sent before.
+        A source with an actor whose handles this cache lacks (forgotten, or the reply that
+        carried them was lost) is left out: its fetch asks for its routes afresh."""
+        with self._lock:  # steps are built on several threads
+            if fleet != self.fleet:  # a restarted Planner numbers its new fleet from 0 again
+                self.handles.clear()
+                self.fleet = fleet
+            self.handles.update(replicas)
+            known, cached = self.handles, self._cache.setdefault(step, {})
+            lacking = False
+            for s, row in zip(sources, ids, strict=True):
+                if all(a in known for a in row):
+                    cached[s] = [known[a] for a in row]
+                else:
+                    lacking = True
+            self._trim()
+            if len(known) > HANDLES_KEPT:  # actors reclaimed long ago: forget all, be sent what is live
+                known.clear()
+                lacking = True
+            if lacking:  # a new token: the Planner sends every handle a step uses again
+                self.token = uuid.uuid4().hex
 
     def _trim(self) -> None:
         while len(self._cache) > CACHED_STEPS:
@@ -90,7 +149,7 @@ class RoutedFetch:
             parts: dict[int, list] = {s: [] for s in todo}
             for rep, got in answers.items():
                 for s in by_actor[rep]:
-                    parts[s].append(got[s])
+                    parts[s].append(decode_fetch(got[s]))
             failed = {s for rep in failures for s in by_actor[rep]}
             out.update({s: merge_fetches(parts[s]) for s in todo if s not in failed})
             if not failed:

@@ -280,3 +280,20 @@ def test_first_fit_in_order_cuts_like_the_sample_by_sample_loop() -> None:
             np.testing.assert_array_equal(_first_fit_in_order(t, cap, m, 0), want)
             cut += 1
     assert cut > 300  # both branches ran
+
+
+def test_kk_small_bin_path_equals_the_numpy_merge(monkeypatch):
+    """`karmarkar_karp._kk_merge_all_lists` (k <= SMALL_K) gives the numpy merge's bins exactly, ties included."""
+    from megascale_data_ext.dataplane.balancers import karmarkar_karp as kk_mod
+
+    rng = np.random.default_rng(7)
+    for trial in range(150):
+        k, n = int(rng.integers(2, kk_mod.SMALL_K + 1)), int(rng.integers(1, 200))
+        costs = [rng.random(n) * 100, rng.integers(1, 4, n).astype(float)][trial % 2]  # the second: many ties
+        sizes = np.full(k, n // k) if n >= k and trial % 4 == 1 else None
+        if sizes is not None:
+            costs = costs[: k * (n // k)]
+        monkeypatch.setattr(kk_mod, "SMALL_K", 0)
+        ref = kk_mod.kk(costs, k, sizes=sizes)
+        monkeypatch.setattr(kk_mod, "SMALL_K", 32)
+        assert np.array_equal(kk_mod.kk(costs, k, sizes=sizes), ref), (trial, k, n)

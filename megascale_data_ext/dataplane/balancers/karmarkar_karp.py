@@ -18,12 +18,19 @@ KK_HEAD_MAX = 4096
 KK_WORK_MAX = 2_000_000
 
 
+#: Up to this many bins, tuples are merged as Python lists: numpy's per-call cost dominates
+#: k-long arrays this short (a step of 2 x 4 microbatches: ~4x faster, the same result).
+SMALL_K = 32
+
+
 def _kk_merge_all(tuples: list[tuple[np.ndarray, np.ndarray, np.ndarray]], k: int) -> tuple[np.ndarray, np.ndarray]:
     """Largest differencing: repeatedly merge the two k-tuples of largest spread.
 
     Each tuple is (loads sorted descending and shifted so min = 0, item ids, slot ids); merging
     pairs the heaviest slot of one with the lightest of the other.
     """
+    if k <= SMALL_K:
+        return _kk_merge_all_lists(tuples, k)
     heap = [(-float(t[0][0]), i, t) for i, t in enumerate(tuples)]
     heapq.heapify(heap)
     seq = len(heap)
@@ -42,6 +49,29 @@ def _kk_merge_all(tuples: list[tuple[np.ndarray, np.ndarray, np.ndarray]], k: in
         seq += 1
     _, _, (_, item, slot) = heap[0]
     return item, slot
+
+
+def _kk_merge_all_lists(tuples: list[tuple[np.ndarray, np.ndarray, np.ndarray]],
+                        k: int) -> tuple[np.ndarray, np.ndarray]:
+    """`_kk_merge_all` on Python lists, step for step (the same sums, the same stable order)."""
+    heap = [(-float(t[0][0]), i, (t[0].tolist(), t[1].tolist(), t[2].tolist())) for i, t in enumerate(tuples)]
+    heapq.heapify(heap)
+    seq, last, order = len(heap), k - 1, range(k)
+    while len(heap) > 1:
+        _, _, (la, ia, sa) = heapq.heappop(heap)
+        _, _, (lb, ib, sb) = heapq.heappop(heap)
+        merged = [a + b for a, b in zip(la, reversed(lb))]
+        srt = sorted(order, key=merged.__getitem__, reverse=True)  # stable among equals, as argsort(-x)
+        inv = [0] * k
+        for j, s in enumerate(srt):
+            inv[s] = j
+        floor = merged[srt[-1]]
+        loads = [merged[s] - floor for s in srt]
+        slot = [inv[s] for s in sa] + [inv[last - s] for s in sb]
+        heapq.heappush(heap, (-loads[0], seq, (loads, ia + ib, slot)))
+        seq += 1
+    _, _, (_, item, slot) = heap[0]
+    return np.asarray(item, dtype=np.int64), np.asarray(slot, dtype=np.int64)
 
 
 def kk(costs: np.ndarray, k: int, *, tokens: np.ndarray | None = None, cap: float | None = None,
