@@ -200,6 +200,15 @@ class PlannerActor:
         """`step`'s LoaderPlans of `sources` (a loader group's members) in one reply; absent: nothing."""
         return self._plan(step).loader_do_plans(sources)
 
+    def loader_plans_ahead(self, step: int, sources: list[int], count: int) -> dict[int, dict]:
+        """`loader_plans` of `step` and of up to ``count - 1`` steps after it that can be planned
+        without waiting (`Planner.planned_ahead`), ``{step: {source: LoaderPlan}}``: a loader
+        group's read-ahead asks once per `count` steps instead of once per step."""
+        out = {step: self._plan(step).loader_do_plans(sources)}
+        for plan in self.planner.planned_ahead(step + 1, count - 1):
+            out[plan.step] = plan.loader_do_plans(sources)
+        return out
+
     def constructor_plan(self, step: int, bucket: int):
         return self._plan(step).constructor_do_plan(bucket)
 

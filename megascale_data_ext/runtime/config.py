@@ -23,10 +23,12 @@ from megascale_data_ext.errors import ConfigError
 from megascale_data_ext.runtime.fault_tolerance import FaultToleranceConfig
 from megascale_data_ext.sources.base import FieldProblem, SourceSpec
 
-__all__ = ["DEFAULT_STRATEGY", "MIX_MODES", "OVERFLOW_MODES", "AutoscaleConfig", "Overflow", "BatchConfig", "FieldProblem",
+__all__ = ["DEFAULT_STRATEGY", "INLINE_OBJECT_BYTES", "MIX_MODES", "OVERFLOW_MODES", "AutoscaleConfig", "Overflow", "BatchConfig", "FieldProblem",
            "PlacementConfig", "RayConfig", "ServiceConfig", "choice_problems", "render_problems"]
 
 DEFAULT_STRATEGY = StrategyName.LLM_BALANCE.value
+INLINE_OBJECT_BYTES = 1 << 20
+"""`RayConfig.inline_object_bytes` of an embedded Ray when unset."""
 MIX_MODES: tuple[str, ...] = tuple(m.value for m in MixMode)
 
 
@@ -72,6 +74,11 @@ class RayConfig:
         dashboard_port: Its port (None = Ray's 8265, the next free one if taken).
         metrics_export_port: Port of the Prometheus metrics an embedded Ray exports (the
             service's ``megascale_*`` series, `runtime.metrics`); None = a free port Ray picks.
+        inline_object_bytes: Largest call argument or reply an embedded Ray sends inline with
+            the call rather than through its object store (Ray's ``max_direct_call_object_size``,
+            100 KiB by default). None = `INLINE_OBJECT_BYTES` (1 MiB): a step of a few microbatches
+            (~250 KiB of text) then costs its constructor and its trainer rank half the CPU per
+            call. A cluster's is its own (``ray start --head --system-config=...``).
     """
 
     address: str | None = None
@@ -81,6 +88,7 @@ class RayConfig:
     dashboard: bool = False
     dashboard_port: int | None = None
     metrics_export_port: int | None = None
+    inline_object_bytes: int | None = None
 
     def init_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for ``ray.init`` (``num_cpus``/``resources`` only for an embedded Ray).
@@ -93,7 +101,9 @@ class RayConfig:
         local = {"num_cpus": self.num_cpus, "resources": dict(self.resources) or None,
                  "dashboard_port": self.dashboard_port, "_metrics_export_port": self.metrics_export_port}
         embedded = {k: v for k, v in local.items() if v is not None}
-        return {"address": "local", "namespace": self.namespace, "include_dashboard": self.dashboard, **embedded}
+        inline = INLINE_OBJECT_BYTES if self.inline_object_bytes is None else self.inline_object_bytes
+        return {"address": "local", "namespace": self.namespace, "include_dashboard": self.dashboard, **embedded,
+                "_system_config": {"max_direct_call_object_size": inline}}
 
     def problems(self) -> list[FieldProblem]:
         """What is wrong with the fields, as ``(field, message)``."""
@@ -101,6 +111,10 @@ class RayConfig:
         if self.num_cpus is not None and (not _is_int(self.num_cpus) or self.num_cpus < 1):
             out.append(("num_cpus", f"must be an integer >= 1 or null, got {self.num_cpus!r}"))
         out += [(f"resources.{k}", f"must be >= 0, got {a!r}") for k, a in self.resources.items() if not a >= 0]
+        if self.inline_object_bytes is not None and (not _is_int(self.inline_object_bytes)
+                                                     or self.inline_object_bytes < 0):
+            out.append(("inline_object_bytes", f"must be an integer >= 0 (bytes) or null, got "
+                                               f"{self.inline_object_bytes!r}"))
         for key in ("dashboard_port", "metrics_export_port"):
             port = getattr(self, key)
             if port is not None and (not _is_int(port) or not 1 <= port <= 65535):
@@ -110,6 +124,11 @@ class RayConfig:
                           f"`ray start --head --{key.replace('_', '-')}`, so drop data.ray.{key}")
                     for key in ("dashboard", "dashboard_port", "metrics_export_port")
                     if getattr(self, key) not in (None, False)]
+            if self.inline_object_bytes is not None:
+                out.append(("inline_object_bytes", "applies to an embedded Ray only (data.ray.address=null); a "
+                                                   "cluster's is set by `ray start --head --system-config="
+                                                   "'{\"max_direct_call_object_size\": 1048576}'`, so drop "
+                                                   "data.ray.inline_object_bytes"))
         elif self.dashboard and importlib.util.find_spec("aiohttp") is None:
             out.append(("dashboard", "needs Ray's dashboard packages: pip install 'megascale-data-ext[metrics]' "
                                      "(ray[default]), or set data.ray.dashboard=false"))

@@ -17,9 +17,10 @@ parallel: worker i starts step s + i while the constructors consume step s), so 
 transform has ``workers`` steps of time to finish.
 
 Batched calls: whatever crosses a process goes once per group, not once per member — the
-Planner's metadata (`summaries`), the step's plans (``get_plans(step, members)``, cached per
-step) and a constructor's fetch of every member it needs (`LoaderGroupActor.fetch_many`) — so
-Ray calls per step do not grow with the sources an actor hosts.
+Planner's metadata (`summaries`), the plans (``get_plans_ahead(step, members, count)``: every
+member's plans of a few steps per call, cached) and a constructor's fetch of every member it needs
+(`LoaderGroupActor.fetch_many`, samples as columns: `runtime.fetch_wire`) — so Ray calls per step do
+not grow with the sources an actor hosts, and the plans cost a call per `PLANS_AHEAD` steps.
 
 Thread contract: as `SourceLoader`; the Ray façade is threaded (``max_concurrency``) because
 a member's `fetch` may wait on the Planner while the Planner asks for `summaries`.
@@ -61,23 +62,31 @@ _log = logging.getLogger(__name__)
 GetPlan = Callable[[int, int], LoaderPlan]
 GetPlans = Callable[[int, list[int]], Mapping[int, LoaderPlan]]
 """``(step, sources) -> {source: LoaderPlan}`` of the whole sources; a source left out has nothing in the step."""
+GetPlansAhead = Callable[[int, list[int], int], Mapping[int, Mapping[int, LoaderPlan]]]
+"""``(step, sources, count) -> {step: {source: LoaderPlan}}``: `step`'s plans and those of up to
+``count - 1`` steps after it that the Planner can make without waiting."""
 PLAN_STEPS = 64
 """Steps of plans a group keeps (read-ahead and re-reads of recent steps find them)."""
+PLANS_AHEAD = 4
+"""Steps of plans a group asks for in one call (`GetPlansAhead`): a Planner call per 4 steps, not per step."""
 
 
 class PlanCache:
     """A group's plans of its members, fetched once per step for all of them (`GetPlans`); thread-safe.
 
-    Concurrent misses on one step wait for the first one's answer instead of asking again.
+    Concurrent misses wait for an ask in flight that may bring their step instead of asking again.
     """
 
-    def __init__(self, get_plans: GetPlans, sources: Sequence[int], steps: int = PLAN_STEPS) -> None:
+    def __init__(self, get_plans: GetPlans | None, sources: Sequence[int], steps: int = PLAN_STEPS, *,
+                 get_plans_ahead: GetPlansAhead | None = None, ahead: int = PLANS_AHEAD) -> None:
         self.get_plans = get_plans
+        self.get_plans_ahead = get_plans_ahead
+        self.ahead = ahead
         self.sources = sorted(sources)
         self.steps = steps
         self._plans: OrderedDict[int, Mapping[int, LoaderPlan]] = OrderedDict()
         self._lock = threading.Lock()
-        self._asking: dict[int, threading.Lock] = {}
+        self._asking: dict[int, threading.Event] = {}  # first step of each ask in flight -> its answer
 
     def get(self, step: int, source: int) -> LoaderPlan:
         plan = self._step(step).get(source)
@@ -91,25 +100,36 @@ class PlanCache:
         return [s for s, plan in self._step(step).items() if len(plan.positions)]
 
     def _step(self, step: int) -> Mapping[int, LoaderPlan]:
-        """Every member's plan of `step`: cached, or asked once however many threads want it."""
-        plans = self._cached(step)
-        if plans is None:
+        """Every member's plan of `step`: cached, or asked for. A thread whose step an ask in
+        flight may bring (it asked for an earlier step, and answers carry up to `ahead` steps)
+        waits for that answer instead of sending its own; a thread never waits behind an ask for
+        a later step, which may be waiting for this step's loss report (feedback mixing)."""
+        while True:
             with self._lock:
-                asking = self._asking.setdefault(step, threading.Lock())
-            with asking:
-                plans = self._cached(step)
-                if plans is None:
-                    plans = self.get_plans(step, self.sources)
-                    with self._lock:
-                        self._plans[step] = plans
-                        while len(self._plans) > self.steps:
-                            self._plans.popitem(last=False)
-                        self._asking.pop(step, None)
-        return plans
-
-    def _cached(self, step: int) -> Mapping[int, LoaderPlan] | None:
-        with self._lock:
-            return self._plans.get(step)
+                plans = self._plans.get(step)
+                if plans is not None:
+                    return plans
+                covering = next((done for first, done in self._asking.items() if first <= step < first + self.ahead),
+                                None)
+                if covering is None:
+                    mine = self._asking[step] = threading.Event()
+                    break
+            covering.wait()  # then look again: the answer may have stopped short of `step`
+        try:
+            if self.get_plans_ahead is not None:
+                got = dict(self.get_plans_ahead(step, self.sources, self.ahead))
+            else:
+                got = {step: self.get_plans(step, self.sources)}
+            with self._lock:
+                for s, p in sorted(got.items()):
+                    self._plans.setdefault(s, p)
+                while len(self._plans) > self.steps:
+                    self._plans.popitem(last=False)
+            return got[step]
+        finally:
+            with self._lock:
+                del self._asking[step]
+            mine.set()
 
 
 def shard_of_plan(plan: LoaderPlan, shard: int, num_shards: int) -> LoaderPlan:
@@ -133,6 +153,7 @@ class LoaderGroup:
         get_plan: ``(step, source) -> LoaderPlan`` of the whole source (the Planner).
         get_plans: ``(step, sources) -> {source: LoaderPlan}`` (`GetPlans`): every member's plan of
             a step in one call, cached (`PlanCache`); replaces `get_plan`.
+        get_plans_ahead: `GetPlansAhead`: the same for a few steps per call; replaces `get_plans`.
         direct: A shadow (`runtime.shadows`): reads exactly the buckets asked for from the plan,
             staging nothing and reading nothing ahead.
 
@@ -141,7 +162,8 @@ class LoaderGroup:
 
     def __init__(self, members: Sequence[tuple[ShardRef, SourceSpec]], *, seed: int, shuffle: bool = True,
                  workers: int = 1, read_ahead: int | None = None, get_plan: GetPlan | None = None,
-                 get_plans: GetPlans | None = None, direct: bool = False) -> None:
+                 get_plans: GetPlans | None = None, get_plans_ahead: GetPlansAhead | None = None,
+                 direct: bool = False) -> None:
         seen = [ref.source for ref, _ in members]
         if len(set(seen)) != len(seen):
             raise ValueError(f"a loader group hosts a source at most once, got sources {seen}")
@@ -158,7 +180,9 @@ class LoaderGroup:
         self._ahead_until: dict[int, int] = {s: -1 for s in self.loaders}
         self._ahead_lock = threading.Lock()
         self._group_ahead_until = -1  # with `plans`: read ahead by step, for the members each step draws
-        self.plans = PlanCache(get_plans, list(self.loaders)) if get_plans is not None else None
+        self.plans = (PlanCache(get_plans, list(self.loaders), get_plans_ahead=get_plans_ahead,
+                                ahead=max(PLANS_AHEAD, self.read_ahead + 1))
+                      if get_plans is not None or get_plans_ahead is not None else None)
         self.set_get_plan(self.plans.get if self.plans is not None else get_plan)
 
     def set_get_plan(self, get_plan: GetPlan | None) -> None:
@@ -283,13 +307,14 @@ class LoaderGroupActor:
         members = resolve(members)  # by reference: hundreds of sources' specs (`runtime.ray_actor.Held`)
         self._planner = planner
         self.calls, self.metrics = CallCounter(), service_metrics()
-        self.group = LoaderGroup(members, seed=seed, shuffle=shuffle, workers=workers, get_plans=self._get_plans,
-                                 direct=direct)
+        self.group = LoaderGroup(members, seed=seed, shuffle=shuffle, workers=workers,
+                                 get_plans_ahead=self._get_plans_ahead, direct=direct)
 
-    def _get_plans(self, step: int, sources: list[int]) -> Mapping[int, LoaderPlan]:
-        """Every member's plan of `step`: one call to the Planner (the group caches the answer)."""
+    def _get_plans_ahead(self, step: int, sources: list[int], count: int) -> Mapping[int, Mapping[int, LoaderPlan]]:
+        """Every member's plans of `step` and of the next steps the Planner has: one call for
+        several steps (the group caches the answer)."""
         self.calls.add("loader>planner loader_plans")
-        return ray.get(self._planner.loader_plans.remote(step, sources))
+        return ray.get(self._planner.loader_plans_ahead.remote(step, sources, count))
 
     def ready(self) -> dict[str, Any]:
         """Where the actor runs and what it serves (placement checks and readiness)."""

@@ -58,6 +58,14 @@ class LossReports:
                         f"but none arrived within {self.timeout_s:g} s: the trainer must report every step "
                         "(hooks: install(client, report_loss=True)), or use a static mixing schedule")
 
+    def ready(self, step: int) -> bool:
+        """Whether planning `step` would find every report it needs (`wait_for` would not wait)."""
+        delay = self.delay
+        if delay is None:
+            return True
+        with self._cv:
+            return all(k in self._reports for k in range(self.applied_through() + 1, step - delay + 1))
+
     def apply(self, step: int) -> None:
         """Fold the reports of steps up to ``step - delay`` into the schedule, in step order."""
         delay = self.delay

@@ -336,6 +336,27 @@ class Planner:
                 if self.next_step == target:
                     self._plan_next()
 
+    def planned_ahead(self, step: int, count: int) -> list[StepPlan]:
+        """The plans of up to `count` steps from `step` that exist or can be made now without
+        waiting: planning stops at a step whose loss reports have not arrived (feedback mixing),
+        once the kept plans hold `plan_cache_bytes`, or at a step that fails (its own request
+        raises it). A plan is the same whenever it is made: this only moves work earlier, so
+        a loader asks for a few steps' plans in one call (`LoaderGroup`'s read-ahead)."""
+        out: list[StepPlan] = []
+        for s in range(step, step + count):
+            with self._lock:
+                plan = self.plans.get(s)
+                if plan is None:
+                    if (s != self.next_step or not self.reports.ready(s)
+                            or sum(self._plan_bytes.values()) > self.plan_cache_bytes):
+                        break
+                    try:
+                        plan = self._plan_next()
+                    except Exception:  # noqa: BLE001 -- raised again, with its context, when the step is asked for
+                        break
+            out.append(plan)
+        return out
+
     def planning(self) -> threading.RLock:
         """The planning lock (re-entrant): held, no other thread plans or loads a state, so a caller
         can load a saved state and plan from it with nothing in between (a rewind)."""

@@ -7,6 +7,8 @@ import sys
 
 import pytest
 
+from megascale_data_ext.runtime.config import INLINE_OBJECT_BYTES
+
 
 @pytest.fixture(scope="session")
 def data_root(tmp_path_factory):
@@ -18,7 +20,9 @@ def data_root(tmp_path_factory):
     return root
 
 
-LOCAL_RAY = dict(address="local", num_cpus=2, include_dashboard=False, configure_logging=False, log_to_driver=False)
+# as a service starts its own Ray (`RayConfig.init_kwargs`): steps of a few microbatches travel inline
+LOCAL_RAY = dict(address="local", num_cpus=2, include_dashboard=False, configure_logging=False, log_to_driver=False,
+                 _system_config={"max_direct_call_object_size": INLINE_OBJECT_BYTES})
 
 
 def shared_ray() -> None:

@@ -119,3 +119,50 @@ def test_calls_per_step_counts_by_kind() -> None:
     assert calls_per_step(before, sum_calls([a.snapshot(), b.snapshot()]), 4) == {"x": 2.0, "y": 1.0, "total": 3.0}
     with pytest.raises(ValueError):
         calls_per_step(before, before, 0)
+
+
+def test_plan_cache_asks_once_for_several_steps():
+    """`PlanCache` with `get_plans_ahead`: the steps an answer brings are served from the cache."""
+    from megascale_data_ext.runtime.loader_group import PlanCache
+
+    asked = []
+
+    def ahead(step, sources, count):
+        asked.append((step, count))
+        last = max(step + 1, min(step + count, 7))  # beyond step 6 only the step asked for (it waits)
+        return {s: {src: f"plan {s}/{src}" for src in sources} for s in range(step, last)}
+
+    cache = PlanCache(None, [3, 1], get_plans_ahead=ahead, ahead=4)
+    assert [cache._step(s)[1] for s in range(9)] == [f"plan {s}/1" for s in range(9)]
+    assert asked == [(0, 4), (4, 4), (7, 4), (8, 4)]  # steps 0-3, 4-6 (all it had), then one at a time
+
+
+def test_plan_cache_waits_only_for_an_ask_that_may_bring_its_step():
+    """A miss on step 5 while an ask for step 4 is in flight waits for it (and is served by it);
+    a miss on step 2 never waits behind that ask (it may be waiting for step 2's loss report)."""
+    import threading
+
+    from megascale_data_ext.runtime.loader_group import PlanCache
+
+    release, asked = threading.Event(), []
+
+    def ahead(step, sources, count):
+        asked.append(step)
+        if step == 4:
+            release.wait(10)
+        return {s: {0: s} for s in range(step, step + (1 if step == 2 else count))}  # the Planner stops at 2
+
+    cache = PlanCache(None, [0], get_plans_ahead=ahead, ahead=4)
+    slow = threading.Thread(target=cache._step, args=(4,))
+    slow.start()
+    while 4 not in asked:
+        threading.Event().wait(0.01)
+    assert cache._step(2) == {0: 2}  # answered at once: its own ask
+    later = threading.Thread(target=cache._step, args=(5,))
+    later.start()
+    later.join(0.2)
+    assert later.is_alive() and asked == [4, 2]  # step 5 waits for the ask of 4, which brings it
+    release.set()
+    slow.join(5)
+    later.join(5)
+    assert asked == [4, 2] and cache._step(7) == {0: 7}

@@ -93,3 +93,33 @@ def test_constructors_split_the_loss_per_source(specs):
     for doc, (src, _pos, _idx) in enumerate(info["samples"].tolist()):
         assert set(ids[bounds[doc]:bounds[doc + 1]].tolist()) == {src}
     assert np.all(ids[bounds[len(info["samples"])]:] == -1)  # padding belongs to no source
+
+
+def test_planning_ahead_stops_where_a_report_is_missing_and_plans_what_one_at_a_time_would(specs):
+    """`Planner.planned_ahead` (a loader asking for a few steps' plans at once) never waits for a
+    loss report, and a step it plans early is the step planned on request."""
+    ahead = InProcessService(config(specs, delay=2), TREE).planner
+    ahead.plan(0)
+    got = ahead.planned_ahead(1, 4)  # step 1 needs no report (delay 2); step 2 needs step 0's
+    assert [p.step for p in got] == [1] and ahead.next_step == 2
+    ahead.report_loss(0, loss(0))
+    ahead.report_loss(1, loss(1))
+    assert [p.step for p in ahead.planned_ahead(1, 4)] == [1, 2, 3]  # step 4 needs step 2's report
+    one = InProcessService(config(specs, delay=2), TREE).planner
+    for step in range(4):
+        one.plan(step)
+        if step < 2:
+            one.report_loss(step, loss(step))
+    assert [ahead.plan(s).position.tolist() for s in range(4)] == [one.plan(s).position.tolist() for s in range(4)]
+
+
+def test_planning_ahead_stops_at_the_plan_cache_budget(specs):
+    static = ServiceConfig(sources=specs, seed=3, samples_per_step=20, num_microbatches=2, seq_length=4096,
+                           strategy="llm_balance", strategy_args={"model": "gpt-tiny"}, buffer_size=64)
+    planner = InProcessService(static, TREE).planner
+    planner.plan(0)
+    planner.plan_cache_bytes = 0  # every plan kept is over the budget: nothing is planned early
+    assert planner.planned_ahead(1, 4) == []
+    planner.plan_cache_bytes = 1 << 30
+    assert [p.step for p in planner.planned_ahead(1, 4)] == [1, 2, 3, 4]
+    assert [p.step for p in planner.planned_ahead(2, 2)] == [2, 3]  # planned ones are returned as they are
