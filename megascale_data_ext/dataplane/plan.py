@@ -189,6 +189,8 @@ class StepPlan:
         plan, for a loader actor hosting many sources); a source left out has none."""
         want = np.unique(np.asarray(list(sources), dtype=np.int64))
         rows = np.flatnonzero(np.isin(self.source, want))
+        if not len(rows):  # none of `sources` in this step
+            return {}
         rows = rows[np.argsort(self.source[rows], kind="stable")]  # by source, plan order kept inside
         src = self.source[rows]
         starts = np.flatnonzero(np.diff(src, prepend=-1))  # where each source's rows begin

@@ -50,6 +50,7 @@ def test_loader_do_plans_is_loader_do_plan_of_each_source(specs, tokens: bool) -
             for field in ("positions", "indices", "bucket"):
                 np.testing.assert_array_equal(getattr(got, field), getattr(one, field))
         assert set(plan.loader_do_plans([1])) <= {1}
+        assert plan.loader_do_plans([len(specs) + 5]) == {}  # sources with nothing in the step: an empty answer
 
 
 def test_planner_asks_for_metadata_once_per_step_for_every_source(specs) -> None:
