@@ -20,6 +20,10 @@ the end is within ``--flat`` (5 %) of its value once warm (the first sample afte
 the run): allocator warm-up is not a leak, steady growth is. Fetch latency is each ``get`` of a step (waits on backpressure included): p50, p99,
 max. Errors: every exception a client thread raised, with its rank and step.
 
+``--heap-profile DIR`` records each constructor's allocations from warm-up to the end with memray
+(native stacks; one aggregated capture per constructor): what is still live at the end, by stack,
+tells a leak (a site that grows with the steps served) from memory the allocator keeps.
+
 JSON: ``clients``, ``constructors``, ``seconds``, ``steps`` (min/median/max over ranks),
 ``fetches``, ``errors``, ``fetch_ms`` (p50/p99/max), ``memory`` (own memory per process:
 ``warm_mib``, ``end_mib``, ``max_mib``, ``growth``, ``flat``), ``object_store`` and ``rss`` (the

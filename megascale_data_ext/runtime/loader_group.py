@@ -72,7 +72,8 @@ PLANS_AHEAD = 4
 
 
 class PlanCache:
-    """A group's plans of its members, fetched once per step for all of them (`GetPlans`); thread-safe.
+    """A group's plans of its members, asked for all of them at once, a few steps per call
+    (`GetPlansAhead`; `GetPlans`: one step per call); thread-safe.
 
     Concurrent misses wait for an ask in flight that may bring their step instead of asking again.
     """
