@@ -23,8 +23,9 @@ from megascale_data_ext.errors import ConfigError
 from megascale_data_ext.runtime.fault_tolerance import FaultToleranceConfig
 from megascale_data_ext.sources.base import FieldProblem, SourceSpec
 
-__all__ = ["DEFAULT_STRATEGY", "INLINE_OBJECT_BYTES", "MIX_MODES", "OVERFLOW_MODES", "AutoscaleConfig", "Overflow", "BatchConfig", "FieldProblem",
-           "PlacementConfig", "RayConfig", "ServiceConfig", "choice_problems", "render_problems"]
+__all__ = ["DEFAULT_STRATEGY", "INLINE_OBJECT_BYTES", "MIX_MODES", "OVERFLOW_MODES", "AutoscaleConfig", "Overflow",
+           "BatchConfig", "FieldProblem", "PlacementConfig", "RayConfig", "ServiceConfig", "choice_problems",
+           "render_problems"]
 
 DEFAULT_STRATEGY = StrategyName.LLM_BALANCE.value
 INLINE_OBJECT_BYTES = 1 << 20

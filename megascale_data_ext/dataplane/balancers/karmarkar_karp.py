@@ -19,7 +19,7 @@ KK_WORK_MAX = 2_000_000
 
 
 #: Up to this many bins, tuples are merged as Python lists: numpy's per-call cost dominates
-#: k-long arrays this short (a step of 2 x 4 microbatches: ~4x faster, the same result).
+#: k-long arrays this short (a step of 2 x 4 microbatches, 60 documents: 0.58 -> 0.38 ms, the same bins).
 SMALL_K = 32
 
 
