@@ -184,6 +184,15 @@ def plot(result: dict[str, Any], path: Path) -> None:
 def run(args: argparse.Namespace) -> int:
     import ray
 
+    if args.heap_profile:  # refused before anything starts, not after the warm-up
+        try:
+            import memray  # noqa: F401
+        except ImportError:
+            from megascale_data_ext.errors import ConfigError
+
+            raise ConfigError("`--heap-profile` records with memray, which is not installed: pip install memray, "
+                              "or leave --heap-profile out") from None
+
     from megascale_data_ext.commands._proc_stats import private_split_mib, rss_mib
     from megascale_data_ext.runtime.remote import RemoteConstructors
     from megascale_data_ext.runtime.service import DataService
@@ -259,8 +268,6 @@ def run(args: argparse.Namespace) -> int:
             t.start()
         profiled = []
         if args.heap_profile:
-            import memray  # noqa: F401 -- refuse before the run, not after it
-
             args.heap_profile.mkdir(parents=True, exist_ok=True)
             if not stop.wait(args.warmup * args.seconds):
                 profiled = svc.constructors

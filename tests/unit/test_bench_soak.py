@@ -79,3 +79,30 @@ def test_lockstep_window_holds_consumers_within_the_spread():
     blocked.join()
     stop.set()
     assert LockstepWindow(2, -1, threading.Event()).wait_turn(1000)  # unbounded
+
+
+def test_heap_profile_without_memray_is_one_named_error_before_anything_starts(monkeypatch, tmp_path):
+    """`bench soak --heap-profile` on a machine without memray: a ConfigError naming the flag and
+    the install, raised before Ray or any service starts."""
+    import argparse
+    import builtins
+
+    import pytest
+
+    from megascale_data_ext.commands import bench_soak
+    from megascale_data_ext.errors import ConfigError
+
+    real_import = builtins.__import__
+
+    def no_memray(name, *args, **kwargs):
+        if name == "memray":
+            raise ImportError("No module named 'memray'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_memray)
+    parser = argparse.ArgumentParser()
+    bench_soak.add_arguments(parser)
+    args = parser.parse_args(["--heap-profile", str(tmp_path / "heap"), "--seconds", "1"])
+    with pytest.raises(ConfigError, match=r"--heap-profile.*pip install memray"):
+        bench_soak.run(args)
+    assert not (tmp_path / "heap").exists()
