@@ -196,14 +196,11 @@ class PlannerActor:
     def loader_plan(self, step: int, source: int):
         return self._plan(step).loader_do_plan(source)
 
-    def loader_plans(self, step: int, sources: list[int]):
-        """`step`'s LoaderPlans of `sources` (a loader group's members) in one reply; absent: nothing."""
-        return self._plan(step).loader_do_plans(sources)
-
     def loader_plans_ahead(self, step: int, sources: list[int], count: int) -> dict[int, dict]:
-        """`loader_plans` of `step` and of up to ``count - 1`` steps after it that can be planned
-        without waiting (`Planner.planned_ahead`), ``{step: {source: LoaderPlan}}``: a loader
-        group's read-ahead asks once per `count` steps instead of once per step."""
+        """`step`'s LoaderPlans of `sources` (a loader group's members; a source absent has nothing
+        in the step) and those of up to ``count - 1`` steps after it that can be planned without
+        waiting (`Planner.planned_ahead`), ``{step: {source: LoaderPlan}}``: a loader group asks
+        once per `count` steps instead of once per step."""
         out = {step: self._plan(step).loader_do_plans(sources)}
         for plan in self.planner.planned_ahead(step + 1, count - 1):
             out[plan.step] = plan.loader_do_plans(sources)

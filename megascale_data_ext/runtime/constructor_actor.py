@@ -87,7 +87,7 @@ class DataConstructorActor:
                 if floor is not None:  # not told: the next call carries it
                     self._on_floor(floor, wake=False)
                 raise
-            fetch.prime_ids(step, got.sources, got.routes, got.fleet, got.replicas)
+            fetch.prime(step, got.sources, got.routes, got.fleet, got.replicas)
             if got.encoder is not None:
                 with self._lock:
                     self._encoder[step] = got.encoder

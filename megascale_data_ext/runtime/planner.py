@@ -365,11 +365,6 @@ class Planner:
     def loader_plan(self, step: int, source: int) -> LoaderPlan:
         return self.plan(step).loader_do_plan(source)
 
-    def loader_plans(self, step: int, sources: Sequence[int]) -> dict[int, LoaderPlan]:
-        """The LoaderPlans of `step` for `sources` (a loader actor's members) at once; a source left
-        out has nothing in the step."""
-        return self.plan(step).loader_do_plans(sources)
-
     def report_loss(self, step: int, losses: Mapping[int | str, float]) -> None:
         """Record the trainer's per-source loss of `step` (by source index or name); a feedback
         schedule applies it when step + delay is planned (`LossReports.record`)."""

@@ -38,8 +38,8 @@ class RouteBook:
     """The Planner's record of which loader actors' handles each constructor already holds.
 
     Routes travel as actor ids (`AutoScaler.route_ids`); an actor's handles (a `Replica`) go to
-    a constructor once. Deserializing actor handles was a tenth of a constructor's CPU per
-    step when every step's reply carried them. A constructor names its handle cache by a token
+    a constructor once, not with every step's reply (deserializing them was about a tenth of a
+    constructor's Python time per step under a profiler). A constructor names its handle cache by a token
     (`RoutedFetch.token`): a new token (a restarted constructor, a cleared cache) starts its
     record afresh. Ids never repeat within a Planner's fleet (`AutoScaler.fleet`).
     """
@@ -87,15 +87,10 @@ class RoutedFetch:
         """Calls a primary failed or was out-run by its shadow."""
         return self.suspects.failovers
 
-    def prime(self, step: int, sources: list[int], routes: list[list[Replica]]) -> None:
-        """Take routes the caller already has (they came with the step's plans: no ``routes`` call)."""
-        self._cache.setdefault(step, {}).update(zip(sources, routes, strict=True))
-        self._trim()
-
-    def prime_ids(self, step: int, sources: list[int], ids: list[list[int]], fleet: str,
-                  replicas: dict[int, Replica]) -> None:
-        """`prime` from routes by actor id (`RouteBook`): `replicas` are the handles not sent before.
-        A source with an actor whose handles this cache lacks (forgotten, or the reply that
+    def prime(self, step: int, sources: list[int], ids: list[list[int]], fleet: str,
+              replicas: dict[int, Replica]) -> None:
+        """Take the routes that came with the step's plans (no ``routes`` call): actor ids
+        (`RouteBook`), `replicas` being the handles not sent before. A source with an actor whose handles this cache lacks (forgotten, or the reply that
         carried them was lost) is left out: its fetch asks for its routes afresh."""
         with self._lock:  # steps are built on several threads
             if fleet != self.fleet:  # a restarted Planner numbers its new fleet from 0 again

@@ -397,7 +397,7 @@ class DataService:
         for h in self.constructors + loaders:
             ray.kill(h, no_restart=True)
         # the loaders gone before the Planner: a loader's read-ahead still asking the Planner for plans
-        # would otherwise log a retried task (`PlannerActor.loader_plans failed`) at every stop
+        # would otherwise log a retried task (`PlannerActor.loader_plans_ahead failed`) at every stop
         ray.wait([h.ready.remote() for h in loaders], num_returns=len(loaders), timeout=5.0)
         if self.planner is not None:
             ray.kill(self.planner, no_restart=True)
