@@ -3,6 +3,7 @@
     python3 scripts/gpu_check.py kernels OUT.json          per-document attention kernels vs a dense fp64 reference
     python3 scripts/gpu_check.py memwrap SCRIPT ARGS...    run SCRIPT, write this rank's CUDA peak memory to $MEM_OUT.<rank>
     python3 scripts/gpu_check.py train-rows OUT.json WORK RUN...   gpu_train.json from the runs' step logs
+    python3 scripts/gpu_check.py launch-bound OUT.json      device vs host launch time of the GPT per microbatch
 
 Every JSON it writes names the device, torch version and command, so a file read alone says
 where its numbers come from.
@@ -170,6 +171,107 @@ def train_rows(out_path: str, work: str, *runs: str) -> int:
     return 0
 
 
+def launch_bound(out_path: str) -> int:
+    """Is a microbatch's time the device's or the host's? The bench's GPT (GPU default shape) on
+    packs of 1,024-8,192 tokens, one to 64 documents: CUDA-event time vs the host's time to launch
+    forward + backward; the attention layout uploaded from pinned vs pageable memory; one
+    workload's balanced ranks timed back to back and interleaved (state vs content); and
+    torch.profiler's host ops, synchronisations and device-busy time for one rank."""
+    from dataclasses import asdict
+
+    import numpy as np
+    import torch
+
+    from megascale_data_ext.commands import _profile_model as pm
+    from megascale_data_ext.commands.bench_gpu_balance import plan_row
+    from megascale_data_ext.dataplane.costs import TransformerCost
+    from megascale_data_ext.trainer import attention as A
+
+    cuda = torch.cuda.is_available()
+    seq = 8192 if cuda else 256
+    shape = pm.resolve_shape(hidden=None, layers=None, heads=None, vocab=None, seq=seq)
+    out: dict[str, Any] = {**provenance(), "shape": asdict(shape), "packs": [], "uploads": [], "rank_state": []}
+    rng = np.random.default_rng(0)
+
+    def split(total: int, n: int) -> list[int]:
+        total = max(n, total * seq // 8192)
+        cuts = np.sort(rng.choice(np.arange(1, total), size=n - 1, replace=False)) if n > 1 else []
+        return np.diff(np.concatenate(([0], cuts, [total]))).astype(int).tolist()
+
+    packs = {f"{t}x{n}": split(t, n) for t, n in ((1024, 1), (2048, 1), (4096, 1), (3790, 11), (4096, 64),
+                                                   (6144, 1), (6144, 16), (8192, 1), (8192, 64))}
+
+    def timed(pack: list[int], reps: int = 5) -> dict[str, Any]:
+        dev: list[float] = []
+        host: list[float] = []
+        for _ in range(reps):  # a rank of 4 equal microbatches, as the bench times a rank
+            dev += timer.time_rank([pack] * 4)
+            host += timer.host_seconds
+        return {"tokens": sum(pack), "documents": len(pack), "device_ms_median": 1e3 * statistics.median(dev),
+                "device_ms_min": 1e3 * min(dev), "device_ms_max": 1e3 * max(dev),
+                "host_ms_median": 1e3 * statistics.median(host)}
+
+    with pm.single_process_megatron(device=shape.device):
+        timer = pm.ModelTimer(shape)
+        timer.time_rank([[seq]])
+        for name, pack in packs.items():
+            out["packs"].append({"pack": name, **timed(pack)})
+            print(json.dumps(out["packs"][-1]), flush=True)
+        pinned = A._upload
+
+        def pageable(a: Any, device: Any) -> Any:
+            return torch.from_numpy(np.ascontiguousarray(a)).to(device, non_blocking=True)
+
+        for name in ("4096x1", "3790x11", "8192x64"):
+            for label, fn in (("pinned", pinned), ("pageable", pageable), ("pinned", pinned), ("pageable", pageable)):
+                A._upload = fn
+                out["uploads"].append({"pack": name, "uploads": label, **timed(packs[name], reps=3)})
+                print(json.dumps(out["uploads"][-1]), flush=True)
+        A._upload = pinned
+        ranks, _, _ = plan_row("coyo", dp=4, m=4, cap=seq // 2, fill=0.9, seed=0, method="kk",
+                               cost=TransformerCost(shape.cost_config()))
+        balanced = ranks["balanced"]
+
+        def rank_run(order: str, r: int) -> None:
+            device = timer.time_rank(balanced[r])
+            out["rank_state"].append({"order": order, "rank": r, "device_ms": [round(1e3 * d, 3) for d in device],
+                                      "host_ms": [round(1e3 * h, 3) for h in timer.host_seconds],
+                                      "microbatches": [[sum(mb), len(mb)] for mb in balanced[r]]})
+
+        for r in range(len(balanced)):
+            for _ in range(3):
+                rank_run("back-to-back", r)
+        for _ in range(3):
+            for r in rng.permutation(len(balanced)):
+                rank_run("interleaved", int(r))
+        for rec in out["rank_state"]:
+            print(json.dumps(rec), flush=True)
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+            timer.time_rank(balanced[0])
+        events = prof.key_averages()
+
+        def device_ms(e: Any) -> float:
+            return float(getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0.0))) / 1e3
+
+        top = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:30]
+        out["profile"] = {
+            "rank": [[sum(mb), len(mb)] for mb in balanced[0]],
+            "device_ms_unprofiled": [round(1e3 * d, 3) for d in timer.time_rank(balanced[0])],
+            "self_cpu_ms_total": sum(e.self_cpu_time_total for e in events) / 1e3,
+            "self_device_ms_total": sum(device_ms(e) for e in events),
+            "host_ops": sum(e.count for e in events if e.key.startswith("aten::")),
+            "launches": sum(e.count for e in events if "LaunchKernel" in e.key),
+            "syncs_and_copies": {e.key: {"count": e.count, "self_cpu_ms": e.self_cpu_time_total / 1e3} for e in events
+                                 if "ynchronize" in e.key or "emcpy" in e.key or "Memset" in e.key},
+            "top_self_cpu": [{"name": e.key, "count": e.count, "self_cpu_ms": round(e.self_cpu_time_total / 1e3, 3),
+                              "self_device_ms": round(device_ms(e), 3)} for e in top]}
+        print(json.dumps({k: v for k, v in out["profile"].items() if k != "top_self_cpu"}), flush=True)
+    Path(out_path).write_text(json.dumps(out, indent=1))
+    return 0
+
+
 def main(argv: list[str]) -> int:
     if not argv:
         print(__doc__)
@@ -182,6 +284,8 @@ def main(argv: list[str]) -> int:
         return 0
     if cmd == "train-rows":
         return train_rows(*rest)
+    if cmd == "launch-bound":
+        return launch_bound(*rest)
     print(f"unknown subcommand {cmd!r}\n{__doc__}", file=sys.stderr)
     return 2
 

@@ -5,6 +5,9 @@
 # or PYTHONPATH=$PWD). Steps, each time-boxed against one deadline (GPU_CHECK_SECONDS, default 540):
 #   1. kernels.json: CUDA sanity, every per-document attention kernel vs a dense fp64 reference (bf16, fp32)
 #   2. gpu_balance.json: `bench gpu-balance` at caps 8192 and 4096, long-short / navit / coyo, DP 4
+#      (launch-bound: launch_bound.json, device vs host launch time per microbatch, `gpu_check.py launch-bound`;
+#      bench-large: gpu_balance_h4096.json, the same bench on a GPT of hidden 4096, 4 layers, whose
+#      microbatches are device-bound at cap 4096 where hidden 2048's sit on the host's launch time)
 #   3. gpu_train.json: examples/pretrain_gpt.py and examples/pretrain_vlm.py, 1 GPU, bf16, hidden 2048,
 #      seq 4096, 20 steps, per-document attention (flex) and the same batches with dense attention
 #   4. megatron_lm.json (only when MLM_DIR names a patched Megatron-LM tree, see
@@ -12,7 +15,8 @@
 #      step 1 (its losses and delivery counts are the result, not its timings)
 # Every JSON names the device, torch version and command. runbook.log has everything printed.
 # Overrides for a CPU dry run of the plumbing: GPT_SHAPE, VLM_SHAPE, SEQ, TRAIN_ITERS, BENCH_ARGS, KC_LENS,
-# BF16=false, DEMO_ROWS. GPU_CHECK_STEPS picks steps (default "kernels bench train"; 4 runs whenever MLM_DIR is set).
+# BF16=false, DEMO_ROWS, BENCH_LARGE_ARGS. GPU_CHECK_STEPS picks steps (default "kernels launch-bound bench bench-large
+# train"; 4 runs whenever MLM_DIR is set); TRAIN_RUNS picks training runs (default "gpt_flex gpt_dense vlm_flex vlm_dense").
 set -uo pipefail
 OUT=${OUT:-$PWD/gpu_check_out}
 mkdir -p "$OUT"
@@ -53,7 +57,7 @@ if [ -n "${MLM_DIR:-}" ]; then
   MLM_PID=$!
 fi
 
-STEPS=" ${GPU_CHECK_STEPS:-kernels bench train} "
+STEPS=" ${GPU_CHECK_STEPS:-kernels launch-bound bench bench-large train} "
 want() { [[ "$STEPS" == *" $1 "* ]]; }
 
 want kernels && step "1. CUDA sanity + per-document attention kernels vs a dense reference"
@@ -64,9 +68,17 @@ if [ -n "$MLM_PID" ]; then
   wait "$MLM_PID"; tail -25 "$W/megatron_lm.log"; cp "$W/mlm/megatron_lm.json" "$OUT/" 2>/dev/null
 fi
 
+want launch-bound && step "2a. launch-bound? device vs host launch time per microbatch, pinned vs pageable uploads"
+want launch-bound && run_timed launch_bound 90 python3 "$HERE/gpu_check.py" launch-bound "$OUT/launch_bound.json"
+
 want bench && step "2. bench gpu-balance, caps 8192 and 4096"
 read -r -a BENCH_ARGS <<< "${BENCH_ARGS:---caps 8192 4096 --repeats 5}"
 want bench && run_timed bench 200 "${MSD[@]}" bench gpu-balance --json "$OUT/gpu_balance.json" "${BENCH_ARGS[@]}"
+
+want bench-large && step "2b. bench gpu-balance on a device-bound GPT (hidden 4096, 4 layers), caps 8192 and 4096"
+read -r -a BENCH_LARGE_ARGS <<< "${BENCH_LARGE_ARGS:---caps 8192 4096 --repeats 3 --hidden 4096 --layers 4 --heads 32 --memory-pack 0}"
+want bench-large && run_timed bench_large 170 "${MSD[@]}" bench gpu-balance --json "$OUT/gpu_balance_h4096.json" \
+  "${BENCH_LARGE_ARGS[@]}"
 
 SEQ=${SEQ:-4096}
 read -r -a GPT_SHAPE <<< "${GPT_SHAPE:-model.hidden_size=2048 model.num_layers=8 model.num_attention_heads=16}"
@@ -92,15 +104,16 @@ json.dump({"example": example, "attention": attention, "dtype": "bf16" if bf16 =
           open(path, "w"))
 PY
 }
+RUNS=" ${TRAIN_RUNS:-gpt_flex gpt_dense vlm_flex vlm_dense} "
 if want train; then
-  train_run gpt_flex pretrain_gpt.py flex 110 "${GPT_SHAPE[@]}"
-  train_run gpt_dense pretrain_gpt.py dense 80 "${GPT_SHAPE[@]}"
-  train_run vlm_flex pretrain_vlm.py flex 100 "${VLM_SHAPE[@]}"
-  train_run vlm_dense pretrain_vlm.py dense 80 "${VLM_SHAPE[@]}"
+  [[ "$RUNS" == *" gpt_flex "* ]] && train_run gpt_flex pretrain_gpt.py flex 110 "${GPT_SHAPE[@]}"
+  [[ "$RUNS" == *" vlm_flex "* ]] && train_run vlm_flex pretrain_vlm.py flex 100 "${VLM_SHAPE[@]}"
+  [[ "$RUNS" == *" gpt_dense "* ]] && train_run gpt_dense pretrain_gpt.py dense 80 "${GPT_SHAPE[@]}"
+  [[ "$RUNS" == *" vlm_dense "* ]] && train_run vlm_dense pretrain_vlm.py dense 80 "${VLM_SHAPE[@]}"
 fi
 
 step "5. summary"
-want train && timeout 60 python3 "$HERE/gpu_check.py" train-rows "$OUT/gpu_train.json" "$W" gpt_flex gpt_dense vlm_flex vlm_dense
+want train && timeout 60 python3 "$HERE/gpu_check.py" train-rows "$OUT/gpu_train.json" "$W" gpt_flex vlm_flex gpt_dense vlm_dense
 args=(); for k in "${!RC[@]}"; do args+=("$k=${RC[$k]}/${SECS[$k]}s"); done
 tar -czf "$OUT/logs.tar.gz" -C "$W" --exclude demo_data --exclude inductor . 2>/dev/null || true
 echo "=== done in $(( $(now) - T0 ))s; exit codes (code/seconds): ${args[*]}"

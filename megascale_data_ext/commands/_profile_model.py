@@ -181,6 +181,10 @@ class ModelTimer:
     mask). Gradients accumulate over a rank's microbatches like a real step and are zeroed
     after it, staying allocated as Megatron DDP's grad buffers do (set to None, every rank's
     first microbatch paid their allocation: 5–15% on an H100). Not thread-safe.
+
+    On CUDA `host_seconds` keeps, per microbatch of the last `time_rank`, how long the host took
+    to launch its forward + backward: where that is as long as the device time, the microbatch
+    was launch-bound (its time is the host's, not the tokens').
     """
 
     def __init__(self, shape: ModelShape, *, seed: int = 0):
@@ -201,6 +205,7 @@ class ModelTimer:
         self.model = build_gpt_model(GPTModelConfig(**kwargs), pre_process=True, post_process=True).to(self.device)
         self._autocast = torch.autocast("cuda", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
         self._gen = torch.Generator().manual_seed(seed)
+        self.host_seconds: list[float] = []
 
     def batch(self, doc_lens: Sequence[int]) -> dict[str, Any]:
         """One packed microbatch on the device, in `trainer.model.forward_step`'s format."""
@@ -253,10 +258,13 @@ class ModelTimer:
 
         if self.device.type == "cuda":
             events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in batches]
+            host = []
             for batch, (start, end) in zip(batches, events, strict=True):
+                t0 = time.perf_counter()
                 start.record()
                 self._fwd_bwd(batch)
                 end.record()
+                host.append(time.perf_counter() - t0)
             torch.cuda.synchronize(self.device)
             out = [start.elapsed_time(end) / 1e3 for start, end in events]
         else:
@@ -265,6 +273,8 @@ class ModelTimer:
                 t0 = time.perf_counter()
                 self._fwd_bwd(batch)
                 out.append(time.perf_counter() - t0)
+            host = list(out)
+        self.host_seconds = host
         return out
 
     def reset_peak_memory(self) -> None:
@@ -282,12 +292,17 @@ class ModelTimer:
         return torch.cuda.max_memory_allocated(self.device) / 2**30
 
 
+#: Pack sizes of the profile step as fractions of `seq`: dense above half, where a GPU's step
+#: leaves the launch-bound floor (issue 18: at hidden 2048 every pack <= ~4,000 tokens sat on it).
+PROFILE_FRACTIONS = (0.125, 0.25, 0.5, 0.625, 0.75, 0.875, 1.0)
+
+
 def profile_packs(seq: int, *, seed: int = 0) -> list[list[int]]:
     """Packs from one long document to many short ones at 1/8 … 1/1 of `seq` tokens, so the
-    fit sees the fixed, linear and quadratic terms vary independently."""
+    fit sees the floor and the fixed, linear and quadratic terms vary independently."""
     rng = np.random.default_rng(seed)
     packs = []
-    for fraction in (0.125, 0.25, 0.5, 1.0):
+    for fraction in PROFILE_FRACTIONS:
         total = max(1, int(seq * fraction))
         for docs in (1, 4, 16, 64):
             docs = min(docs, total)
@@ -317,7 +332,9 @@ def fit_report_lines(model: CalibratedCost, report: CalibrationReport, shape: Mo
         report.format(labels, limit=len(packs)),
         f"fit: fixed {model.fixed * 1e3:.3f} ms per microbatch, {model.per_document * 1e3:.4f} ms per document, "
         f"linear {model.linear * 1e6:.4f} µs per token, "
-        f"quadratic {model.quadratic * 1e9:.4g} ns per token² (per document)",
+        f"quadratic {model.quadratic * 1e9:.4g} ns per token² (per document), "
+        f"floor {model.floor * 1e3:.3f} ms (launch-bound below it; {model.fit.get('microbatches_on_floor', 0)} "
+        "fitted microbatches on it)",
         f"quadratic/linear {'n/a' if ratio is None else f'{ratio:.3e}'} measured vs {flops_ratio(shape):.3e} "
         "modelled by the FLOPs cost model",
     ])

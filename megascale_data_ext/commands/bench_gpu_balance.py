@@ -57,6 +57,8 @@ HELP = ("Measured (CUDA events) vs predicted step speedup of cost balancing over
         "simulated DP ranks on one GPU (tiny CPU smoke shape without CUDA).")
 
 Rank = list[list[int]]  # one rank's microbatches, each a list of document lengths
+#: A microbatch whose host launch time reaches this share of its device time was launch-bound.
+LAUNCH_BOUND = 0.9
 
 
 @dataclass(slots=True, kw_only=True)
@@ -84,6 +86,7 @@ class Row:
     max_microbatch_tokens_balanced: int
     peak_mem_gb: float | None
     speedup_predicted_fitted: float | None = None
+    launch_bound_share: float | None = None
     _ranks: dict[str, list[Rank]] = field(default_factory=dict, repr=False)
     _mb_seconds: dict[str, list[list[float]]] = field(default_factory=dict, repr=False)
 
@@ -179,26 +182,33 @@ def plan_row(name: str, *, dp: int, m: int, cap: int, fill: float, seed: int, me
     return {"vanilla": vanilla, "balanced": _ranks(balanced, lens, dp, m)}, len(lens), int(lens.sum())
 
 
-def _measure(timer: pm.ModelTimer, ranks: dict[str, list[Rank]], repeats: int
-             ) -> dict[str, tuple[np.ndarray, list[list[float]]]]:
-    """Per variant: median seconds per rank over `repeats` serial runs, and each microbatch's median.
+def _measure(timer: pm.ModelTimer, ranks: dict[str, list[Rank]], repeats: int, *, seed: int = 0
+             ) -> dict[str, tuple[np.ndarray, list[list[float]], list[list[float]], list[list[list[float]]]]]:
+    """Per variant: median seconds per rank over `repeats` serial runs, each microbatch's median
+    device and host (launch) seconds, and every run's seconds per microbatch.
 
-    The variants' ranks alternate (vanilla rank 0, balanced rank 0, …; the order flips every
-    repeat) so that drift in the machine's speed hits both sides alike.
+    Every repeat times all (variant, rank) pairs in a fresh random order, so neither drift in the
+    machine's speed nor what ran just before (allocator, caches, clocks) sides with a rank or a variant.
     """
-    variants = list(ranks)
-    runs: dict[tuple[str, int], list[list[float]]] = {(v, r): [] for v in variants for r in range(len(ranks[v]))}
-    for rep in range(repeats):
-        order = variants if rep % 2 == 0 else variants[::-1]
-        for r in range(max(len(ranks[v]) for v in variants)):
-            for v in order:
-                if r < len(ranks[v]) and ranks[v][r]:
-                    runs[v, r].append(timer.time_rank(ranks[v][r]))
+    pairs = [(v, r) for v in ranks for r in range(len(ranks[v])) if ranks[v][r]]
+    runs: dict[tuple[str, int], list[list[float]]] = {pair: [] for pair in pairs}
+    hosts: dict[tuple[str, int], list[list[float]]] = {pair: [] for pair in pairs}
+    rng = np.random.default_rng(seed)
+    for _ in range(repeats):
+        for i in rng.permutation(len(pairs)):
+            v, r = pairs[i]
+            runs[v, r].append(timer.time_rank(ranks[v][r]))
+            hosts[v, r].append(timer.host_seconds)
     out = {}
-    for v in variants:
-        per_mb = [[statistics.median(run[j] for run in runs[v, r]) for j in range(len(rank))] if rank else []
-                  for r, rank in enumerate(ranks[v])]
-        out[v] = (np.array([sum(mbs) for mbs in per_mb]), per_mb)
+    for v, variant in ranks.items():
+        def median_per_mb(store: dict[tuple[str, int], list[list[float]]], r: int, rank: Rank) -> list[float]:
+            return [statistics.median(run[j] for run in store[v, r]) for j in range(len(rank))] if rank else []
+
+        per_mb = [median_per_mb(runs, r, rank) for r, rank in enumerate(variant)]
+        host_mb = [median_per_mb(hosts, r, rank) for r, rank in enumerate(variant)]
+        every = [[[run[j] for run in runs[v, r]] for j in range(len(rank))] if rank else []
+                 for r, rank in enumerate(variant)]
+        out[v] = (np.array([sum(mbs) for mbs in per_mb]), per_mb, host_mb, every)
     return out
 
 
@@ -257,7 +267,7 @@ def format_table(rows: list[Row]) -> str:
     head = ["workload", "DP", "cap", "tokens (vanilla / balanced)", "speedup measured (tokens/s)",
             "predicted (calibrated)", "predicted (FLOPs)",
             "predicted (self-fit)", "max/mean measured (vanilla → balanced)", "max MB tokens (vanilla / balanced)",
-            "peak GB"]
+            "peak GB", "launch-bound MBs"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         fitted = "n/a" if r.speedup_predicted_fitted is None else f"{r.speedup_predicted_fitted:.3f}×"
@@ -267,6 +277,7 @@ def format_table(rows: list[Row]) -> str:
             f"{r.vanilla_max_over_mean_measured:.3f} → {r.max_over_mean_measured:.3f}",
             f"{r.max_microbatch_tokens_vanilla} / {r.max_microbatch_tokens_balanced}",
             "null (CPU)" if r.peak_mem_gb is None else f"{r.peak_mem_gb:.2f}",
+            "n/a (CPU)" if r.launch_bound_share is None else f"{100 * r.launch_bound_share:.0f}%",
         ]) + " |")
     return "\n".join(lines)
 
@@ -307,7 +318,8 @@ def run(args: argparse.Namespace) -> int:
         "fill": args.fill, "seed": args.seed, "method": args.method, "repeats": repeats,
         "vanilla": f"Megatron's fixed windows of cap tokens, attention per {args.vanilla_attention}",
         "calibration": str(args.calibration) if args.calibration else None,
-        # every timed microbatch as [document lengths, seconds]: refit a cost model offline
+        # every timed microbatch as [workload, cap, variant, rank, document lengths, median device seconds,
+        # median host launch seconds, device seconds of every run]: refit a cost model offline
         "observations": {"profile": [], "rows": []}})
     with pm.single_process_megatron(device=shape.device):
         timer = pm.ModelTimer(shape)
@@ -327,14 +339,16 @@ def run(args: argparse.Namespace) -> int:
         # never the FLOPs model; every microbatch of both variants is <= its cap (= shape.seq)
         for name, cap, ranks, samples, tokens in plan_rows(calibration):
             timer.reset_peak_memory()
-            measured = _measure(timer, ranks, repeats)
+            measured = _measure(timer, ranks, repeats, seed=args.seed)
             peak = timer.peak_memory_gb()
             van, bal = measured["vanilla"][0], measured["balanced"][0]
             ratio = tokens / tokens_of(ranks["vanilla"])
             predicted_bal = _predicted(ranks["balanced"], calibration)
             results.header["observations"]["rows"] += [
-                [name, cap, v, r, mb, measured[v][1][r][j]] for v in ranks for r, rank in enumerate(ranks[v])
-                for j, mb in enumerate(rank)]
+                [name, cap, v, r, mb, measured[v][1][r][j], measured[v][2][r][j], measured[v][3][r][j]]
+                for v in ranks for r, rank in enumerate(ranks[v]) for j, mb in enumerate(rank)]
+            launch_bound = [h >= LAUNCH_BOUND * d for v in ranks for r in range(len(ranks[v]))
+                            for d, h in zip(measured[v][1][r], measured[v][2][r], strict=True)]
             rows.append(Row(
                 workload=name, dp=args.dp, cap=cap, microbatches=args.microbatches, samples=samples, tokens=tokens,
                 tokens_vanilla=tokens_of(ranks["vanilla"]), speedup_measured=speedup(van, bal, ratio),
@@ -349,7 +363,9 @@ def run(args: argparse.Namespace) -> int:
                 rank_ms_vanilla=(van * 1e3).round(3).tolist(), rank_ms_balanced=(bal * 1e3).round(3).tolist(),
                 max_microbatch_tokens_vanilla=max(sum(mb) for rank in ranks["vanilla"] for mb in rank),
                 max_microbatch_tokens_balanced=max(sum(mb) for rank in ranks["balanced"] for mb in rank),
-                peak_mem_gb=peak, _ranks=ranks, _mb_seconds={v: measured[v][1] for v in measured},
+                peak_mem_gb=peak,
+                launch_bound_share=sum(launch_bound) / max(1, len(launch_bound)) if cuda else None,
+                _ranks=ranks, _mb_seconds={v: measured[v][1] for v in measured},
             ))
             results.header["calibration_used"] = calibration.to_dict()
             results.write(rows)

@@ -16,10 +16,22 @@ is non-negative least squares on relative residuals (timing noise is multiplicat
 exactly by trying every active set of the coefficients — numpy only, no scipy. Version 1 files and
 states (three terms, no per-document one) still load, with a per-document cost of 0.
 
+A microbatch also takes at least the host's time to launch its forward + backward (Python,
+framework and kernel launches), however little the device has to do: below that `floor` the
+step is launch-bound and its time no longer follows tokens (measured on an H100 at hidden 2048,
+8 layers: every pack up to ~4,000 tokens took 38–52 ms, issue 18). So
+
+    t(microbatch) = max(floor, fixed + per_document · n + linear · Σ s_d + quadratic · Σ s_d²)
+
+and the fit searches the floor: for each candidate it fits the device terms to the microbatches
+above it (alternating which ones sit on the floor) and keeps the floor only where it explains
+the times clearly better than none (floor 0 = the additive model above).
+
 As a per-sample `CostModel` (what the balancers call) a `CalibratedCost` returns
 ``per_document + linear·s + quadratic·s²`` seconds; the fixed term is the same for every microbatch, so it
 does not move a balancer's choice, but `microbatch_seconds` / `predict` include it and so do
-the predicted speedups. Saved as JSON with the hardware and model shape it was fitted for.
+the predicted speedups. Saved as JSON with the hardware and model shape it was fitted for
+(`floor_s` is optional in a version 2 file: older files load with no floor).
 """
 
 from __future__ import annotations
@@ -72,6 +84,17 @@ def features(microbatches: Microbatches, *, where: str = "observation") -> np.nd
         tokens += float(s.sum())
         quad += float(np.dot(s, s))
     return np.array([float(len(microbatches)), float(documents), tokens, quad])
+
+
+def _microbatch_rows(microbatches: Microbatches, *, where: str = "observation") -> np.ndarray:
+    """`features` of each microbatch alone: [m, 4]."""
+    if len(microbatches) == 0:
+        raise ConfigError(f"{where}: needs at least one microbatch (a list of document lengths)")
+    return np.stack([features([mb], where=f"{where}, microbatch {j}") for j, mb in enumerate(microbatches)])
+
+
+def _on_floor(device_seconds: np.ndarray, floor: float) -> np.ndarray:
+    return np.maximum(device_seconds, floor) if floor > 0 else device_seconds
 
 
 def _upgrade_normal(gram: np.ndarray, rhs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -153,8 +176,8 @@ class CalibrationReport:
 
 @dataclass(slots=True, kw_only=True)
 class CalibratedCost:
-    """Seconds of a microbatch = fixed + per_document·documents + linear·tokens + quadratic·Σ doc_len²
-    (all >= 0; `per_document` defaults to 0, a version 1 fit).
+    """Seconds of a microbatch = max(floor, fixed + per_document·documents + linear·tokens +
+    quadratic·Σ doc_len²) (all >= 0; `per_document` and `floor` default to 0, older fits).
 
     `fitted_for` records what the fit holds for (device, dtype, model shape, attention kind);
     `fit` the fit's summary (`CalibrationReport.to_dict`). Immutable in use; thread-safe.
@@ -164,12 +187,13 @@ class CalibratedCost:
     linear: float
     quadratic: float
     per_document: float = 0.0
+    floor: float = 0.0
     fitted_for: dict[str, Any] = field(default_factory=dict)
     fit: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        bad = [f"`{k}`={float(v)!r}" for k, v in zip(TERMS, self.coefficients(), strict=True)
-               if not (math.isfinite(v) and v >= 0)]
+        bad = [f"`{k}`={float(v)!r}" for k, v in zip((*TERMS, "floor"), (*self.coefficients(), self.floor),
+                                                     strict=True) if not (math.isfinite(v) and v >= 0)]
         if bad:
             raise ConfigError(f"calibrated cost coefficients must be finite and >= 0, got {', '.join(bad)}")
 
@@ -189,11 +213,13 @@ class CalibratedCost:
 
     def microbatch_seconds(self, doc_lens: Sequence[int] | np.ndarray) -> float:
         """Predicted seconds of one microbatch holding documents of these lengths."""
-        return float(features([doc_lens]) @ self.coefficients())
+        return float(max(self.floor, features([doc_lens]) @ self.coefficients()))
 
     def predict(self, observations: Iterable[Microbatches]) -> np.ndarray:
         """Predicted seconds of each observation (a list of microbatches of document lengths)."""
-        return np.array([features(obs) @ self.coefficients() for obs in observations], dtype=np.float64)
+        x = self.coefficients()
+        return np.array([_on_floor(_microbatch_rows(obs) @ x, self.floor).sum() for obs in observations],
+                        dtype=np.float64)
 
     def rank_seconds(self, bin_tokens: np.ndarray, bin_quadratic: np.ndarray, *, nonempty: np.ndarray | None = None,
                      bin_documents: np.ndarray | None = None) -> np.ndarray:
@@ -207,6 +233,8 @@ class CalibratedCost:
         per_bin = self.fixed * used + self.linear * bins + self.quadratic * np.asarray(bin_quadratic, np.float64)
         if bin_documents is not None:
             per_bin = per_bin + self.per_document * np.asarray(bin_documents, np.float64)
+        if self.floor > 0:
+            per_bin = np.where(used, np.maximum(per_bin, self.floor), per_bin)
         return per_bin.sum(axis=-1)
 
     @property
@@ -220,7 +248,8 @@ class CalibratedCost:
     def to_dict(self) -> dict[str, Any]:
         return {"format": FORMAT, "version": VERSION,
                 "coefficients": {"fixed_s": self.fixed, "per_document_s": self.per_document,
-                                 "linear_s_per_token": self.linear, "quadratic_s_per_token2": self.quadratic},
+                                 "linear_s_per_token": self.linear, "quadratic_s_per_token2": self.quadratic,
+                                 "floor_s": self.floor},
                 "quadratic_over_linear": self.quadratic_over_linear,
                 "fitted_for": dict(self.fitted_for), "fit": dict(self.fit)}
 
@@ -242,7 +271,8 @@ class CalibratedCost:
         keys = ("fixed_s", "linear_s_per_token", "quadratic_s_per_token2")
         if data.get("version") == VERSION:
             keys += ("per_document_s",)
-        if not isinstance(coeffs, Mapping) or any(not isinstance(coeffs.get(k), (int, float)) for k in keys):
+        if not isinstance(coeffs, Mapping) or any(not isinstance(coeffs.get(k), (int, float)) for k in keys) or (
+                not isinstance(coeffs.get("floor_s", 0.0), (int, float))):
             raise ConfigError(f"{where}: `coefficients` must hold numbers {list(keys)}, got {coeffs!r}")
         fit = dict(data.get("fit") or {})
         normal = fit.get("normal_equations")
@@ -252,6 +282,7 @@ class CalibratedCost:
         try:
             return cls(fixed=float(coeffs[keys[0]]), linear=float(coeffs[keys[1]]),
                        quadratic=float(coeffs[keys[2]]), per_document=float(coeffs.get("per_document_s", 0.0)),
+                       floor=float(coeffs.get("floor_s", 0.0)),
                        fitted_for=dict(data.get("fitted_for") or {}), fit=fit)
         except ConfigError as exc:
             raise ConfigError(f"{where}: {exc}") from None
@@ -305,17 +336,50 @@ def fit_calibration(observations: Sequence[Microbatches], seconds: Sequence[floa
     if np.linalg.matrix_rank(a / np.maximum(np.abs(a).max(axis=0), 1e-300)) < 2:
         raise ConfigError("the observations do not vary (same microbatch shape each time); time microbatches "
                           "with different token counts and document lengths")
-    w = 1.0 / y  # relative residuals: (a·x − y) / y
-    aw = a * w[:, None]
-    gram, rhs = aw.T @ aw, aw.T @ (y * w)
-    coeffs = _solve(gram, rhs, float(len(y)))
+    rows = [_microbatch_rows(obs) for obs in observations]
+    best = _fit_above_floor(rows, y, 0.0)
+    # the floor: candidates from the observed per-microbatch times, kept only when clearly better
+    per_mb = np.unique(np.quantile(y / a[:, 0], np.linspace(0.0, 1.0, min(FLOOR_CANDIDATES, len(y)))))
+    for floor in per_mb:
+        fit = _fit_above_floor(rows, y, float(floor))
+        if fit[4] < FLOOR_GAIN * best[4] and fit[4] < best[4]:
+            best = fit
+    floor, coeffs, gram, rhs, _objective, predicted = best
+    if not any(bool((r @ coeffs < floor).any()) for r in rows):
+        floor = 0.0  # no microbatch sits on it: the additive model
     model = CalibratedCost(fixed=coeffs[0], per_document=coeffs[1], linear=coeffs[2], quadratic=coeffs[3],
-                           fitted_for=dict(fitted_for or {}))
-    report = CalibrationReport(measured=y, predicted=a @ coeffs)
+                           floor=floor, fitted_for=dict(fitted_for or {}))
+    report = CalibrationReport(measured=y, predicted=predicted)
+    on_floor = sum(int((r @ coeffs < floor).sum()) for r in rows)
     # The normal equations let an OnlineCalibrator continue from this fit as from its observations.
-    model.fit = {**report.to_dict(), "normal_equations": {"gram": gram.tolist(), "rhs": rhs.tolist(),
-                                                          "weight": float(len(y))}}
+    model.fit = {**report.to_dict(), "microbatches_on_floor": on_floor,
+                 "normal_equations": {"gram": gram.tolist(), "rhs": rhs.tolist(), "weight": float(len(y))}}
     return model, report
+
+
+#: Floors tried by `fit_calibration`, and how much better (squared relative error) one must fit than none.
+FLOOR_CANDIDATES = 48
+FLOOR_GAIN = 0.8
+
+
+def _fit_above_floor(rows: list[np.ndarray], y: np.ndarray, floor: float
+                     ) -> tuple[float, np.ndarray, np.ndarray, np.ndarray, float, np.ndarray]:
+    """Device terms fitted to the microbatches above `floor`, the rest counted at the floor
+    (alternating until the split is stable): (floor, coefficients, gram, rhs, Σ relative error², predicted)."""
+    bound = [np.zeros(len(r), dtype=bool) for r in rows]
+    w = 1.0 / y
+    for _ in range(8):
+        a = np.stack([r[~b].sum(axis=0) for r, b in zip(rows, bound, strict=True)])
+        rest = y - floor * np.array([b.sum() for b in bound], dtype=np.float64)
+        aw = a * w[:, None]
+        gram, rhs = aw.T @ aw, aw.T @ (rest * w)
+        coeffs = _solve(gram, rhs, float(len(y)))
+        new = [r @ coeffs < floor for r in rows]
+        if all(np.array_equal(n, b) for n, b in zip(new, bound, strict=True)):
+            break
+        bound = new
+    predicted = np.array([_on_floor(r @ coeffs, floor).sum() for r in rows])
+    return floor, coeffs, gram, rhs, float(np.sum(((predicted - y) * w) ** 2)), predicted
 
 
 @dataclass(slots=True, kw_only=True)
@@ -393,10 +457,11 @@ class OnlineCalibrator:
         if self._steps == 0:
             prior = self.prior or CalibratedCost(fixed=0.0, linear=0.0, quadratic=0.0)
             return CalibratedCost(fixed=prior.fixed, linear=prior.linear, quadratic=prior.quadratic,
-                                  per_document=prior.per_document, fitted_for=dict(self.fitted_for),
+                                  per_document=prior.per_document, floor=prior.floor, fitted_for=dict(self.fitted_for),
                                   fit={"online_steps": 0})
         x = _solve(self._gram, self._rhs, self._weight)
         return CalibratedCost(fixed=x[0], per_document=x[1], linear=x[2], quadratic=x[3],
+                              floor=self.prior.floor if self.prior is not None else 0.0,
                               fitted_for=dict(self.fitted_for),
                               fit={"online_steps": self._steps, "effective_observations": self._weight,
                                    "decay": self.decay})

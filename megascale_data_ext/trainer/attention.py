@@ -158,7 +158,11 @@ def dense_document_mask(cu_seqlens: Any, length: int, device: torch.device | str
 
 
 class _Layout:
-    """Where this rank's queries and the CP group's keys sit in the padded THD pack (host side)."""
+    """Where this rank's queries and the CP group's keys sit in the padded THD pack.
+
+    Built on the host once per microbatch; each kernel uploads only what it reads, on first use
+    (flash varlen: the boundaries alone; flex: per-position document and offset indices).
+    """
 
     def __init__(self, params: PackedSeqParams, cp_size: int, cp_rank: int, device: torch.device) -> None:
         cu = _host_ints(params.cu_seqlens_q)  # no sync where packed_seq_params kept them on the host
@@ -167,32 +171,49 @@ class _Layout:
         if cp_size > 1 and pad is None:
             raise SampleError("context parallel attention needs `cu_seqlens_padded` (slice batches with "
                               "dataplane.cp_slicing.slice_for_cp)")
-        self.cu, self.cu_pad, self.cp = cu, cu_pad, cp_size
+        self.cu, self.cu_pad, self.cp, self.device = cu, cu_pad, cp_size, device
         self.lens, self.padded = np.diff(cu), np.diff(cu_pad)
         self.unpadded = bool(np.array_equal(cu, cu_pad))
-        total = int(cu_pad[-1])
+        self.total = int(cu_pad[-1])
         if cp_size > 1:
             parts = [thd_partition_index(cu_pad, cp_size, r) for r in range(cp_size)]
             self.q_pos = parts[cp_rank]
             # gathered[r * t + i] holds global position parts[r][i]; reorder it to global order
             self.key_order = _upload(np.argsort(np.concatenate(parts), kind="stable"), device)
         else:
-            self.q_pos = np.arange(total)
+            self.q_pos = np.arange(self.total)
             self.key_order = None
-        seg = np.repeat(np.arange(len(self.lens)), self.padded)
-        offset = np.arange(total) - np.repeat(cu_pad[:-1], self.padded)
         self.local_cu = cu_pad // cp_size  # each segment's queries are contiguous on this rank
-        self.q_offset = offset[self.q_pos]
-        t = lambda a: _upload(a, device)  # noqa: E731
-        self.doc_q, self.off_q = t(seg[self.q_pos]), t(self.q_offset)
-        self.doc_k, self.off_k, self.len_k = t(seg), t(offset), t(np.repeat(self.lens, self.padded))
-        self.cu_device = t(cu.astype(np.int32))
         self.block_mask = None
+        self._cu_device: torch.Tensor | None = None
+        self._index: tuple[torch.Tensor, ...] | None = None
+
+    @property
+    def cu_device(self) -> torch.Tensor:
+        """The document boundaries on the device (int32), for flash varlen."""
+        if self._cu_device is None:
+            self._cu_device = _upload(self.cu.astype(np.int32), self.device)
+        return self._cu_device
+
+    def index(self) -> tuple[torch.Tensor, ...]:
+        """(doc_q, off_q, doc_k, off_k, len_k) on the device: each query's and key's document,
+        offset in it, and the key's document length (flex's mask, sdpa's padded/CP mask)."""
+        if self._index is None:
+            seg = np.repeat(np.arange(len(self.lens)), self.padded)
+            offset = np.arange(self.total) - np.repeat(self.cu_pad[:-1], self.padded)
+            t = lambda a: _upload(a, self.device)  # noqa: E731
+            self._index = (t(seg[self.q_pos]), t(offset[self.q_pos]), t(seg), t(offset),
+                           t(np.repeat(self.lens, self.padded)))
+        return self._index
 
 
 def _upload(a: np.ndarray, device: torch.device) -> torch.Tensor:
-    """Host array to `device` without a stream sync (``torch.as_tensor(a, device=...)`` copies blocking)."""
-    return torch.from_numpy(np.ascontiguousarray(a)).to(device, non_blocking=True)
+    """Host array to `device` without waiting for the device: from pinned memory on CUDA (a copy
+    from pageable memory may first drain the stream, CUDA's API sync behaviour)."""
+    t = torch.from_numpy(np.ascontiguousarray(a))
+    if device.type == "cuda":
+        t = t.pin_memory()
+    return t.to(device, non_blocking=True)
 
 
 class _GatherSequence(torch.autograd.Function):
@@ -225,7 +246,7 @@ def _sdpa_per_document(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lay: _
         if lay.unpadded and lay.cp == 1:
             o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale, enable_gqa=gqa)
         else:
-            allowed = torch.arange(n, device=q.device)[None, :] <= lay.off_q[q0:q1, None]
+            allowed = torch.arange(n, device=q.device)[None, :] <= lay.index()[1][q0:q1, None]
             o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=allowed, scale=scale, enable_gqa=gqa)
         out[q0:q1] = o[0].transpose(0, 1)
     return out
@@ -235,7 +256,7 @@ def _flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lay: _Layout, scale
     """flex_attention with a document mask (compiled on CUDA; CPU eager runs forward only)."""
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-    doc_q, off_q, doc_k, off_k, len_k = lay.doc_q, lay.off_q, lay.doc_k, lay.off_k, lay.len_k
+    doc_q, off_q, doc_k, off_k, len_k = lay.index()
 
     def document_causal(b, h, qi, ki):
         return (doc_q[qi] == doc_k[ki]) & (off_k[ki] <= off_q[qi]) & (off_k[ki] < len_k[ki])

@@ -349,8 +349,14 @@ def stage_batch_keys(*, pre_process: bool, post_process: bool) -> tuple[str, ...
 
 
 def _to_tensor(value: Any, where: torch.device | None = None) -> torch.Tensor:
+    """A batch value as a tensor on `where`; host data reaches a GPU through pinned memory, so the
+    copy queues behind the device's work instead of first waiting for it to drain."""
     t = torch.from_numpy(np.ascontiguousarray(value)) if isinstance(value, np.ndarray) else torch.as_tensor(value)
-    return t if where is None else t.to(where, non_blocking=True)
+    if where is None or t.device == torch.device(where):
+        return t
+    if t.device.type == "cpu" and torch.device(where).type == "cuda":
+        t = t.pin_memory()
+    return t.to(where, non_blocking=True)
 
 
 def _attention_of(model: torch.nn.Module) -> str:

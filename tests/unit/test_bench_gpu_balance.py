@@ -70,7 +70,9 @@ def test_cpu_smoke_writes_every_row_field(smoke, capsys) -> None:
     assert data["self_fit"]["report"]["observations"] >= 4
     assert all(row["balanced_by"] == f"calibrated:{calibration}" for row in data["rows"])
     timed = data["observations"]["rows"]  # every timed microbatch, for an offline refit
-    assert timed and all(len(t) == 6 and t[5] > 0 and sum(t[4]) > 0 for t in timed)
+    assert timed and all(len(t) == 8 and t[5] > 0 and t[6] > 0 and sum(t[4]) > 0 for t in timed)
+    assert all(len(t[7]) == data["repeats"] and min(t[7]) <= t[5] <= max(t[7]) for t in timed)  # median of the runs
+    assert all(row["launch_bound_share"] is None for row in data["rows"])  # CPU: no separate device clock
     for row in data["rows"]:  # a rank's time is the sum of its timed microbatches
         for variant in ("vanilla", "balanced"):
             for r, ms in enumerate(row[f"rank_ms_{variant}"]):
@@ -117,7 +119,7 @@ def test_profile_saves_a_fit_of_the_timed_packs(calibration, capsys) -> None:
     assert model.fit["observations"] == len(pm.profile_packs(64))
     assert model.microbatch_seconds([128]) > 0
     packs = pm.profile_packs(128)
-    assert {sum(p) for p in packs} == {16, 32, 64, 128} and {len(p) for p in packs} >= {1, 4, 16}
+    assert {sum(p) for p in packs} == {16, 32, 64, 80, 96, 112, 128} and {len(p) for p in packs} >= {1, 4, 16}
 
 
 def test_bad_flags_name_the_flag(tmp_path, capsys) -> None:

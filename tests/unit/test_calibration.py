@@ -189,3 +189,32 @@ def test_a_per_document_cost_is_fitted_and_version_1_fits_and_states_still_load(
     v1_state = {"version": 1, "gram": np.asarray(state["gram"])[np.ix_([0, 2, 3], [0, 2, 3])].tolist(),
                 "rhs": np.asarray(state["rhs"])[[0, 2, 3]].tolist(), "weight": state["weight"], "steps": 1}
     OnlineCalibrator().load_state_dict(v1_state)
+
+
+def test_a_launch_bound_floor_is_found_and_kept_out_of_the_device_terms(tmp_path) -> None:
+    """Below the host's launch time a microbatch takes the same time whatever its tokens (an H100 at
+    hidden 2048: every pack up to ~4,000 tokens 38-52 ms). The fit finds that floor and fits the
+    device terms to the packs above it; an additive fit would smear the floor into `fixed` and
+    halve the per-token slope, so the balancer would weigh long documents wrongly."""
+    from megascale_data_ext.commands._profile_model import profile_packs
+
+    truth = CalibratedCost(fixed=0.004, linear=7.0e-6, quadratic=4.0e-10, floor=0.040)
+    rng = np.random.default_rng(5)
+    obs = [[p] for p in profile_packs(8192)] + _packs(rng, 40)
+    model, report = fit_calibration(obs, truth.predict(obs) * rng.lognormal(0.0, 0.02, len(obs)))
+    assert model.floor == pytest.approx(0.040, rel=0.08)
+    assert model.linear == pytest.approx(7.0e-6, rel=0.25) and report.mean_abs_pct_error < 3.0
+    assert model.fit["microbatches_on_floor"] > 0
+    held_out = _packs(np.random.default_rng(6), 30)
+    assert np.max(np.abs(model.predict(held_out) / truth.predict(held_out) - 1)) < 0.08
+    additive = CalibratedCost(fixed=model.fixed, linear=model.linear, quadratic=model.quadratic)
+    small = [[[100] * 10]]  # 1,000 tokens: on the floor
+    assert model.predict(small)[0] == pytest.approx(model.floor) and additive.predict(small)[0] < model.floor
+    # a rank's time sums its microbatches, each at least the floor; an empty bin pays nothing
+    per_bin = model.rank_seconds(np.array([[1000, 8000, 0]]), np.array([[100_000, 8000**2, 0]]))
+    assert per_bin[0] == pytest.approx(model.floor + model.microbatch_seconds([8000]))
+    loaded = load_calibration(model.save(tmp_path / "floor.json"))
+    assert loaded.floor == model.floor
+    # without a floor in the times the fit adds none (the additive model, exactly)
+    plain, _ = fit_calibration(obs, CalibratedCost(fixed=0.004, linear=7.0e-6, quadratic=4.0e-10).predict(obs))
+    assert plain.floor == 0.0 and plain.linear == pytest.approx(7.0e-6, rel=1e-6)
