@@ -338,15 +338,24 @@ class DataConstructor:
         """Every microbatch of `step` for client `rank`, in order: one call per step instead of m.
 
         `position` is the step the rank is on (default `step`); a client that prefetches asks
-        for later steps while still on an earlier one.
+        for later steps while still on an earlier one. A request the rank has moved past by the
+        time it runs (a prefetch its client abandoned) gets an empty list and builds nothing.
         """
         bucket = self.layout.bucket_of_rank(rank)
         if bucket not in self.fetchers:
             raise ValueError(f"rank {rank} belongs to bucket {bucket}, not served here ({self.buckets})")
         self.held.arrive(rank, _position(step, rank, position))
         self.skip_to(step)
-        count = self.held.get_or_build(step, self._build).counts.get(bucket, self.config.num_microbatches)
-        return [self.get(step, j, rank, position) for j in range(count)]
+        built = self.held.get_or_build(step, self._build, for_rank=rank)
+        if built is None:  # the rank moved past `step` while this request waited: its client left it behind
+            return []
+        count = built.counts.get(bucket, self.config.num_microbatches)
+        try:
+            return [self.get(step, j, rank, position) for j in range(count)]
+        except PlanError:
+            if self.held.passed(rank, step):  # it moved on meanwhile: nobody waits for this reply
+                return []
+            raise
 
     def get(self, step: int, microbatch: int, rank: int, position: int | None = None
             ) -> tuple[dict[str, np.ndarray], dict[str, Any]]:

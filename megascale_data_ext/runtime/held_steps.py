@@ -154,15 +154,20 @@ class HeldSteps(Generic[T]):
             self._cv.wait(timeout=min(left, 1.0))
 
     def get_or_build(self, step: int, build: Callable[[int], tuple[T, Takers]], *,
-                     prefetching: bool = False) -> T | None:
+                     prefetching: bool = False, for_rank: int | None = None) -> T | None:
         """The held step, built once by `build` (``step -> (payload, takers)``).
 
         Prefetching returns None instead of waiting: for a step held, released, being built or
         beyond the lead. A request waits for the build in flight (and gets its error if it
-        fails) and for the slowest fetcher; a step already released raises `PlanError`.
+        fails) and for the slowest fetcher; a step already released raises `PlanError`. A
+        request of `for_rank` returns None once that rank is past `step`: a client that moved
+        on left it behind (prefetched steps beyond the last one it consumed), and building it
+        would take loader data and a thread for nobody.
         """
         with self._cv:
             while True:
+                if for_rank is not None and self.consumers.passed(for_rank, step):
+                    return None
                 held = self._held.get(step)
                 if held is not None:
                     return None if prefetching else held[0]

@@ -205,10 +205,15 @@ def exit_process(code: int | str | None) -> NoReturn:
     ``log_to_driver=False`` never prints), then freezes the heap, so that the interpreter's
     exit-time garbage collection skips the objects torch and megatron-core created at import (about
     1 s a process on 2 cores; four ranks pay it on the same cores). Nothing among them needs
-    finalizing: the run closed its files, writers and services before returning.
+    finalizing: the run closed its files, writers and services before returning. After a run that
+    succeeded it also destroys the default process group (NCCL warns at exit otherwise, a warning
+    the user cannot act on); a failing rank leaves it, since peers may be inside a collective.
     """
     import gc
 
+    dist = sys.modules.get("torch.distributed")
+    if code in (0, None) and dist is not None and dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
     ray = sys.modules.get("ray")
     if ray is not None and ray.is_initialized():
         ray.shutdown()

@@ -60,6 +60,26 @@ def test_a_step_goes_when_every_taker_took_it_or_moved_past_it():
         h.get_or_build(0, build_for([0, 1]))
 
 
+def test_a_request_its_rank_moved_past_builds_nothing():
+    """A client prefetches steps beyond the last one it consumes; when the rank moves on (a new
+    run of consumers, the end of training), those requests must not build steps for nobody
+    (taking loader data and a constructor thread) nor fail: they get None."""
+    h, builds, got = held(), [], []
+
+    def build(step):
+        builds.append(step)
+        return f"step {step}", {0: {("mb",)}, 1: {("mb",)}}
+
+    waiter = threading.Thread(target=lambda: got.append(h.get_or_build(5, build, for_rank=0)), daemon=True)
+    waiter.start()  # step 5 is beyond the lead (floor 0, max_lead 2): it waits
+    h.arrive(0, 7)
+    h.arrive(1, 7)  # both ranks jump past it
+    waiter.join(10)
+    assert not waiter.is_alive() and got == [None] and builds == []
+    assert h.get_or_build(7, build, for_rank=0) == "step 7" and builds == [7]  # its own step is built
+    assert h.get_or_build(6, build, for_rank=1) is None  # asked after the rank passed it: nothing either
+
+
 def test_a_fast_fetcher_waits_for_a_slow_one_and_a_slow_step_is_no_error():
     h = held(wait_timeout_s=3.0)  # far above the peer's 0.3 s, so a loaded machine's late wake-up is no failure
     done = threading.Event()
