@@ -427,7 +427,22 @@ def _sbhd_already_sliced(batch: Any) -> Any:
     return batch
 
 
+def _sft_already_sliced(batch: Any, cp_group: Any = None) -> Any:
+    """megatron-core >= 0.18's ``get_sft_batch_on_this_cp_rank`` (packed THD batches, what its
+    ``get_batch_on_this_cp_rank`` dispatches to) for a batch the service already sliced."""
+    return batch
+
+
+def _pretrain_already_sliced(batch: Any, cp_group: Any = None) -> Any:
+    """megatron-core >= 0.18's ``get_pretrain_batch_on_this_cp_rank`` (unpacked and hybrid-CP batches)
+    for a batch the service already sliced."""
+    return batch
+
+
 _CP_SLICERS = ("get_thd_batch_on_this_cp_rank", "get_batch_on_this_cp_rank")
+#: megatron-core >= 0.18: ``get_batch_on_this_cp_rank`` dispatches (packed, hybrid CP, pretraining) to these
+_CP_SLICERS_018 = {"get_sft_batch_on_this_cp_rank": _sft_already_sliced,
+                   "get_pretrain_batch_on_this_cp_rank": _pretrain_already_sliced}
 
 
 def install_cp_passthrough() -> list[str]:
@@ -438,6 +453,9 @@ def install_cp_passthrough() -> list[str]:
     """
     targets = []
     core = sys.modules.get("megatron.core.utils")
+    if core is not None and hasattr(core, "get_sft_batch_on_this_cp_rank"):  # megatron-core >= 0.18
+        return [done for name, passthrough in _CP_SLICERS_018.items()
+                for done in _PASSTHROUGH.everywhere(original_of(getattr(core, name)), passthrough, (name,))]
     if core is not None and hasattr(core, "get_thd_batch_on_this_cp_rank"):
         targets.append((original_of(core.get_thd_batch_on_this_cp_rank), _thd_already_sliced))
     for name in ("megatron.core.utils", "megatron.training.utils"):

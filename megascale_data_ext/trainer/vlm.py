@@ -27,6 +27,7 @@ chunk (backbone and projector) is wrapped in megatron's ``Float16Module``; the f
 from __future__ import annotations
 
 import collections
+import functools
 import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -152,6 +153,13 @@ def exchange_features(keys: np.ndarray, features: list[torch.Tensor]) -> dict[Im
     return out
 
 
+def _local_mlp_submodules() -> Any:
+    """The local spec's MLP submodules for the projector: a `ModuleSpec`'s ``submodules`` up to
+    megatron-core 0.17, a ``functools.partial``'s ``submodules`` keyword from 0.18."""
+    mlp = get_gpt_layer_local_spec().submodules.mlp
+    return mlp.keywords["submodules"] if isinstance(mlp, functools.partial) else mlp.submodules
+
+
 class VLMChunk(MegatronModule):
     """A GPT chunk whose first stage embeds images through a trained MultimodalProjector.
 
@@ -167,7 +175,7 @@ class VLMChunk(MegatronModule):
         self.image_token_id = image_token_id
         self.projector = None
         if gpt.pre_process:
-            mlp = get_gpt_layer_local_spec().submodules.mlp.submodules
+            mlp = _local_mlp_submodules()
             self.projector = MultimodalProjector(gpt.config, mlp, "mlp", vision_hidden,
                                                  tp_group=parallel_state.get_tensor_model_parallel_group())
             self.projector.to(device())

@@ -52,6 +52,13 @@ def megatron_thd_slice(padded: dict[str, np.ndarray], cp_size: int, cp_rank: int
     batch = {k: torch.from_numpy(np.ascontiguousarray(padded[k])) for k in SEQUENCE_KEYS if k in padded}
     cu = torch.from_numpy(padded["cu_seqlens"].astype(np.int32))
     cu_pad = torch.from_numpy(padded["cu_seqlens_padded"].astype(np.int32))
+    if not hasattr(mutils, "get_thd_batch_on_this_cp_rank"):  # megatron-core >= 0.18: the fields only
+        monkeypatch.setattr(mutils.torch.distributed, "get_world_size", lambda group=None: cp_size)
+        monkeypatch.setattr(mutils.torch.distributed, "get_rank", lambda group=None: cp_rank)
+        fields = mutils.get_sft_batch_on_this_cp_rank({**batch, "cu_seqlens": cu[None], "cu_seqlens_padded": cu_pad[None]},
+                                                      cp_group=object())
+        sliced = ("tokens", "labels", "loss_mask", "position_ids")  # what 0.18 slices (not our source_ids)
+        return {k: v.numpy() for k, v in fields.items() if k in sliced}, None
     fields, params = mutils.get_thd_batch_on_this_cp_rank(batch, cu, cu_pad, torch.from_numpy(padded["max_seqlen"]),
                                                           cp_size=cp_size, cp_rank=cp_rank)
     return {k: v.numpy() for k, v in fields.items()}, params
@@ -61,6 +68,8 @@ def assert_rank_equals_megatron(piece: dict, theirs: dict, params, rank: int) ->
     for key, value in theirs.items():
         assert piece[key].dtype == value.dtype, key
         np.testing.assert_array_equal(piece[key], value, err_msg=f"{key} cp_rank={rank}")
+    if params is None:  # megatron-core >= 0.18 slices the fields and builds no PackedSeqParams there
+        return
     ours = packed_seq_params(piece, "cpu")  # what our forward_step hands the model
     for name in ("cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded"):
         torch.testing.assert_close(getattr(ours, name), getattr(params, name), msg=f"{name} cp_rank={rank}")
