@@ -282,8 +282,12 @@ def test_refuses_what_megatron_refuses(prefixes: list[str], case: int) -> None:
 @needs_megatron_helpers
 def test_unweighted_blend_with_an_empty_source_split_is_refused_like_megatron(prefixes: list[str]) -> None:
     config = make_config(blend=(prefixes[:2], None), split="969,30,1")  # 40 docs: the test split is empty
-    with pytest.raises(AssertionError):
-        megatrons([None, None, None], config)
+    import megatron.core
+
+    if tuple(int(x) for x in megatron.core.__version__.split(".")[:2]) < (0, 18):
+        with pytest.raises(AssertionError):
+            megatrons([None, None, None], config)
+    # megatron-core 0.18's C++ build_sample_idx aborts the whole process on it instead: only ours is checked
     with pytest.raises(BuilderArgumentError, match=r"(valid|test) split: \[.*src.*\] hold no 16-token sample"):
         ours([None, None, None], config)
 
