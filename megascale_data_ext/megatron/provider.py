@@ -47,7 +47,6 @@ from __future__ import annotations
 import importlib
 import json
 import os
-import sys
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
@@ -56,7 +55,7 @@ import torch
 
 from megascale_data_ext.dataplane.placetree import ClientPlaceTree
 from megascale_data_ext.errors import ConfigError
-from megascale_data_ext.patches.patching import Patches, original_of
+from megascale_data_ext.megatron.cp_passthrough import install_cp_passthrough, remove_cp_passthrough
 from megascale_data_ext.runtime.client import Client, MicrobatchSource
 from megascale_data_ext.runtime.topology import ServiceTopology
 
@@ -410,68 +409,6 @@ def configure(
 def reset() -> None:
     """Undo the CP pass-through a provider call installed (`install_cp_passthrough`)."""
     remove_cp_passthrough()
-
-
-def _thd_already_sliced(batch: Any, cu_seqlens: Any, cu_seqlens_padded: Any, max_seqlen: Any,
-                        cp_size: int | None = None, cp_rank: int | None = None) -> Any:
-    """Megatron's ``get_thd_batch_on_this_cp_rank`` for a batch the service already sliced: its
-    PackedSeqParams, no second slicing (the real function with cp_size=1)."""
-    from megatron.core import utils
-
-    original = original_of(utils.get_thd_batch_on_this_cp_rank)
-    return original(batch, cu_seqlens, cu_seqlens_padded, max_seqlen, cp_size=1, cp_rank=0)
-
-
-def _sbhd_already_sliced(batch: Any) -> Any:
-    """Megatron's ``get_batch_on_this_cp_rank`` for a batch the service already sliced."""
-    return batch
-
-
-def _sft_already_sliced(batch: Any, cp_group: Any = None) -> Any:
-    """megatron-core >= 0.18's ``get_sft_batch_on_this_cp_rank`` (packed THD batches, what its
-    ``get_batch_on_this_cp_rank`` dispatches to) for a batch the service already sliced."""
-    return batch
-
-
-def _pretrain_already_sliced(batch: Any, cp_group: Any = None) -> Any:
-    """megatron-core >= 0.18's ``get_pretrain_batch_on_this_cp_rank`` (unpacked and hybrid-CP batches)
-    for a batch the service already sliced."""
-    return batch
-
-
-_CP_SLICERS = ("get_thd_batch_on_this_cp_rank", "get_batch_on_this_cp_rank")
-#: megatron-core >= 0.18: ``get_batch_on_this_cp_rank`` dispatches (packed, hybrid CP, pretraining) to these
-_CP_SLICERS_018 = {"get_sft_batch_on_this_cp_rank": _sft_already_sliced,
-                   "get_pretrain_batch_on_this_cp_rank": _pretrain_already_sliced}
-
-
-def install_cp_passthrough() -> list[str]:
-    """Replace Megatron's CP slicing functions wherever a loaded module holds them (idempotent).
-
-    Returns:
-        ``module.name`` of every replacement made by this call.
-    """
-    targets = []
-    core = sys.modules.get("megatron.core.utils")
-    if core is not None and hasattr(core, "get_sft_batch_on_this_cp_rank"):  # megatron-core >= 0.18
-        return [done for name, passthrough in _CP_SLICERS_018.items()
-                for done in _PASSTHROUGH.everywhere(original_of(getattr(core, name)), passthrough, (name,))]
-    if core is not None and hasattr(core, "get_thd_batch_on_this_cp_rank"):
-        targets.append((original_of(core.get_thd_batch_on_this_cp_rank), _thd_already_sliced))
-    for name in ("megatron.core.utils", "megatron.training.utils"):
-        mod = sys.modules.get(name)
-        if mod is not None and hasattr(mod, "get_batch_on_this_cp_rank"):
-            targets.append((original_of(mod.get_batch_on_this_cp_rank), _sbhd_already_sliced))
-    return [done for original, replacement in targets
-            for done in _PASSTHROUGH.everywhere(original, replacement, _CP_SLICERS)]
-
-
-def remove_cp_passthrough() -> None:
-    """Restore what `install_cp_passthrough` replaced."""
-    _PASSTHROUGH.undo()
-
-
-_PASSTHROUGH = Patches()  # what install_cp_passthrough replaced (`patches.patching`)
 
 
 def _chunk_reads_data(tree: ClientPlaceTree, rank: int, vp_stage: int | None) -> bool:

@@ -238,6 +238,25 @@ def test_provider_refuses_unknown_microbatches(monkeypatch: pytest.MonkeyPatch) 
         provider([1, 0, 0])
 
 
+def _cp_batches_pass_through_018(monkeypatch: pytest.MonkeyPatch, mutils: Any) -> None:
+    """megatron-core >= 0.18: pretrain_gpt calls `get_batch_on_this_cp_rank`, which dispatches to
+    `get_sft_batch_on_this_cp_rank` (packed) or `get_pretrain_batch_on_this_cp_rank`: both pass through."""
+    import torch
+
+    originals = (mutils.get_sft_batch_on_this_cp_rank, mutils.get_pretrain_batch_on_this_cp_rank)
+    provider = configure(ProviderConfig(namespace="ns", num_microbatches=2))
+    try:
+        build_on(provider, monkeypatch, 0, tp=1, pp=1, dp=2, cp=2)
+        assert (mutils.get_sft_batch_on_this_cp_rank, mutils.get_pretrain_batch_on_this_cp_rank) != originals
+        tokens = torch.arange(6)[None]
+        packed = {"tokens": tokens, "cu_seqlens": torch.tensor([[0, 4, 6]]), "cu_seqlens_padded": None}
+        assert mutils.get_batch_on_this_cp_rank(packed, False, cp_group=object())["tokens"] is tokens
+        assert mutils.get_batch_on_this_cp_rank({"tokens": tokens}, False, cp_group=object())["tokens"] is tokens
+    finally:
+        prov.reset()
+    assert (mutils.get_sft_batch_on_this_cp_rank, mutils.get_pretrain_batch_on_this_cp_rank) == originals
+
+
 def test_cp_batches_arrive_sliced_and_megatron_does_not_slice_again(monkeypatch: pytest.MonkeyPatch) -> None:
     """With CP > 1 the service slices; Megatron's CP slicing (as pretrain_gpt imports it) becomes a pass-through
     that still builds megatron-core's THD PackedSeqParams."""
@@ -249,6 +268,9 @@ def test_cp_batches_arrive_sliced_and_megatron_does_not_slice_again(monkeypatch:
     from megascale_data_ext.dataplane.cp_slicing import slice_for_cp
     from megascale_data_ext.dataplane.packing import pack_microbatch
 
+    if not hasattr(mutils, "get_thd_batch_on_this_cp_rank"):  # megatron-core >= 0.18
+        _cp_batches_pass_through_018(monkeypatch, mutils)
+        return
     # pretrain_gpt.py does `from megatron.core.utils import get_thd_batch_on_this_cp_rank`
     pretrain_gpt = types.ModuleType("fake_pretrain_gpt")
     pretrain_gpt.get_thd_batch_on_this_cp_rank = mutils.get_thd_batch_on_this_cp_rank
