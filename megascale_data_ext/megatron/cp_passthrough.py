@@ -6,7 +6,8 @@ functions, wherever a loaded module holds them (``pretrain_gpt``'s imported name
 calls that leave the batch as it is; `remove_cp_passthrough` restores them. Which functions
 depends on megatron-core: ``get_thd_batch_on_this_cp_rank`` / ``get_batch_on_this_cp_rank`` up
 to 0.17, ``get_sft_batch_on_this_cp_rank`` / ``get_pretrain_batch_on_this_cp_rank`` (what 0.18's
-``get_batch_on_this_cp_rank`` dispatches to) from 0.18.
+``get_batch_on_this_cp_rank`` dispatches to) in 0.18, their per-document / per-sequence balancing
+successors in 0.19.
 """
 
 from __future__ import annotations
@@ -50,6 +51,9 @@ _CP_SLICERS = ("get_thd_batch_on_this_cp_rank", "get_batch_on_this_cp_rank")
 #: megatron-core >= 0.18: ``get_batch_on_this_cp_rank`` dispatches (packed, hybrid CP, pretraining) to these
 _CP_SLICERS_018 = {"get_sft_batch_on_this_cp_rank": _sft_already_sliced,
                    "get_pretrain_batch_on_this_cp_rank": _pretrain_already_sliced}
+#: megatron-core 0.19 renamed them: per-document (packed) and per-sequence zigzag
+_CP_SLICERS_019 = {"_get_batch_on_this_cp_rank_per_document_balancing": _sft_already_sliced,
+                   "_get_batch_on_this_cp_rank_per_sequence_balancing": _pretrain_already_sliced}
 
 
 def install_cp_passthrough() -> list[str]:
@@ -60,9 +64,10 @@ def install_cp_passthrough() -> list[str]:
     """
     targets = []
     core = sys.modules.get("megatron.core.utils")
-    if core is not None and hasattr(core, "get_sft_batch_on_this_cp_rank"):  # megatron-core >= 0.18
-        return [done for name, passthrough in _CP_SLICERS_018.items()
-                for done in _PASSTHROUGH.everywhere(original_of(getattr(core, name)), passthrough, (name,))]
+    for slicers in (_CP_SLICERS_019, _CP_SLICERS_018):  # megatron-core 0.19, 0.18
+        if core is not None and all(hasattr(core, name) for name in slicers):
+            return [done for name, passthrough in slicers.items()
+                    for done in _PASSTHROUGH.everywhere(original_of(getattr(core, name)), passthrough, (name,))]
     if core is not None and hasattr(core, "get_thd_batch_on_this_cp_rank"):
         targets.append((original_of(core.get_thd_batch_on_this_cp_rank), _thd_already_sliced))
     for name in ("megatron.core.utils", "megatron.training.utils"):

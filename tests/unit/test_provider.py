@@ -238,23 +238,24 @@ def test_provider_refuses_unknown_microbatches(monkeypatch: pytest.MonkeyPatch) 
         provider([1, 0, 0])
 
 
-def _cp_batches_pass_through_018(monkeypatch: pytest.MonkeyPatch, mutils: Any) -> None:
-    """megatron-core >= 0.18: pretrain_gpt calls `get_batch_on_this_cp_rank`, which dispatches to
-    `get_sft_batch_on_this_cp_rank` (packed) or `get_pretrain_batch_on_this_cp_rank`: both pass through."""
+def _cp_batches_pass_through_018(monkeypatch: pytest.MonkeyPatch, mutils: Any, names: tuple[str, str]) -> None:
+    """megatron-core >= 0.18: pretrain_gpt calls `get_batch_on_this_cp_rank`, which dispatches to a
+    packed and an unpacked slicer (`names`, renamed in 0.19): both pass through."""
     import torch
 
-    originals = (mutils.get_sft_batch_on_this_cp_rank, mutils.get_pretrain_batch_on_this_cp_rank)
+    current = lambda: tuple(getattr(mutils, name) for name in names)  # noqa: E731
+    originals = current()
     provider = configure(ProviderConfig(namespace="ns", num_microbatches=2))
     try:
         build_on(provider, monkeypatch, 0, tp=1, pp=1, dp=2, cp=2)
-        assert (mutils.get_sft_batch_on_this_cp_rank, mutils.get_pretrain_batch_on_this_cp_rank) != originals
+        assert all(now is not was for now, was in zip(current(), originals, strict=True))
         tokens = torch.arange(6)[None]
         packed = {"tokens": tokens, "cu_seqlens": torch.tensor([[0, 4, 6]]), "cu_seqlens_padded": None}
         assert mutils.get_batch_on_this_cp_rank(packed, False, cp_group=object())["tokens"] is tokens
         assert mutils.get_batch_on_this_cp_rank({"tokens": tokens}, False, cp_group=object())["tokens"] is tokens
     finally:
         prov.reset()
-    assert (mutils.get_sft_batch_on_this_cp_rank, mutils.get_pretrain_batch_on_this_cp_rank) == originals
+    assert current() == originals
 
 
 def test_cp_batches_arrive_sliced_and_megatron_does_not_slice_again(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -268,9 +269,12 @@ def test_cp_batches_arrive_sliced_and_megatron_does_not_slice_again(monkeypatch:
     from megascale_data_ext.dataplane.cp_slicing import slice_for_cp
     from megascale_data_ext.dataplane.packing import pack_microbatch
 
-    if not hasattr(mutils, "get_thd_batch_on_this_cp_rank"):  # megatron-core >= 0.18
-        _cp_batches_pass_through_018(monkeypatch, mutils)
-        return
+    for names in (("get_sft_batch_on_this_cp_rank", "get_pretrain_batch_on_this_cp_rank"),  # megatron-core 0.18
+                  ("_get_batch_on_this_cp_rank_per_document_balancing",  # 0.19
+                   "_get_batch_on_this_cp_rank_per_sequence_balancing")):
+        if all(hasattr(mutils, name) for name in names):
+            _cp_batches_pass_through_018(monkeypatch, mutils, names)
+            return
     # pretrain_gpt.py does `from megatron.core.utils import get_thd_batch_on_this_cp_rank`
     pretrain_gpt = types.ModuleType("fake_pretrain_gpt")
     pretrain_gpt.get_thd_batch_on_this_cp_rank = mutils.get_thd_batch_on_this_cp_rank
