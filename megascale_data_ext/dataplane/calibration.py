@@ -332,18 +332,17 @@ def fit_calibration(observations: Sequence[Microbatches], seconds: Sequence[floa
         raise ConfigError(f"a calibration needs at least {MIN_OBSERVATIONS} observations (got {len(observations)}); "
                           "time more microbatches with varied document lengths")
     y = _seconds(seconds, len(observations))
-    a = np.stack([features(obs, where=f"observation {i}") for i, obs in enumerate(observations)])
+    rows = [_microbatch_rows(obs, where=f"observation {i}") for i, obs in enumerate(observations)]
+    a = np.stack([r.sum(axis=0) for r in rows])  # each observation's `features`
     if np.linalg.matrix_rank(a / np.maximum(np.abs(a).max(axis=0), 1e-300)) < 2:
         raise ConfigError("the observations do not vary (same microbatch shape each time); time microbatches "
                           "with different token counts and document lengths")
-    rows = [_microbatch_rows(obs) for obs in observations]
-    best = _fit_above_floor(rows, y, 0.0)
-    # the floor: candidates from the observed per-microbatch times, kept only when clearly better
-    per_mb = np.unique(np.quantile(y / a[:, 0], np.linspace(0.0, 1.0, min(FLOOR_CANDIDATES, len(y)))))
-    for floor in per_mb:
-        fit = _fit_above_floor(rows, y, float(floor))
-        if fit[4] < FLOOR_GAIN * best[4] and fit[4] < best[4]:
-            best = fit
+    none = _fit_above_floor(rows, y, 0.0)
+    # the floor: candidates from the observed per-microbatch times; the best kept only when clearly better than none
+    candidates = np.unique(np.quantile(y / a[:, 0], np.linspace(0.0, 1.0, min(FLOOR_CANDIDATES, len(y)))))
+    best = min((_fit_above_floor(rows, y, float(f)) for f in candidates), key=lambda fit: fit[4])
+    if best[4] >= FLOOR_GAIN * none[4]:
+        best = none
     floor, coeffs, gram, rhs, _objective, predicted = best
     if not any(bool((r @ coeffs < floor).any()) for r in rows):
         floor = 0.0  # no microbatch sits on it: the additive model

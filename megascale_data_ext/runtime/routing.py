@@ -39,8 +39,8 @@ class RouteBook:
 
     Routes travel as actor ids (`AutoScaler.route_ids`); an actor's handles (a `Replica`) go to
     a constructor once, not with every step's reply (deserializing them was about a tenth of a
-    constructor's Python time per step under a profiler). A constructor names its handle cache by a token
-    (`RoutedFetch.token`): a new token (a restarted constructor, a cleared cache) starts its
+    constructor's Python time per step under a profiler). A constructor names its handle cache by a
+    token (`RoutedFetch.token`): a new token (a restarted constructor, a cleared cache) starts its
     record afresh. Ids never repeat within a Planner's fleet (`AutoScaler.fleet`).
     """
 
@@ -90,8 +90,9 @@ class RoutedFetch:
     def prime(self, step: int, sources: list[int], ids: list[list[int]], fleet: str,
               replicas: dict[int, Replica]) -> None:
         """Take the routes that came with the step's plans (no ``routes`` call): actor ids
-        (`RouteBook`), `replicas` being the handles not sent before. A source with an actor whose handles this cache lacks (forgotten, or the reply that
-        carried them was lost) is left out: its fetch asks for its routes afresh."""
+        (`RouteBook`), `replicas` being the handles not sent before. A source with an actor whose
+        handles this cache lacks (forgotten, or the reply that carried them was lost) is left out:
+        its fetch asks for its routes afresh."""
         with self._lock:  # steps are built on several threads
             if fleet != self.fleet:  # a restarted Planner numbers its new fleet from 0 again
                 self.handles.clear()
