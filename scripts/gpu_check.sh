@@ -17,6 +17,8 @@
 # Overrides for a CPU dry run of the plumbing: GPT_SHAPE, VLM_SHAPE, SEQ, TRAIN_ITERS, BENCH_ARGS, KC_LENS,
 # BF16=false, DEMO_ROWS, BENCH_LARGE_ARGS. GPU_CHECK_STEPS picks steps (default "kernels launch-bound bench bench-large
 # train"; 4 runs whenever MLM_DIR is set); TRAIN_RUNS picks training runs (default "gpt_flex gpt_dense vlm_flex vlm_dense").
+# Every step with all four training runs takes ~610 s on an H100 (2026-11-28), more than one device-tool call's
+# 600 s: there, run TRAIN_RUNS="gpt_flex vlm_flex", or split GPU_CHECK_STEPS over two calls.
 set -uo pipefail
 OUT=${OUT:-$PWD/gpu_check_out}
 mkdir -p "$OUT"
