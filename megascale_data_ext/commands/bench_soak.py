@@ -15,9 +15,11 @@ read from ``/proc`` by the pid Ray reports) and of this process is recorded: its
 (``smaps`` Private_Clean + Private_Dirty outside Ray's object store: heap, anonymous memory,
 libraries), the object-store pages only it has touched (objects it wrote that no reader mapped
 yet: private by the kernel's count but the store's, bounded by its size; reported apart,
-`_proc_stats.private_split_mib`) and its RSS. Memory is *flat* when each actor's own memory at
-the end is within ``--flat`` (5 %) of its value once warm (the first sample after ``--warmup`` of
-the run): allocator warm-up is not a leak, steady growth is. Fetch latency is each ``get`` of a step (waits on backpressure included): p50, p99,
+`_proc_stats.private_split_mib`) and its RSS. Memory is *flat* when each actor's own memory over
+the last fifth of the warm samples (median) is within ``--flat`` (5 %) of its median over the first
+fifth (warm: after ``--warmup`` of the run): allocator warm-up is not a leak, steady growth is,
+and a working set that swings from sample to sample is neither. Each constructor's
+``held_mib`` (the packs it holds for its consumers) is sampled beside it. Fetch latency is each ``get`` of a step (waits on backpressure included): p50, p99,
 max. Errors: every exception a client thread raised, with its rank and step.
 
 ``--heap-profile DIR`` records each constructor's allocations from warm-up to the end with memray
@@ -26,8 +28,10 @@ tells a leak (a site that grows with the steps served) from memory the allocator
 
 JSON: ``clients``, ``constructors``, ``seconds``, ``steps`` (min/median/max over ranks),
 ``fetches``, ``errors``, ``fetch_ms`` (p50/p99/max), ``memory`` (own memory per process:
-``warm_mib``, ``end_mib``, ``max_mib``, ``growth``, ``flat``), ``object_store`` and ``rss`` (the
-same of the object-store pages and of RSS), ``flat``, ``samples`` (the time series), ``load``.
+``warm_mib``, ``end_mib``, ``max_mib``, ``growth``, ``growth_endpoints``, ``flat``), ``object_store``
+and ``rss`` (the same of the object-store pages and of RSS), ``flat``, ``samples`` (the time series,
+with ``held_mib`` and ``held_steps`` per constructor), ``allocators`` (the settings the service's
+processes started with), ``load``.
 """
 
 from __future__ import annotations
@@ -90,9 +94,15 @@ def soak_config(root: Path, *, clients: int, constructors: int, sources: int, cl
 
 
 def memory_summary(samples: list[dict[str, Any]], *, warm_from: float, flat: float,
-                   measure: str = "own_mib") -> dict[str, dict[str, Any]]:
+                   measure: str = "own_mib", window: float = 0.2) -> dict[str, dict[str, Any]]:
     """Per process (role): its memory (`measure` of each sample) once warm, at the end, the most
-    seen, and the growth since warm."""
+    seen, and its growth after warm-up.
+
+    ``growth`` (the verdict) is the median of the last `window` of the warm samples against the
+    median of the first: a constructor's memory swings with the packs it is building and holding
+    (±10 % from one sample to the next under 256 clients), which two single samples would judge
+    as growth or shrinkage by chance; a steady rise moves both medians apart all the same.
+    ``growth_endpoints`` is the last warm sample against the first."""
     out: dict[str, dict[str, Any]] = {}
     roles = sorted({role for s in samples for role in s[measure]})
     for role in roles:
@@ -100,10 +110,13 @@ def memory_summary(samples: list[dict[str, Any]], *, warm_from: float, flat: flo
         warm = [v for t, v in series if t >= warm_from]
         if not warm:
             continue
-        growth = (warm[-1] - warm[0]) / warm[0] if warm[0] else 0.0
+        k = max(1, round(len(warm) * window))
+        first, last = float(np.median(warm[:k])), float(np.median(warm[-k:]))
+        growth = (last - first) / first if first else 0.0
+        endpoints = (warm[-1] - warm[0]) / warm[0] if warm[0] else 0.0
         out[role] = {"warm_mib": round(warm[0], 1), "end_mib": round(warm[-1], 1),
                      "max_mib": round(max(v for _, v in series), 1), "growth": round(growth, 4),
-                     "flat": growth <= flat}
+                     "growth_endpoints": round(endpoints, 4), "flat": growth <= flat}
     return out
 
 
@@ -181,6 +194,18 @@ def plot(result: dict[str, Any], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def held_by_constructor(constructors: list[Any]) -> dict[str, tuple[float, int]]:
+    """``constructor/i -> (MiB, steps)`` each constructor holds for its consumers right now:
+    memory that follows their pace (bounded by ``max_lead``), shown beside the process's own."""
+    import ray
+
+    try:
+        stats = ray.get([c.stats.remote() for c in constructors], timeout=30)
+    except Exception:  # a sample without it, never a failed bench  # noqa: BLE001
+        return {}
+    return {f"constructor/{i}": (s["held_bytes"] / 2**20, s["buffered_steps"]) for i, s in enumerate(stats)}
+
+
 def run(args: argparse.Namespace) -> int:
     import ray
 
@@ -194,6 +219,7 @@ def run(args: argparse.Namespace) -> int:
                               "or leave --heap-profile out") from None
 
     from megascale_data_ext.commands._proc_stats import private_split_mib, rss_mib
+    from megascale_data_ext.runtime.malloc import allocator_environment
     from megascale_data_ext.runtime.remote import RemoteConstructors
     from megascale_data_ext.runtime.service import DataService
 
@@ -203,6 +229,7 @@ def run(args: argparse.Namespace) -> int:
                                 sources=args.sources, client_prefetch=args.client_prefetch)
         svc = DataService(cfg, tree, progress=print)
         handles = svc.start()
+        allocators = allocator_environment()  # what the embedded Ray's processes inherited
         topo = handles.topology
         ranks = topo.fetch_ranks()
         stop = threading.Event()
@@ -248,15 +275,19 @@ def run(args: argparse.Namespace) -> int:
                 resident = {k: got[0] for k, pid in pids.items() if (got := rss_mib([pid]))}
                 split = {k: got for k, pid in pids.items() if (got := private_split_mib(pid)) is not None}
                 private = {k: v["own"] for k, v in split.items()}
+                held = held_by_constructor(svc.constructors)
                 now = time.perf_counter() - t0
                 samples.append({"t": round(now, 1), "rss_mib": {k: round(v, 1) for k, v in resident.items()},
                                 "own_mib": {k: round(v, 1) for k, v in private.items()},
                                 "object_store_mib": {k: round(v["object_store"], 1) for k, v in split.items()},
+                                "held_mib": {k: round(v[0], 1) for k, v in held.items()},
+                                "held_steps": {k: v[1] for k, v in held.items()},
                                 "steps_min": min(steps), "steps_max": max(steps)})
                 print(f"[soak] {now:6.0f}/{args.seconds:.0f} s | steps {min(steps)}..{max(steps)} | "
                       f"fetches {sum(map(len, latencies))} | errors {len(errors)} | "
                       f"own memory: planner {private.get('planner', 0):.0f} MiB, constructors "
-                      f"{[round(v) for k, v in private.items() if k.startswith('constructor/')]} MiB", flush=True)
+                      f"{[round(v) for k, v in private.items() if k.startswith('constructor/')]} MiB, of it held "
+                      f"for consumers {[round(v[0]) for v in held.values()]} MiB", flush=True)
                 if stop.wait(args.sample_seconds):
                     return
 
@@ -300,14 +331,15 @@ def run(args: argparse.Namespace) -> int:
         "fetch_ms": {q: round(float(np.percentile(ms, p)), 2) for q, p in (("p50", 50), ("p99", 99))}
         | {"max": round(float(ms.max()), 2)} if ms.size else {},
         "memory": memory, "object_store": store, "rss": rss, "flat": all(m["flat"] for m in memory.values()),
-        "samples": samples, "load": {"before": load_before, "after": os.getloadavg()},
+        "samples": samples, "allocators": allocators, "load": {"before": load_before, "after": os.getloadavg()},
     }
     print(f"clients {result['clients']} | {result['seconds']} s | steps per client {result['steps']} | "
           f"fetches {result['fetches']} | errors {len(result['errors'])} | fetch ms {result['fetch_ms']}")
-    print("process | own MiB: warm | end | max | growth | object-store pages MiB: warm | end | RSS MiB: warm | end")
+    print("process | own MiB: warm | end | max | growth (medians of the first and last fifth) | object-store pages MiB: warm | end | RSS MiB: warm | end")
     for role, m in memory.items():
         r, o = rss.get(role, {}), store.get(role, {})
-        print(f"{role} | {m['warm_mib']} | {m['end_mib']} | {m['max_mib']} | {m['growth']:+.1%}"
+        print(f"{role} | {m['warm_mib']} | {m['end_mib']} | {m['max_mib']} | {m['growth']:+.1%} "
+              f"({m['growth_endpoints']:+.1%} first to last)"
               f"{'' if m['flat'] else ' (not flat)'} | {o.get('warm_mib')} | {o.get('end_mib')} | "
               f"{r.get('warm_mib')} | {r.get('end_mib')}")
     if args.json:

@@ -422,9 +422,21 @@ class DataConstructor:
         (empty when the step is not held: released, or not built yet)."""
         return self.held.untaken(step)
 
+    def held_bytes(self) -> int:
+        """Bytes of the arrays in the steps held for consumers: memory that comes and goes with
+        their pace (bounded by `max_lead`), told apart from what the process keeps."""
+        total = 0
+        for built in self.held.payloads():
+            arrays = [a for batch in built.batches.values() for a in batch.values()]
+            if built.images is not None:
+                arrays += [a for part in built.images.per_rank.values() for a in part]
+            total += sum(int(a.nbytes) for a in arrays if isinstance(a, np.ndarray))
+        return total
+
     def stats(self) -> dict[str, Any]:
         return {"built_steps": self.built_steps, "build_seconds": list(self.build_seconds),
-                "skipped_total": self.skipped_total, "skipped": list(self.skipped), **self.held.stats()}
+                "skipped_total": self.skipped_total, "skipped": list(self.skipped), "held_bytes": self.held_bytes(),
+                **self.held.stats()}
 
 
 def _position(step: int, rank: int, position: int | None) -> int:

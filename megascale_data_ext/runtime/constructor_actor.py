@@ -22,6 +22,7 @@ from megascale_data_ext.runtime.ray_actor import Held, resolve
 from megascale_data_ext.runtime.constructor import DataConstructor, EncoderRows
 from megascale_data_ext.runtime.fault_injection import crash_self
 from megascale_data_ext.runtime.fault_tolerance import FaultToleranceConfig
+from megascale_data_ext.runtime.malloc import trim_periodically
 from megascale_data_ext.runtime.metrics import service_metrics
 from megascale_data_ext.runtime.prefetcher import Prefetcher
 from megascale_data_ext.runtime.remote import PlannerIn
@@ -120,6 +121,7 @@ class DataConstructorActor:
         )
         self.constructor.skip_to(start_step)
         self.prefetcher.start()
+        trim_periodically()  # packs of varying size leave holes in the heap (`runtime.malloc`)
 
     def _on_floor(self, step: int, wake: bool = True) -> None:
         with self._lock:  # told with the next `constructor_step` (the build this rise allows)

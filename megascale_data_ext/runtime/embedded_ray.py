@@ -3,9 +3,10 @@
 The service, `serve` and the benches that measure them (startup, throughput, memory, faults) start
 Ray through `init_ray` (`bench chaos` starts a `Cluster` of its own). When it starts Ray
 itself (``data.ray.address: null``) the raylet and every worker inherit this process's environment,
-so two settings travel that way before ``ray.init``:
+so these settings travel that way before ``ray.init``:
 
-* ``MALLOC_ARENA_MAX`` (`runtime.malloc`): flat memory in threaded actors.
+* the allocator settings of `runtime.malloc` (malloc arenas, glibc's per-thread caches, pyarrow's
+  pool): flat memory in actors with many threads.
 * ``RAY_preload_python_modules``: the raylet prestarts one worker process per CPU as it starts, and
   these import the service's actor modules (numpy, pyarrow, the data plane: ~1 s of CPU each on a
   small box) while ``ray.init`` is still returning. The Planner's actor and the loader actor it
@@ -22,7 +23,7 @@ import os
 from collections.abc import MutableMapping
 from typing import Any
 
-from megascale_data_ext.runtime.malloc import cap_arenas_for_embedded_ray
+from megascale_data_ext.runtime.malloc import tune_allocators_for_embedded_ray
 
 __all__ = ["SERVICE_MODULES", "init_ray", "prepare_embedded_ray", "preload_service_modules"]
 
@@ -45,7 +46,7 @@ def preload_service_modules(environ: MutableMapping[str, str] = os.environ) -> s
 
 def prepare_embedded_ray(environ: MutableMapping[str, str] = os.environ) -> None:
     """The environment of a Ray this process is about to start (its processes inherit it)."""
-    cap_arenas_for_embedded_ray(environ)
+    tune_allocators_for_embedded_ray(environ)
     preload_service_modules(environ)
 
 

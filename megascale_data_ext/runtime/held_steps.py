@@ -285,6 +285,11 @@ class HeldSteps(Generic[T]):
             held = self._held.get(step)
             return {} if held is None else {r: sorted(keys, key=str) for r, keys in held[1].items()}
 
+    def payloads(self) -> list[T]:
+        """Every held step's payload (a snapshot: for accounting what the holder keeps)."""
+        with self._cv:
+            return [payload for payload, _ in self._held.values()]
+
     def __len__(self) -> int:
         return len(self._held)
 

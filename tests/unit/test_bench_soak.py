@@ -1,4 +1,4 @@
-"""`bench soak`'s memory verdict: growth measured from the first warm sample, per process."""
+"""`bench soak`'s memory verdict: growth after warm-up, per process, from windows of samples."""
 
 from __future__ import annotations
 
@@ -24,7 +24,18 @@ def test_a_process_that_appears_late_is_judged_from_its_own_first_warm_sample():
     rows = samples({"planner": [150, 150, 150, 151]})
     rows[3]["own_mib"]["loader/9"] = 90.0  # spawned by the autoscaler at t=30
     got = memory_summary(rows, warm_from=25.0, flat=0.05)
-    assert got["loader/9"] == {"warm_mib": 90.0, "end_mib": 90.0, "max_mib": 90.0, "growth": 0.0, "flat": True}
+    assert got["loader/9"] == {"warm_mib": 90.0, "end_mib": 90.0, "max_mib": 90.0, "growth": 0.0,
+                               "growth_endpoints": 0.0, "flat": True}
+
+
+def test_a_working_set_that_swings_is_flat_and_a_steady_rise_under_the_swing_is_not():
+    """Medians of the first and last fifth judge the level; two single samples judge the swing."""
+    swing = [100, 130, 105, 125, 100, 135, 110, 120, 100, 128] * 2
+    got = memory_summary(samples({"constructor/0": [100] * 5 + swing + [112]}), warm_from=50.0, flat=0.05)
+    assert got["constructor/0"]["growth_endpoints"] == 0.12 and got["constructor/0"]["flat"]
+    rising = [v + 2 * i for i, v in enumerate(swing)]  # +2 MiB a sample beneath the same swing
+    got = memory_summary(samples({"constructor/0": [100] * 5 + rising}), warm_from=50.0, flat=0.05)
+    assert got["constructor/0"]["growth"] > 0.2 and not got["constructor/0"]["flat"]
 
 
 def test_object_store_pages_a_process_touched_are_counted_apart_from_its_own_memory(tmp_path):

@@ -5,22 +5,45 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 
 import pytest
 
 from megascale_data_ext.runtime.embedded_ray import PRELOAD_VARIABLE, SERVICE_MODULES, preload_service_modules
-from megascale_data_ext.runtime.malloc import DEFAULT_ARENAS, cap_arenas_for_embedded_ray
+from megascale_data_ext.runtime.malloc import DEFAULT_ARENAS, tune_allocators_for_embedded_ray
 
 
-def test_the_cap_goes_into_the_environment_unless_set_or_turned_off():
+def test_the_allocator_settings_go_into_the_environment_unless_set_or_turned_off():
     env: dict[str, str] = {}
-    assert cap_arenas_for_embedded_ray(env) == str(DEFAULT_ARENAS) and env["MALLOC_ARENA_MAX"] == "2"
-    env = {"MALLOC_ARENA_MAX": "8"}
-    assert cap_arenas_for_embedded_ray(env) == "8"  # the user's own setting wins
-    env = {"MEGASCALE_MALLOC_ARENAS": "4"}
-    assert cap_arenas_for_embedded_ray(env) == "4"
-    env = {"MEGASCALE_MALLOC_ARENAS": "0"}
-    assert cap_arenas_for_embedded_ray(env) is None and "MALLOC_ARENA_MAX" not in env
+    assert tune_allocators_for_embedded_ray(env) == env == {
+        "MALLOC_ARENA_MAX": str(DEFAULT_ARENAS), "GLIBC_TUNABLES": "glibc.malloc.tcache_count=0",
+        "ARROW_DEFAULT_MEMORY_POOL": "system"}
+    env = {"MALLOC_ARENA_MAX": "8", "ARROW_DEFAULT_MEMORY_POOL": "jemalloc",
+           "GLIBC_TUNABLES": "glibc.malloc.tcache_count=3"}
+    assert tune_allocators_for_embedded_ray(dict(env)) == env  # the user's own settings win
+    env = {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}  # other tunables are kept, the cache limit added
+    assert tune_allocators_for_embedded_ray(env)["GLIBC_TUNABLES"] == "glibc.malloc.hugetlb=1:glibc.malloc.tcache_count=0"
+    env = {"MEGASCALE_MALLOC_ARENAS": "4", "MEGASCALE_MALLOC_TCACHE": "2", "MEGASCALE_ARROW_POOL": "mimalloc"}
+    assert tune_allocators_for_embedded_ray(env) == {
+        "MALLOC_ARENA_MAX": "4", "GLIBC_TUNABLES": "glibc.malloc.tcache_count=2", "ARROW_DEFAULT_MEMORY_POOL": "mimalloc"}
+    env = {"MEGASCALE_MALLOC_ARENAS": "0", "MEGASCALE_MALLOC_TCACHE": "default", "MEGASCALE_ARROW_POOL": "default"}
+    assert tune_allocators_for_embedded_ray(env) == {}  # each turned off: glibc's and pyarrow's own
+
+
+def test_a_constructor_process_trims_its_heap_on_a_daemon_thread_unless_turned_off(monkeypatch):
+    from megascale_data_ext.runtime import malloc
+
+    trimmed = threading.Event()
+    monkeypatch.setattr(malloc, "_malloc_trim", lambda: lambda pad: trimmed.set() or 1)
+    assert malloc.trim_periodically({"MEGASCALE_MALLOC_TRIM_S": "0"}) is None
+    stop = threading.Event()
+    thread = malloc.trim_periodically({"MEGASCALE_MALLOC_TRIM_S": "0.01"}, name="trim-test", stop=stop)
+    assert thread is not None and thread.daemon and trimmed.wait(30)
+    stop.set()
+    thread.join(30)
+    assert not thread.is_alive()
+    monkeypatch.setattr(malloc, "_malloc_trim", lambda: None)  # a C library without malloc_trim
+    assert malloc.trim_periodically({}) is None
 
 
 def test_the_service_modules_are_preloaded_unless_set_or_turned_off():
@@ -60,8 +83,12 @@ svc = DataService(cfg, ClientPlaceTree.from_sizes(dp=2), progress=None)
 svc.start()
 try:
     actors = [svc.planner, *svc.loader_actors(), *svc.constructors]
-    seen = ray.get([a.__ray_call__.remote(lambda _s: os.environ.get("MALLOC_ARENA_MAX")) for a in actors])
-    print("MALLOC_ARENA_MAX of the actors:", sorted(set(seen)), flush=True)
+    def allocators(_self):
+        import pyarrow
+        from megascale_data_ext.runtime.malloc import allocator_environment
+        return repr(sorted({**allocator_environment(), "arrow": pyarrow.default_memory_pool().backend_name}.items()))
+    seen = ray.get([a.__ray_call__.remote(allocators) for a in actors])
+    print("allocators of the actors:", sorted(set(seen)), flush=True)
     preloaded = ray.get([a.__ray_call__.remote(lambda _s: [x for x in sys.argv if x.startswith("--worker-preload-modules")])
                          for a in actors])
     print("preloads of the actors:", sorted({tuple(p) for p in preloaded}), flush=True)
@@ -71,14 +98,17 @@ finally:
 
 
 @pytest.mark.slow
-def test_every_actor_of_an_embedded_service_starts_with_capped_arenas_and_preloaded_modules():
+def test_every_actor_of_an_embedded_service_starts_with_the_allocator_settings_and_preloaded_modules():
     env = {k: v for k, v in os.environ.items()
-           if k not in ("MALLOC_ARENA_MAX", "MEGASCALE_MALLOC_ARENAS", PRELOAD_VARIABLE, "MEGASCALE_PRELOAD")}
+           if k not in ("MALLOC_ARENA_MAX", "GLIBC_TUNABLES", "ARROW_DEFAULT_MEMORY_POOL", "MEGASCALE_MALLOC_ARENAS",
+                        "MEGASCALE_MALLOC_TCACHE", "MEGASCALE_ARROW_POOL", PRELOAD_VARIABLE, "MEGASCALE_PRELOAD")}
     out = subprocess.run([sys.executable, "-c", SERVICE_ACTORS_ENV], env=env, capture_output=True, text=True,
                          timeout=540)
     assert out.returncode == 0, out.stderr[-2000:]
-    seen = [line for line in out.stdout.splitlines() if line.startswith("MALLOC_ARENA_MAX of the actors:")]
-    assert seen == ["MALLOC_ARENA_MAX of the actors: ['2']"], out.stdout[-2000:]  # Ray's own lines share stdout
+    seen = [line for line in out.stdout.splitlines() if line.startswith("allocators of the actors:")]
+    expected = repr(sorted({"MALLOC_ARENA_MAX": "2", "GLIBC_TUNABLES": "glibc.malloc.tcache_count=0",
+                            "ARROW_DEFAULT_MEMORY_POOL": "system", "arrow": "system"}.items()))
+    assert seen == [f"allocators of the actors: [{expected!r}]"], out.stdout[-2000:]  # Ray's own lines share stdout
     preloads = [line for line in out.stdout.splitlines() if line.startswith("preloads of the actors:")]
     assert preloads == [f"preloads of the actors: [('--worker-preload-modules={','.join(SERVICE_MODULES)}',)]"], \
         out.stdout[-2000:]

@@ -245,3 +245,20 @@ def test_the_running_service_exports_its_metrics(specs, ray_metrics_port):
     assert {"0", "1"} <= {lab["constructor"] for lab, _ in parsed[f"{p}constructor_buffered_steps"]}
     assert all(v >= 1.0 for v in _values(parsed, f"{p}plan_last_max_over_mean"))
     assert np.isfinite(_values(parsed, f"{p}plan_last_step")).all()
+
+
+def test_a_constructor_counts_the_bytes_of_the_steps_it_holds_until_they_are_taken(specs):
+    """`held_bytes` (sampled by `bench soak` beside each constructor's memory) is the packed arrays
+    of the held steps: a step's whole pack while any rank has yet to take it, none after."""
+    import numpy as np
+
+    svc = InProcessService(config(specs, constructor_group=2), ClientPlaceTree.from_sizes(dp=2))
+    constructor, = svc.constructors  # one for both ranks
+    ranks = svc.topology.fetch_ranks()
+    assert constructor.held_bytes() == 0
+    got = constructor.get_step(0, ranks[0])
+    packed = [constructor.packed(0, constructor.layout.bucket_of_rank(r), j) for r in ranks for j in range(len(got))]
+    expected = sum(a.nbytes for batch in packed for a in batch.values() if isinstance(a, np.ndarray))
+    assert expected > 0 and constructor.stats()["held_bytes"] == expected
+    constructor.get_step(0, ranks[1])  # the last taker: the step goes
+    assert constructor.held_bytes() == 0 and constructor.stats()["buffered_steps"] == 0
