@@ -45,6 +45,7 @@ service_all_in_mib, ratio_all_in, and per-component columns (what was measured, 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shutil
@@ -66,6 +67,7 @@ from megascale_data_ext.commands._colocated_memory import (
     shared_once,
     write_navit_sources,
 )
+from megascale_data_ext.commands._loader_caches import cache_state
 from megascale_data_ext.commands._plotting import pyplot
 from megascale_data_ext.commands._ray_cost import client_core_worker_mib, daemons_pss_mib, object_store_mib
 from megascale_data_ext.sources.profiling import process_memory
@@ -96,6 +98,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="navit: sigma of the seeded lognormal mixing weights (0 = equal weights: Megatron's "
                              "blend is then periodic and each of W workers reads only S/W sources)")
     parser.add_argument("--navit-seq-length", type=int, default=8192, help="navit: sequence length of the service")
+    parser.add_argument("--shuffle-window", type=int, default=0,
+                        help="navit: the service's sources draw in storage order, rows shuffled within windows of "
+                             "this many rows (`shuffle_window`; Energon's way of reading); 0 = a global shuffle")
     parser.add_argument("--max-fill-steps", type=int, default=1000,
                         help="navit: most steps the service serves until its loaders' row-group caches are full")
     parser.add_argument("--train-samples", type=int, default=20000,
@@ -142,34 +147,6 @@ def text_specs(prefixes: list[str]) -> list[Any]:
 
     return [SourceSpec(name=f"source{i}", format="megatron", paths=[p], append_eod=False, truncate=True,
                        eod_token_id=EOD_ID) for i, p in enumerate(prefixes)]
-
-
-def _group_cache_state(actor: Any) -> tuple[int, int, int]:
-    """Inside a LoaderGroupActor: (row groups cached, row groups full caches hold, cached bytes)."""
-    held = want = nbytes = 0
-    for ld in list(actor.group.loaders.values()):
-        src = ld.source
-        if not hasattr(src, "cache_stats"):
-            continue
-        for _ in range(5):  # a read-ahead thread may be filling the cache meanwhile
-            try:
-                st = src.cache_stats()
-                break
-            except RuntimeError:
-                time.sleep(0.01)
-        else:
-            st = {"row_groups": 0, "bytes": 0}
-        held, nbytes = held + st["row_groups"], nbytes + st["bytes"]
-        want += min(ld.spec.row_group_cache, src.num_row_groups)
-    return held, want, nbytes
-
-
-def cache_state(handles: list[Any]) -> tuple[int, int, int]:
-    """(row groups cached, row groups full caches hold, cached bytes) over loader actors."""
-    import ray
-
-    got = ray.get([h.__ray_call__.remote(_group_cache_state) for h in handles])
-    return sum(g[0] for g in got), sum(g[1] for g in got), sum(g[2] for g in got)
 
 
 def measure_service(specs: list[Any], *, ranks: int, seq_length: int, steps: int, seed: int, cap_mib: float,
@@ -381,8 +358,10 @@ def _run_workload(workload: str, args: argparse.Namespace, root: Path, t0: float
             details["energon_model"] = energon_model = colocated_model(energon_points, args.workers)
     model = colocated_model(points, args.workers)
     _progress(f"{workload}: colocated measured at {time.perf_counter() - t0:.0f} s")
+    served = [dataclasses.replace(sp, shuffle_window=args.shuffle_window) for sp in specs] \
+        if workload == "navit" else specs  # the service's sources: the partitioner sizes actors by their profiles
     profiles = [profile_source(sp, samples=16, batch=16)
-                for sp in tqdm(specs, desc=f"{workload}: profile", file=sys.stderr)]
+                for sp in tqdm(served, desc=f"{workload}: profile", file=sys.stderr)]
     from megascale_data_ext.runtime.config import RayConfig
     from megascale_data_ext.runtime.embedded_ray import init_ray
 
@@ -399,7 +378,7 @@ def _run_workload(workload: str, args: argparse.Namespace, root: Path, t0: float
         grid = [(r, s) for s in sources_grid for r in ranks_grid]
         rows = []
         for r, s in tqdm(grid, desc=f"{workload}: service (measured)", file=sys.stderr):
-            svc = measure_service(specs[:s], ranks=r, seq_length=seq_length, steps=args.steps, seed=args.seed,
+            svc = measure_service(served[:s], ranks=r, seq_length=seq_length, steps=args.steps, seed=args.seed,
                                   cap_mib=args.actor_cap_mib, profiles=profiles[:s], image_token_id=image_token_id,
                                   fill_steps=fill_steps)
             service = svc["loader_uss"] + svc["planner_uss"] + svc["shared_once"]
@@ -430,7 +409,7 @@ def _run_workload(workload: str, args: argparse.Namespace, root: Path, t0: float
             if workload == "navit":
                 _progress(f"navit: {r} ranks x {s} sources: {svc['steps_served']} steps served, row groups cached "
                           f"{svc['row_groups_held']}/{svc['row_groups_full']} ({svc['row_group_mib']:,.0f} MiB)")
-                row.update(service_row_groups_held=svc["row_groups_held"],
+                row.update(shuffle_window=args.shuffle_window, service_row_groups_held=svc["row_groups_held"],
                            service_row_groups_full=svc["row_groups_full"],
                            service_row_group_mib=round(svc["row_group_mib"], 1))
             rows.append(row)
@@ -451,8 +430,8 @@ def run(args: argparse.Namespace) -> int:
         print("error: --ranks, --sources and --measure-sources need values; --workers >= 0, --measure-ranks >= 1",
               file=sys.stderr)
         return 2
-    if args.row_group_mib <= 0 or args.row_groups < 1:
-        print("error: --row-group-mib must be > 0 and --row-groups >= 1", file=sys.stderr)
+    if args.row_group_mib <= 0 or args.row_groups < 1 or args.shuffle_window < 0:
+        print("error: --row-group-mib must be > 0, --row-groups >= 1 and --shuffle-window >= 0", file=sys.stderr)
         return 2
     workloads = list(WORKLOADS) if args.workload == "both" else [args.workload]
     unknown = sorted(set(_baselines(args)) - {"own_reader", "energon"})

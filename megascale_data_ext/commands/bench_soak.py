@@ -176,19 +176,38 @@ def _stop_heap_tracker(_actor: Any) -> None:
 
 
 def plot(result: dict[str, Any], path: Path) -> None:
+    """Own memory of every process over the run, the verdict's two windows shaded; below it, what
+    each constructor held for its consumers at the same samples."""
     plt = pyplot()
 
-    fig, ax = plt.subplots(figsize=(9, 4.5))
     samples = result["samples"]
-    for role in sorted(result["memory"]):
+    held = any(s.get("held_mib") for s in samples)
+    fig, axes = plt.subplots(2 if held else 1, 1, figsize=(9, 6.5 if held else 4.5), sharex=True, squeeze=False,
+                             gridspec_kw={"height_ratios": [3, 1]} if held else None)
+    ax = axes[0][0]
+    colors = plt.get_cmap("tab20").colors  # one colour a process: 14 or more lines
+    for i, role in enumerate(sorted(result["memory"])):
         ax.plot([s["t"] for s in samples if role in s["own_mib"]],
-                [s["own_mib"][role] for s in samples if role in s["own_mib"]], label=role, lw=1)
+                [s["own_mib"][role] for s in samples if role in s["own_mib"]], label=role, lw=1,
+                color=colors[i % len(colors)])
+    warm = [s["t"] for s in samples if s["t"] >= result["warm_from_s"]]
+    if warm:
+        k = max(1, round(len(warm) * 0.2))
+        for lo, hi in ((warm[0], warm[k - 1]), (warm[-k], warm[-1])):
+            ax.axvspan(lo, hi, color="grey", alpha=0.12, lw=0)
     ax.axvline(result["warm_from_s"], color="grey", ls="--", lw=0.8)
-    ax.set_xlabel("seconds")
     ax.set_ylabel("own memory (MiB, without object-store pages)")
     ax.set_title(f"bench soak: {result['clients']} clients, {result['seconds']:.0f} s, "
-                 f"{result['fetches']} fetches, {len(result['errors'])} errors")
+                 f"{result['fetches']} fetches, {len(result['errors'])} errors (shaded: the windows compared)")
     ax.legend(fontsize=6, ncol=3)
+    if held:
+        low = axes[1][0]
+        for role in sorted({r for s in samples for r in s.get("held_mib", {})}):
+            low.plot([s["t"] for s in samples if role in s.get("held_mib", {})],
+                     [s["held_mib"][role] for s in samples if role in s.get("held_mib", {})], label=role, lw=0.8)
+        low.set_ylabel("held packs (MiB)")
+        low.legend(fontsize=6, ncol=4)
+    axes[-1][0].set_xlabel("seconds")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)

@@ -3,7 +3,8 @@
 Plain class (unit-testable without Ray); `runtime.actors` wraps it as a threaded Ray actor.
 The stream of a source is a sequence of positions: position p is sample
 ``perm_e[p % n]`` of epoch ``e = p // n``, where ``perm_e`` is a seeded permutation
-(identity without shuffling). The Planner only ever asks for metadata at positions
+(`dataplane.epoch_order`: global, or in storage order with ``shuffle_window``; identity without
+shuffling). The Planner only ever asks for metadata at positions
 (`summary_buffer`); constructors ask for the payloads of a planned step (`fetch`).
 
 Thread contract: `fetch` may be called concurrently by several constructors (the actor runs
@@ -13,7 +14,7 @@ are not thread-safe (two steps reading one `ParquetFile` at once crashed a loade
 `read_row_group` with a segmentation fault).
 
 Checkpoint (`StateSchema` "source_loader", version 1): fingerprint = (name, size, seed,
-shuffle), so a resume over changed files or another shuffle is refused; fields
+shuffle, and ``shuffle_window`` when set), so a resume over changed files or another shuffle is refused; fields
 ``next_position`` (one past the furthest stream position read) and the read/skip counters.
 The stream itself is a pure function of the position, so nothing else needs saving.
 """
@@ -27,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from megascale_data_ext.dataplane.epoch_order import epoch_permutation
 from megascale_data_ext.dataplane.plan import LoaderPlan
 from megascale_data_ext.dataplane.summary import SourceSummary
 from megascale_data_ext.errors import SourceError
@@ -94,10 +96,10 @@ class SourceLoader:
     def _perm(self, epoch: int) -> np.ndarray:
         perm = self._perms.get(epoch)
         if perm is None:
-            if self.shuffle:
-                perm = np.random.default_rng([self.seed, self.source_id, epoch]).permutation(self.size)
-            else:
-                perm = np.arange(self.size, dtype=np.int64)
+            window = self.spec.shuffle_window
+            perm = epoch_permutation(self.size, seed=self.seed, source_id=self.source_id, epoch=epoch,
+                                     shuffle=self.shuffle, window=window,
+                                     blocks=self.source.blocks() if window and hasattr(self.source, "blocks") else None)
             if len(self._perms) > 4:
                 self._perms.pop(min(self._perms))
             self._perms[epoch] = perm
@@ -218,7 +220,10 @@ class SourceLoader:
 
     # -- state ---------------------------------------------------------------------
     def fingerprint(self) -> dict[str, Any]:
-        return {"name": self.spec.name, "size": self.size, "seed": self.seed, "shuffle": self.shuffle}
+        fingerprint = {"name": self.spec.name, "size": self.size, "seed": self.seed, "shuffle": self.shuffle}
+        if self.spec.shuffle_window:  # another window is another order (absent when 0: older states load)
+            fingerprint["shuffle_window"] = self.spec.shuffle_window
+        return fingerprint
 
     def state_dict(self) -> dict[str, Any]:
         return self.STATE.stamp(self.fingerprint(), next_position=self.next_position,

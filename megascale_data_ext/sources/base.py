@@ -134,7 +134,13 @@ class SourceSpec:
             was preprocessed with ``--append-eod``).
         eod_token_id: EOD id override (Megatron sources whose tokenizer is not given).
         num_workers: Threads used by ``read()`` for tokenization and image decoding.
-        row_group_cache: Decoded Parquet row groups kept in the LRU cache.
+        row_group_cache: Decoded Parquet row groups kept in the LRU cache (windows of
+            ``shuffle_window`` rows when that is set).
+        shuffle_window: 0 = each epoch draws the source's samples in a global shuffle; W > 0 =
+            in storage order (`dataplane.epoch_order`): row groups in a seeded order, rows
+            shuffled within consecutive windows of W rows, as Megatron-Energon streams shards
+            through a shuffle buffer. A Parquet reader then decodes W rows at a time and keeps
+            ``row_group_cache`` windows instead of whole row groups.
     """
 
     name: str
@@ -158,6 +164,7 @@ class SourceSpec:
     eod_token_id: int | None = None
     num_workers: int = 0
     row_group_cache: int = 4
+    shuffle_window: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.paths, str):
@@ -199,6 +206,9 @@ class SourceSpec:
             out.append(("num_workers", f"must be >= 0, got {v['num_workers']!r}"))
         if v["row_group_cache"] < 1:
             out.append(("row_group_cache", f"must be >= 1, got {v['row_group_cache']!r}"))
+        if not isinstance(v["shuffle_window"], int) or v["shuffle_window"] < 0:
+            out.append(("shuffle_window", f"must be 0 (a global shuffle) or a number of rows >= 1, "
+                                          f"got {v['shuffle_window']!r}"))
         return out
 
     @classmethod

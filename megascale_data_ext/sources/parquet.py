@@ -5,6 +5,10 @@ schema, a decoded row-group buffer) dominates its memory (MegaScale-Data Fig. 4)
 reader keeps one :class:`pyarrow.parquet.ParquetFile` per file, maps a global row index to
 ``(file, row group, offset)`` with one ``searchsorted`` over cumulative row counts, and holds
 at most ``spec.row_group_cache`` decoded row groups (LRU), each with the payload columns only.
+With ``spec.shuffle_window`` = W (draws in storage order, `dataplane.epoch_order`) the unit is a
+window of W rows of a row group instead: a row group is streamed in W-row batches (buffered
+reads, never the whole column chunk at once) and ``row_group_cache`` windows are kept, so a
+source costs a few windows, not row groups.
 
 ``metadata()`` reads only the cost columns ``num_tokens`` / ``image_patches`` that
 ``prepare`` writes (ahead-of-fetch balancing: plans are made before any payload is read). A
@@ -15,12 +19,15 @@ Parquet key-value metadata), has its costs computed by streaming its text/image 
 from __future__ import annotations
 
 from collections import Counter, OrderedDict
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from megascale_data_ext.dataplane.epoch_order import window_of_rows
 from megascale_data_ext.errors import SourceError
 from megascale_data_ext.sources.base import SourceSpec, metadata_from_counts, text_only_metadata
 from megascale_data_ext.sources.file_faults import file_gone
@@ -36,6 +43,17 @@ KV_PATCH_SIZE = "megascale.patch_size"
 KV_MAX_PATCHES = "megascale.max_image_patches"
 
 _STREAM_BATCH_ROWS = 4096
+_STREAM_BUFFER_BYTES = 1 << 20  # window reads: column chunks read through a buffer of this size
+
+
+@dataclass(slots=True)
+class _RowGroupStream:
+    """A row group read forward in windows: the next row offset and any rows read past it."""
+
+    group: int
+    batches: Iterator[pa.RecordBatch]
+    offset: int = 0
+    ahead: list[pa.RecordBatch] = field(default_factory=list)
 
 
 def image_list(value: object) -> list[bytes]:
@@ -62,6 +80,8 @@ class ParquetSource(RowSource):
 
     def __init__(self, spec: SourceSpec, *, tokenizer: Tokenizer | None = None) -> None:
         super().__init__(spec, tokenizer=tokenizer)
+        self.window = spec.shuffle_window
+        self._stream: _RowGroupStream | None = None
         self.paths = resolve_files(spec.name, spec.paths, suffixes=(".parquet", ".pq"))
         self._files: list[pq.ParquetFile] = []
         try:
@@ -89,11 +109,13 @@ class ParquetSource(RowSource):
         if self._rg_start[-1] == 0:
             self.close()
             raise empty_source_error(self.name, f"0 rows in {len(self.paths)} file(s) {self.paths[:3]}")
-        self._cache: OrderedDict[int, pa.Table] = OrderedDict()
+        self._cache: OrderedDict[tuple[int, int], pa.Table] = OrderedDict()  # (row group, window) -> rows
         self.io_counts: Counter[tuple[str, str, tuple[str, ...]]] = Counter()
 
     def _open(self, path: str) -> pq.ParquetFile:
         try:
+            if self.window:  # streamed window by window: no whole column chunk in memory
+                return pq.ParquetFile(path, buffer_size=_STREAM_BUFFER_BYTES)
             return pq.ParquetFile(path)
         except (pa.ArrowException, OSError) as exc:
             raise SourceError(
@@ -123,6 +145,10 @@ class ParquetSource(RowSource):
     @property
     def num_row_groups(self) -> int:
         return len(self._rg_file)
+
+    def blocks(self) -> np.ndarray:
+        """Start row of each row group and the row count last: the blocks a window shuffle keeps."""
+        return self._rg_start.copy()
 
     # ---------------------------------------------------------------- metadata
     def _kv(self, pf: pq.ParquetFile) -> dict[str, str]:
@@ -204,32 +230,87 @@ class ParquetSource(RowSource):
             ) from exc
 
     # ---------------------------------------------------------------- payloads
-    def _row_group(self, g: int) -> pa.Table:
-        table = self._cache.get(g)
+    def _unit(self, g: int, w: int) -> pa.Table:
+        """Rows of window `w` of row group `g` (the whole row group without ``shuffle_window``)."""
+        table = self._cache.get((g, w))
         if table is not None:
-            self._cache.move_to_end(g)
+            self._cache.move_to_end((g, w))
             return table
         f_i, r_i = int(self._rg_file[g]), int(self._rg_index[g])
         if file_gone(self.paths[f_i]):  # checked on a disk read only, not per cached lookup
             self.file_faults.removed_but_open(self.paths[f_i])
-        table = self._read(self._files[f_i], self.paths[f_i], "read", self._payload_columns, rg=r_i)
-        self._cache[g] = table
+        if not self.window:
+            return self._keep((g, w), self._read(self._files[f_i], self.paths[f_i], "read", self._payload_columns,
+                                                 rg=r_i))
+        return self._read_window(g, w)
+
+    def _keep(self, key: tuple[int, int], table: pa.Table) -> pa.Table:
+        self._cache[key] = table
         while len(self._cache) > self.spec.row_group_cache:
             self._cache.popitem(last=False)
         return table
 
+    def _read_window(self, g: int, w: int) -> pa.Table:
+        """Stream row group `g` forward to window `w`, keeping each window it passes: draws in
+        storage order ask for the windows of a row group in turn, so each is decoded once."""
+        f_i, r_i = int(self._rg_file[g]), int(self._rg_index[g])
+        path, lo = self.paths[f_i], w * self.window
+        hi = min(lo + self.window, int(self._rg_start[g + 1] - self._rg_start[g]))
+        stream = self._stream
+        if stream is None or stream.group != g or stream.offset > lo:  # another row group, or back: from its start
+            self.io_counts[("read", path, tuple(self._payload_columns))] += 1
+            batches = self._files[f_i].iter_batches(batch_size=self.window, row_groups=[r_i],
+                                                    columns=self._payload_columns, use_threads=False)
+            stream = self._stream = _RowGroupStream(g, batches)
+        table = None
+        try:
+            while stream.offset < hi:  # each window it passes is kept: the next draws ask for it
+                start = stream.offset
+                rows = self._take_rows(stream, self.window)
+                if not rows.num_rows:
+                    break
+                stream.offset += rows.num_rows
+                table = self._keep((g, start // self.window), rows)
+        except (pa.ArrowException, OSError) as exc:
+            self._stream = None
+            raise SourceError(f"source {self.name!r}: cannot read row group {r_i} of {path!r} "
+                              f"(columns {self._payload_columns}): {exc}; the file is corrupt") from exc
+        if table is None or stream.offset < hi:
+            self._stream = None
+            raise SourceError(f"source {self.name!r}: row group {r_i} of {path!r} ended at row {stream.offset} of "
+                              f"{hi}; the file is truncated or corrupt")
+        return table
+
+    @staticmethod
+    def _take_rows(stream: _RowGroupStream, n: int) -> pa.Table:
+        """The next `n` rows of `stream` (fewer at its end) as one table."""
+        got, pieces = 0, []
+        while got < n:
+            batch = stream.ahead.pop(0) if stream.ahead else next(stream.batches, None)
+            if batch is None:
+                break
+            if got + batch.num_rows > n:  # batches need not follow the window's edges
+                stream.ahead.insert(0, batch.slice(n - got))
+                batch = batch.slice(0, n - got)
+            pieces.append(batch)
+            got += batch.num_rows
+        return pa.Table.from_batches(pieces) if pieces else pa.table({})
+
     def _raw_rows(self, indices: np.ndarray) -> list[RawSample]:
         spec = self.spec
         groups = np.searchsorted(self._rg_start, indices, side="right") - 1
+        offsets = indices - self._rg_start[groups]
+        windows = window_of_rows(offsets, self.window)
         out: list[RawSample | None] = [None] * len(indices)
-        # Visit each needed row group once, so a plan touching k row groups costs k reads.
-        order = np.argsort(groups, kind="stable")
-        bounds = np.flatnonzero(np.diff(groups[order])) + 1
+        # Visit each needed row group (window) once, in storage order: k of them cost k reads.
+        order = np.lexsort((windows, groups))
+        units = groups[order] * (int(windows.max(initial=0)) + 1) + windows[order]
+        bounds = np.flatnonzero(np.diff(units)) + 1
         for chunk in np.split(order, bounds):
-            g = int(groups[chunk[0]])
+            g, w = int(groups[chunk[0]]), int(windows[chunk[0]])
             f_i = int(self._rg_file[g])
             try:
-                table = self._row_group(g).take(pa.array(indices[chunk] - self._rg_start[g]))
+                table = self._unit(g, w).take(pa.array(offsets[chunk] - w * self.window))
             except SourceError as exc:  # the file changed under the open handle: truncated or corrupt
                 cause = " ".join(str(exc.__cause__ or exc).split())  # Arrow's messages span lines
                 why = f"cannot be read at row group {int(self._rg_index[g])} ({cause})"
@@ -252,7 +333,8 @@ class ParquetSource(RowSource):
         return out  # type: ignore[return-value]
 
     def cache_stats(self) -> dict[str, int]:
-        """Decoded row groups held and their bytes (the dominant per-source loader memory)."""
+        """Decoded row groups (windows, with ``shuffle_window``) held and their bytes: the dominant
+        per-source loader memory."""
         return {"row_groups": len(self._cache), "bytes": sum(t.nbytes for t in self._cache.values())}
 
     def columns_read(self, purpose: str) -> Counter[str]:
@@ -269,3 +351,4 @@ class ParquetSource(RowSource):
             pf.close()
         self._files = []
         getattr(self, "_cache", {}).clear()
+        self._stream = None

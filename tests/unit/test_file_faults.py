@@ -37,8 +37,9 @@ def truncate(path, keep: float) -> None:
         fh.truncate(int(size * keep))
 
 
-def test_truncated_parquet_under_error_names_file_and_the_override(tmp_path):
-    path, src = parquet_source(tmp_path)
+@pytest.mark.parametrize("window", [0, 4], ids=["row-groups", "windows"])
+def test_truncated_parquet_under_error_names_file_and_the_override(tmp_path, window):
+    path, src = parquet_source(tmp_path, shuffle_window=window)
     assert len(src.read(np.arange(GROUP))) == GROUP
     truncate(path, 0.3)  # the footer was read at open; later row groups are gone now
     with pytest.raises(SourceError) as err:
@@ -48,8 +49,9 @@ def test_truncated_parquet_under_error_names_file_and_the_override(tmp_path):
     assert "`data.sources.web.on_bad_rows=skip`" in msg and "\n" not in msg
 
 
-def test_truncated_parquet_under_skip_skips_exactly_the_lost_rows_and_reports_each_once(tmp_path, caplog):
-    path, src = parquet_source(tmp_path, on_bad_rows="skip")
+@pytest.mark.parametrize("window", [0, 4], ids=["row-groups", "windows"])
+def test_truncated_parquet_under_skip_skips_exactly_the_lost_rows_and_reports_each_once(tmp_path, window, caplog):
+    path, src = parquet_source(tmp_path, on_bad_rows="skip", shuffle_window=window)
     before = src.read_report(np.arange(ROWS))
     assert len(before.samples) == ROWS and not before.skipped
     truncate(path, 0.3)
@@ -68,8 +70,9 @@ def test_truncated_parquet_under_skip_skips_exactly_the_lost_rows_and_reports_ea
     assert src.file_faults.files and str(path) in src.file_faults.files
 
 
-def test_corrupted_parquet_page_under_skip_loses_only_its_row_group(tmp_path):
-    path, src = parquet_source(tmp_path, on_bad_rows="skip")
+@pytest.mark.parametrize("window", [0, 4], ids=["row-groups", "windows"])
+def test_corrupted_parquet_page_under_skip_loses_only_its_row_group(tmp_path, window):
+    path, src = parquet_source(tmp_path, on_bad_rows="skip", shuffle_window=window)
     md = pq.ParquetFile(path).metadata
     col = md.row_group(2).column(0)
     data = bytearray(path.read_bytes())

@@ -47,9 +47,10 @@ def consume(tree, cons, steps, start=0):
     return out
 
 
-def test_full_pass_delivers_each_sample_once_per_epoch(specs):
+@pytest.mark.parametrize("window", [0, 8], ids=["global-shuffle", "window-shuffle"])
+def test_full_pass_delivers_each_sample_once_per_epoch(specs, window):
     tree = ClientPlaceTree.from_sizes(tp=2, pp=2, dp=2)
-    cfg, loaders, planner, cons = wire(specs, tree)
+    cfg, loaders, planner, cons = wire([dataclasses.replace(s, shuffle_window=window) for s in specs], tree)
     steps = 12
     got = consume(tree, cons, steps)
     layout = tree.buckets("DP")

@@ -254,3 +254,38 @@ def test_bytes_payload_never_materialized_for_metadata(tmp_path):
     assert set(src.columns_read("metadata")) == {"num_tokens"}
     src.read([0, 1])
     assert src.cache_stats()["bytes"] < 65536  # "blob" is not a payload column of this spec
+
+
+def test_a_window_shuffle_streams_each_row_group_once_and_holds_only_windows(tmp_path):
+    """With ``shuffle_window`` the reader decodes W rows at a time: draws in epoch order stream each
+    row group once, the cache holds `row_group_cache` windows (not row groups), every row reads as
+    it does from whole row groups, and a read behind the stream starts the row group again."""
+    from megascale_data_ext.dataplane.epoch_order import epoch_permutation
+
+    texts = _write_text_files(tmp_path, sizes=(40, 24), rg=16)  # row groups of 16, 16, 8, 16, 8 rows
+    whole = ParquetSource(SourceSpec(name="t", format="parquet", paths=[str(tmp_path)]))
+    spec = SourceSpec(name="t", format="parquet", paths=[str(tmp_path)], shuffle_window=4, row_group_cache=2)
+    with ParquetSource(spec) as src:
+        perm = epoch_permutation(len(src), seed=1, source_id=0, epoch=0, window=4, blocks=src.blocks())
+        got = []
+        for step in range(0, len(perm), 3):  # a few draws a step, as a loader serves them
+            got += src.read(perm[step:step + 3])
+            assert src.cache_stats()["row_groups"] <= 2
+        assert [s.index for s in got] == perm.tolist()
+        assert [TOK.decode(s.tokens[:-1].tolist()) for s in got] == [texts[i] for i in perm]
+        assert sum(n for (p, _, _), n in src.io_counts.items() if p == "read") == src.num_row_groups
+        window_bytes = src.cache_stats()["bytes"]
+        first = perm[:4]  # the first window drawn: evicted long ago, behind its row group's stream
+        again = src.read(first)
+        assert [s.tokens.tolist() for s in again] == [s.tokens.tolist() for s in whole.read(first)]
+        assert sum(n for (p, _, _), n in src.io_counts.items() if p == "read") == src.num_row_groups + 1
+    whole.read(np.arange(16))
+    assert window_bytes < whole.cache_stats()["bytes"] / 2
+    whole.close()
+
+
+def test_shuffle_window_is_checked_with_the_key_named():
+    from megascale_data_ext.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"`data.sources.t.shuffle_window` must be 0 .* got -1"):
+        SourceSpec(name="t", format="parquet", paths=["x"], shuffle_window=-1)

@@ -111,6 +111,22 @@ def test_source_loader_stream_position(specs):
     refuses(other, saved(make()), "`seed` changed: saved 5, now 6")
 
 
+def test_a_source_loader_in_storage_order_draws_its_window_shuffle_and_refuses_another_order(specs):
+    """``shuffle_window`` changes the stream: its loader draws `epoch_permutation` over the
+    source's blocks, and a state saved under a global shuffle is refused by name (and back)."""
+    import dataclasses
+
+    from megascale_data_ext.dataplane.epoch_order import epoch_permutation
+
+    spec = dataclasses.replace(specs[0], shuffle_window=8)
+    loader = SourceLoader(0, spec, seed=5, shuffle=True)
+    blocks = loader.source.blocks() if hasattr(loader.source, "blocks") else None
+    expected = epoch_permutation(loader.size, seed=5, source_id=0, epoch=1, window=8, blocks=blocks)
+    assert np.array_equal(loader.indices_at(np.arange(loader.size, 2 * loader.size)), expected)
+    refuses(loader, saved(SourceLoader(0, specs[0], seed=5)), "shuffle_window")
+    refuses(SourceLoader(0, specs[0], seed=5), saved(loader), "shuffle_window")
+
+
 NAMES = ("a", "b", "c")
 
 
