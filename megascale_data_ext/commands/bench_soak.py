@@ -18,9 +18,11 @@ yet: private by the kernel's count but the store's, bounded by its size; reporte
 `_proc_stats.private_split_mib`) and its RSS. Memory is *flat* when each actor's own memory over
 the last fifth of the warm samples (median) is within ``--flat`` (5 %) of its median over the first
 fifth (warm: after ``--warmup`` of the run): allocator warm-up is not a leak, steady growth is,
-and a working set that swings from sample to sample is neither. Each constructor's
-``held_mib`` (the packs it holds for its consumers) is sampled beside it. Fetch latency is each ``get`` of a step (waits on backpressure included): p50, p99,
-max. Errors: every exception a client thread raised, with its rank and step.
+and a working set that swings from sample to sample is neither; ``flat`` is the verdict over the
+service's actors (this process, which hosts every client thread, is reported beside them). Each
+constructor's ``held_mib`` (the packs it holds for its consumers) is sampled beside it. Fetch
+latency is each ``get`` of a step (waits on backpressure included): p50, p99, max. Errors: every
+exception a client thread raised, with its rank and step.
 
 ``--heap-profile DIR`` records each constructor's allocations from warm-up to the end with memray
 (native stacks; one aggregated capture per constructor): what is still live at the end, by stack,
@@ -93,6 +95,11 @@ def soak_config(root: Path, *, clients: int, constructors: int, sources: int, cl
     return cfg, ClientPlaceTree.from_sizes(dp=clients)
 
 
+CLIENTS = "bench (clients)"
+"""This process: every client thread, reported beside the service's actors but not judged with them
+(it started with glibc's defaults, and a trainer rank hosts one client, not hundreds)."""
+
+
 def memory_summary(samples: list[dict[str, Any]], *, warm_from: float, flat: float,
                    measure: str = "own_mib", window: float = 0.2) -> dict[str, dict[str, Any]]:
     """Per process (role): its memory (`measure` of each sample) once warm, at the end, the most
@@ -118,6 +125,11 @@ def memory_summary(samples: list[dict[str, Any]], *, warm_from: float, flat: flo
                      "max_mib": round(max(v for _, v in series), 1), "growth": round(growth, 4),
                      "growth_endpoints": round(endpoints, 4), "flat": growth <= flat}
     return out
+
+
+def service_flat(memory: dict[str, dict[str, Any]]) -> bool:
+    """The verdict: every service actor flat (the clients' process is reported, not judged)."""
+    return all(m["flat"] for role, m in memory.items() if role != CLIENTS)
 
 
 class LockstepWindow:
@@ -290,7 +302,7 @@ def run(args: argparse.Namespace) -> int:
             while True:
                 actors = svc.actors()
                 pids = {key(a): a["pid"] for a in actors if a.get("pid")}
-                pids["bench (clients)"] = os.getpid()
+                pids[CLIENTS] = os.getpid()
                 resident = {k: got[0] for k, pid in pids.items() if (got := rss_mib([pid]))}
                 split = {k: got for k, pid in pids.items() if (got := private_split_mib(pid)) is not None}
                 private = {k: v["own"] for k, v in split.items()}
@@ -349,7 +361,8 @@ def run(args: argparse.Namespace) -> int:
                                                          for n in stuck],
         "fetch_ms": {q: round(float(np.percentile(ms, p)), 2) for q, p in (("p50", 50), ("p99", 99))}
         | {"max": round(float(ms.max()), 2)} if ms.size else {},
-        "memory": memory, "object_store": store, "rss": rss, "flat": all(m["flat"] for m in memory.values()),
+        "memory": memory, "object_store": store, "rss": rss,
+        "flat": service_flat(memory),
         "samples": samples, "allocators": allocators, "load": {"before": load_before, "after": os.getloadavg()},
     }
     print(f"clients {result['clients']} | {result['seconds']} s | steps per client {result['steps']} | "

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from megascale_data_ext.commands.bench_soak import memory_summary
+from megascale_data_ext.commands.bench_soak import CLIENTS, memory_summary, service_flat
 
 
 def samples(series: dict[str, list[float]]) -> list[dict]:
@@ -36,6 +36,13 @@ def test_a_working_set_that_swings_is_flat_and_a_steady_rise_under_the_swing_is_
     rising = [v + 2 * i for i, v in enumerate(swing)]  # +2 MiB a sample beneath the same swing
     got = memory_summary(samples({"constructor/0": [100] * 5 + rising}), warm_from=50.0, flat=0.05)
     assert got["constructor/0"]["growth"] > 0.2 and not got["constructor/0"]["flat"]
+
+
+def test_the_verdict_judges_the_services_actors_and_reports_the_clients_process_beside_them():
+    got = memory_summary(samples({"planner": [75] * 10, CLIENTS: [300] * 5 + [330] * 5}), warm_from=0.0, flat=0.05)
+    assert not got[CLIENTS]["flat"] and service_flat(got)
+    got["loader 0"] = {"flat": False}
+    assert not service_flat(got)
 
 
 def test_object_store_pages_a_process_touched_are_counted_apart_from_its_own_memory(tmp_path):
