@@ -367,7 +367,8 @@ def run(args: argparse.Namespace) -> int:
     }
     print(f"clients {result['clients']} | {result['seconds']} s | steps per client {result['steps']} | "
           f"fetches {result['fetches']} | errors {len(result['errors'])} | fetch ms {result['fetch_ms']}")
-    print("process | own MiB: warm | end | max | growth (medians of the first and last fifth) | object-store pages MiB: warm | end | RSS MiB: warm | end")
+    print("process | own MiB: warm | end | max | growth (medians of the first and last fifth) | "
+          "object-store pages MiB: warm | end | RSS MiB: warm | end")
     for role, m in memory.items():
         r, o = rss.get(role, {}), store.get(role, {})
         print(f"{role} | {m['warm_mib']} | {m['end_mib']} | {m['max_mib']} | {m['growth']:+.1%} "

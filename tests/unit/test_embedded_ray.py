@@ -22,10 +22,12 @@ def test_the_allocator_settings_go_into_the_environment_unless_set_or_turned_off
            "GLIBC_TUNABLES": "glibc.malloc.tcache_count=3"}
     assert tune_allocators_for_embedded_ray(dict(env)) == env  # the user's own settings win
     env = {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}  # other tunables are kept, the cache limit added
-    assert tune_allocators_for_embedded_ray(env)["GLIBC_TUNABLES"] == "glibc.malloc.hugetlb=1:glibc.malloc.tcache_count=0"
+    tuned = tune_allocators_for_embedded_ray(env)["GLIBC_TUNABLES"]
+    assert tuned == "glibc.malloc.hugetlb=1:glibc.malloc.tcache_count=0"
     env = {"MEGASCALE_MALLOC_ARENAS": "4", "MEGASCALE_MALLOC_TCACHE": "2", "MEGASCALE_ARROW_POOL": "mimalloc"}
     assert tune_allocators_for_embedded_ray(env) == {
-        "MALLOC_ARENA_MAX": "4", "GLIBC_TUNABLES": "glibc.malloc.tcache_count=2", "ARROW_DEFAULT_MEMORY_POOL": "mimalloc"}
+        "MALLOC_ARENA_MAX": "4", "GLIBC_TUNABLES": "glibc.malloc.tcache_count=2",
+        "ARROW_DEFAULT_MEMORY_POOL": "mimalloc"}
     env = {"MEGASCALE_MALLOC_ARENAS": "0", "MEGASCALE_MALLOC_TCACHE": "default", "MEGASCALE_ARROW_POOL": "default"}
     assert tune_allocators_for_embedded_ray(env) == {}  # each turned off: glibc's and pyarrow's own
 
