@@ -101,6 +101,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shuffle-window", type=int, default=0,
                         help="navit: the service's sources draw in storage order, rows shuffled within windows of "
                              "this many rows (`shuffle_window`; Energon's way of reading); 0 = a global shuffle")
+    parser.add_argument("--decode-images", choices=["loader", "constructor"], default="loader",
+                        help="navit: where the service decodes images (`decode_images`): in the loaders, or in "
+                             "the constructors beside the ranks (transformation reordering)")
     parser.add_argument("--max-fill-steps", type=int, default=1000,
                         help="navit: most steps the service serves until its loaders' row-group caches are full")
     parser.add_argument("--train-samples", type=int, default=20000,
@@ -358,8 +361,8 @@ def _run_workload(workload: str, args: argparse.Namespace, root: Path, t0: float
             details["energon_model"] = energon_model = colocated_model(energon_points, args.workers)
     model = colocated_model(points, args.workers)
     _progress(f"{workload}: colocated measured at {time.perf_counter() - t0:.0f} s")
-    served = [dataclasses.replace(sp, shuffle_window=args.shuffle_window) for sp in specs] \
-        if workload == "navit" else specs  # the service's sources: the partitioner sizes actors by their profiles
+    served = [dataclasses.replace(sp, shuffle_window=args.shuffle_window, decode_images=args.decode_images)
+              for sp in specs] if workload == "navit" else specs  # as served: the partitioner sizes actors by them
     profiles = [profile_source(sp, samples=16, batch=16)
                 for sp in tqdm(served, desc=f"{workload}: profile", file=sys.stderr)]
     from megascale_data_ext.runtime.config import RayConfig
@@ -371,7 +374,7 @@ def _run_workload(workload: str, args: argparse.Namespace, root: Path, t0: float
     try:
         client_mib = client_core_worker_mib(ray.get_runtime_context().gcs_address, "bench-memory")
         details["trainer_core_worker_mib"] = round(client_mib, 1)
-        con_mib = measure_constructor(specs[0], seq_length=seq_length, ranks_per_node=args.ranks_per_node,
+        con_mib = measure_constructor(served[0], seq_length=seq_length, ranks_per_node=args.ranks_per_node,
                                       seed=args.seed) \
             if args.ranks_per_node > 0 else 0.0
         _progress(f"{workload}: constructor measured at {time.perf_counter() - t0:.0f} s")
@@ -409,7 +412,8 @@ def _run_workload(workload: str, args: argparse.Namespace, root: Path, t0: float
             if workload == "navit":
                 _progress(f"navit: {r} ranks x {s} sources: {svc['steps_served']} steps served, row groups cached "
                           f"{svc['row_groups_held']}/{svc['row_groups_full']} ({svc['row_group_mib']:,.0f} MiB)")
-                row.update(shuffle_window=args.shuffle_window, service_row_groups_held=svc["row_groups_held"],
+                row.update(shuffle_window=args.shuffle_window, decode_images=args.decode_images,
+                           service_row_groups_held=svc["row_groups_held"],
                            service_row_groups_full=svc["row_groups_full"],
                            service_row_group_mib=round(svc["row_group_mib"], 1))
             rows.append(row)

@@ -201,7 +201,7 @@ class DataService:
         if not ray.is_initialized():
             check_reachable(cfg.ray.address)  # a named error in seconds, not ray.init retrying for minutes
             quiet_token_auth_notice()
-            init_ray(cfg.ray, log_to_driver=True)  # embedded: its workers inherit the arena cap and preloads
+            init_ray(cfg.ray, log_to_driver=True)  # embedded: its workers inherit the allocator settings and preloads
             self._owns_ray = True
         self.ray_init_seconds = time.perf_counter() - t0
 
