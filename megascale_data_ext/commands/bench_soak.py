@@ -95,13 +95,16 @@ def soak_config(root: Path, *, clients: int, constructors: int, sources: int, cl
     return cfg, ClientPlaceTree.from_sizes(dp=clients)
 
 
+VERDICT_WINDOW = 0.2
+"""The fraction of the warm samples at each end whose medians the verdict compares."""
+
 CLIENTS = "bench (clients)"
 """This process: every client thread, reported beside the service's actors but not judged with them
 (it started with glibc's defaults, and a trainer rank hosts one client, not hundreds)."""
 
 
 def memory_summary(samples: list[dict[str, Any]], *, warm_from: float, flat: float,
-                   measure: str = "own_mib", window: float = 0.2) -> dict[str, dict[str, Any]]:
+                   measure: str = "own_mib", window: float = VERDICT_WINDOW) -> dict[str, dict[str, Any]]:
     """Per process (role): its memory (`measure` of each sample) once warm, at the end, the most
     seen, and its growth after warm-up.
 
@@ -204,7 +207,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
                 color=colors[i % len(colors)])
     warm = [s["t"] for s in samples if s["t"] >= result["warm_from_s"]]
     if warm:
-        k = max(1, round(len(warm) * 0.2))
+        k = max(1, round(len(warm) * VERDICT_WINDOW))
         for lo, hi in ((warm[0], warm[k - 1]), (warm[-k], warm[-1])):
             ax.axvspan(lo, hi, color="grey", alpha=0.12, lw=0)
     ax.axvline(result["warm_from_s"], color="grey", ls="--", lw=0.8)
