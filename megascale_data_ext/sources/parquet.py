@@ -114,9 +114,12 @@ class ParquetSource(RowSource):
 
     def _open(self, path: str) -> pq.ParquetFile:
         try:
+            # No pre-buffering: pyarrow (>= 17 by default) keeps the pre-buffered column chunks of
+            # the last read row group in the open reader, a compressed row group per open file
+            # on top of what the cache holds.
             if self.window:  # streamed window by window: no whole column chunk in memory
-                return pq.ParquetFile(path, buffer_size=_STREAM_BUFFER_BYTES)
-            return pq.ParquetFile(path)
+                return pq.ParquetFile(path, buffer_size=_STREAM_BUFFER_BYTES, pre_buffer=False)
+            return pq.ParquetFile(path, pre_buffer=False)
         except (pa.ArrowException, OSError) as exc:
             raise SourceError(
                 f"source {self.name!r}: cannot open Parquet file {path!r} ({exc}); the file is corrupt or "

@@ -31,6 +31,7 @@ from megascale_data_ext.sources.tokenizer import Tokenizer
 PreparedKind = Literal["text", "image-text"]
 TEXT_COLUMN = "text"
 IMAGE_COLUMN = "image"
+_IMAGE_WRITE_BATCH = 16  # values per write batch in image-text files (see _flush)
 
 
 @dataclass(slots=True, kw_only=True)
@@ -118,7 +119,14 @@ class PreparedParquetWriter:
             return
         if self._writer is None:
             path = os.path.join(self.out_dir, f"{self.prefix}-{len(self.summary.files):05d}.parquet")
-            self._writer = pq.ParquetWriter(path, self.schema)
+            # Encoded images never repeat in real data: a dictionary over them only makes every
+            # reader that streams a row group hold the whole dictionary page beside its rows.
+            # And pyarrow closes a page only between write batches (1,024 values by default): with
+            # images that is a whole row group in one page, which a streaming reader must hold
+            # decompressed. Batches of 16 images keep pages near the 1 MiB target.
+            dictionary = [f.name for f in self.schema if f.name != IMAGE_COLUMN]
+            self._writer = pq.ParquetWriter(path, self.schema, use_dictionary=dictionary,
+                                            write_batch_size=_IMAGE_WRITE_BATCH if self.kind == "image-text" else None)
             self.summary.files.append(path)
         table = pa.Table.from_pydict(self._buf, schema=self.schema)
         self._writer.write_table(table, row_group_size=self.row_group_rows)

@@ -289,3 +289,36 @@ def test_shuffle_window_is_checked_with_the_key_named():
 
     with pytest.raises(ConfigError, match=r"`data.sources.t.shuffle_window` must be 0 .* got -1"):
         SourceSpec(name="t", format="parquet", paths=["x"], shuffle_window=-1)
+
+
+def test_a_streamed_image_row_group_holds_pages_not_the_row_group(tmp_path):
+    """Images as ``prepare`` writes them (no dictionary, pages of a few images) streamed in windows:
+    the reader holds a window and a page, not the row group, and keeps nothing of a row group it
+    has read (pyarrow's pre-buffering would keep its column chunks in the open file)."""
+    import os
+
+    base = synthetic_jpeg(64, 48, seed=3)
+    rng = np.random.default_rng(0)
+    with PreparedParquetWriter(tmp_path / "im", kind="image-text", tokenizer=TOK, row_group_rows=400) as w:
+        for i in range(400):  # unique images of ~20 KB: an 8 MB row group, as real images never repeat
+            w.add(f"caption {i}", [base + rng.bytes(20_000)])
+    path = os.path.join(tmp_path / "im", os.listdir(tmp_path / "im")[0])
+    encodings = pq.ParquetFile(path).metadata.row_group(0).column(2).encodings
+    assert not {"RLE_DICTIONARY", "PLAIN_DICTIONARY"} & set(encodings)
+    row_group = 400 * 20_000
+
+    spec = SourceSpec(name="im", format="parquet", paths=[str(tmp_path / "im")], image_column="image",
+                      shuffle_window=8, decode_images="constructor")
+    with ParquetSource(spec) as src:
+        before = pa.total_allocated_bytes()
+        got = src.read(np.arange(8))
+        held = pa.total_allocated_bytes() - before  # the cached window, the stream's page and batch
+        assert len(got) == 8 and held < row_group / 2, held
+    whole = ParquetSource(SourceSpec(name="im", format="parquet", paths=[str(tmp_path / "im")], image_column="image",
+                                     row_group_cache=1, decode_images="constructor"))
+    before = pa.total_allocated_bytes()
+    del got
+    whole.read(np.arange(2))
+    whole._cache.clear()
+    assert pa.total_allocated_bytes() - before < row_group / 8  # nothing of the row group left in the open file
+    whole.close()
