@@ -68,6 +68,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", type=Path, help="write the rows here")
     parser.add_argument("--plot", type=Path, help="plot seconds vs prefixes here (PNG)")
     parser.add_argument("--workdir", type=Path, help="where the prefixes and caches go (default: a temp dir)")
+    parser.add_argument("--prestart-workers", action="store_true",
+                        help="let the embedded Ray prestart a worker per CPU (data.ray.prestart_workers=true)")
     parser.add_argument("--skip-ray", action="store_true", help="leave out the Ray service (its columns are null)")
 
 
@@ -138,14 +140,14 @@ def megatron_times(prefixes: list[str], *, cache: Path, seq_length: int, samples
 
 # -- the service -------------------------------------------------------------------------
 def service_config(prefixes: list[str], *, dp: int, seq_length: int, seed: int, journal: Path | None,
-                   namespace: str) -> Any:
+                   namespace: str, prestart_workers: bool = False) -> Any:
     """`bench throughput`'s token-budget service config over `prefixes`, autoscaled, journal at `journal`."""
     from megascale_data_ext.commands.bench_throughput import service_config as throughput_config
 
     cfg = throughput_config(prefixes, strategy="llm_balance", seq_length=seq_length, seed=seed,
                             attention_mask=False, dp=dp, autoscale=True)
     return dataclasses.replace(cfg, autoscale=dataclasses.replace(cfg.autoscale, profiles=journal and str(journal)),
-                               ray=dataclasses.replace(cfg.ray, namespace=namespace))
+                               ray=dataclasses.replace(cfg.ray, namespace=namespace, prestart_workers=prestart_workers))
 
 
 def _tree(dp: int) -> Any:
@@ -262,7 +264,8 @@ def measure(n: int, args: argparse.Namespace, work: Path, calls_by_kind: dict[in
         journal = work / f"profiles-{n}.json"
         journal.unlink(missing_ok=True)
         configs = [service_config(prefixes, dp=args.dp, seq_length=args.seq_length, seed=args.seed, journal=journal,
-                                  namespace=f"{ns}-{kind}") for kind in ("cold", "journal")]
+                                  namespace=f"{ns}-{kind}", prestart_workers=args.prestart_workers)
+                   for kind in ("cold", "journal")]
         row["ray_init_s"] = fresh_ray(configs[0])
         row["service_ray_cold_s"], _ = time_ray(configs[0], args.dp)
         _progress(f"{n} prefixes: Ray service cold {row['service_ray_cold_s']:.2f} s (ray.init {row['ray_init_s']:.2f} s "

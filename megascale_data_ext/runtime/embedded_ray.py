@@ -19,13 +19,14 @@ so these settings travel that way before ``ray.init``:
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import MutableMapping
 from typing import Any
 
 from megascale_data_ext.runtime.malloc import tune_allocators_for_embedded_ray
 
-__all__ = ["SERVICE_MODULES", "init_ray", "prepare_embedded_ray", "preload_service_modules"]
+__all__ = ["SERVICE_MODULES", "init_ray", "prepare_embedded_ray", "preload_service_modules", "quiet_token_auth_notice"]
 
 # The modules of every actor class the service starts (what a worker unpickles the class from).
 SERVICE_MODULES = (
@@ -50,6 +51,26 @@ def prepare_embedded_ray(environ: MutableMapping[str, str] = os.environ) -> None
     preload_service_modules(environ)
 
 
+_TOKEN_AUTH_NOTICE = "Token authentication is enabled for this Ray cluster"
+
+
+class _DropTokenAuthNotice(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(_TOKEN_AUTH_NOTICE)
+
+
+def quiet_token_auth_notice() -> None:
+    """Drop Ray's notice that it turned token auth on for a new local cluster (it stays on).
+
+    Only that one message: the warning that auth is *off* still shows. Setting
+    ``RAY_AUTH_MODE=token`` would say the same without the notice, but Ray reads it when it is
+    imported, so setting it here, after the import, makes the new cluster refuse its own token.
+    """
+    logger = logging.getLogger("ray._private.authentication.authentication_token_setup")
+    if not any(isinstance(f, _DropTokenAuthNotice) for f in logger.filters):
+        logger.addFilter(_DropTokenAuthNotice())
+
+
 def init_ray(ray_config: Any, **kwargs: Any) -> None:
     """``ray.init`` from a `RayConfig`: joins ``address`` as given, or starts an embedded Ray with
     `prepare_embedded_ray`'s environment. `kwargs` go to ``ray.init`` (``log_to_driver``, ...).
@@ -58,4 +79,5 @@ def init_ray(ray_config: Any, **kwargs: Any) -> None:
 
     if ray_config.address is None:
         prepare_embedded_ray()
+    quiet_token_auth_notice()
     ray.init(**ray_config.init_kwargs(), configure_logging=False, **kwargs)

@@ -18,7 +18,6 @@ on the node of the ranks it serves.
 
 from __future__ import annotations
 
-import logging
 import os
 import shutil
 import sys
@@ -71,26 +70,6 @@ def check_sources(specs: list) -> None:
 def print_progress(line: str) -> None:
     """Default start-up progress: one line per phase on stderr."""
     print(f"[megascale-data] {line}", file=sys.stderr, flush=True)
-
-
-_TOKEN_AUTH_NOTICE = "Token authentication is enabled for this Ray cluster"
-
-
-class _DropTokenAuthNotice(logging.Filter):
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not record.getMessage().startswith(_TOKEN_AUTH_NOTICE)
-
-
-def quiet_token_auth_notice() -> None:
-    """Drop Ray's notice that it turned token auth on for a new local cluster (it stays on).
-
-    Only that one message: the warning that auth is *off* still shows. Setting
-    ``RAY_AUTH_MODE=token`` would say the same without the notice, but Ray reads it when it is
-    imported, so setting it here, after the import, makes the new cluster refuse its own token.
-    """
-    logger = logging.getLogger("ray._private.authentication.authentication_token_setup")
-    if not any(isinstance(f, _DropTokenAuthNotice) for f in logger.filters):
-        logger.addFilter(_DropTokenAuthNotice())
 
 
 class DataService:
@@ -200,7 +179,6 @@ class DataService:
         cfg, t0 = self.config, time.perf_counter()
         if not ray.is_initialized():
             check_reachable(cfg.ray.address)  # a named error in seconds, not ray.init retrying for minutes
-            quiet_token_auth_notice()
             init_ray(cfg.ray, log_to_driver=True)  # embedded: its workers inherit the allocator settings and preloads
             self._owns_ray = True
         self.ray_init_seconds = time.perf_counter() - t0

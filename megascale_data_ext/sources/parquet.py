@@ -4,7 +4,8 @@ Production row groups are 512 MB - 1 GB, so what a loader keeps per open file (f
 schema, a decoded row-group buffer) dominates its memory (MegaScale-Data Fig. 4). This
 reader keeps one :class:`pyarrow.parquet.ParquetFile` per file, maps a global row index to
 ``(file, row group, offset)`` with one ``searchsorted`` over cumulative row counts, and holds
-at most ``spec.row_group_cache`` decoded row groups (LRU), each with the payload columns only.
+at most ``spec.row_group_cache`` decoded row groups (LRU), each with the payload columns only,
+and drops one as soon as each of its rows has been read (an epoch draws a row once).
 With ``spec.shuffle_window`` = W (draws in storage order, `dataplane.epoch_order`) the unit is a
 window of W rows of a row group instead: a row group is streamed in W-row batches (buffered
 reads, never the whole column chunk at once) and ``row_group_cache`` windows are kept, so a
@@ -43,7 +44,7 @@ KV_PATCH_SIZE = "megascale.patch_size"
 KV_MAX_PATCHES = "megascale.max_image_patches"
 
 _STREAM_BATCH_ROWS = 4096
-_STREAM_BUFFER_BYTES = 1 << 20  # window reads: column chunks read through a buffer of this size
+_STREAM_BUFFER_BYTES = 128 << 10  # window reads: column chunks read through a buffer of this size
 
 
 @dataclass(slots=True)
@@ -110,6 +111,7 @@ class ParquetSource(RowSource):
             self.close()
             raise empty_source_error(self.name, f"0 rows in {len(self.paths)} file(s) {self.paths[:3]}")
         self._cache: OrderedDict[tuple[int, int], pa.Table] = OrderedDict()  # (row group, window) -> rows
+        self._taken: dict[tuple[int, int], np.ndarray] = {}  # which rows of each cached unit were read
         self.io_counts: Counter[tuple[str, str, tuple[str, ...]]] = Counter()
 
     def _open(self, path: str) -> pq.ParquetFile:
@@ -249,9 +251,24 @@ class ParquetSource(RowSource):
 
     def _keep(self, key: tuple[int, int], table: pa.Table) -> pa.Table:
         self._cache[key] = table
+        self._taken[key] = np.zeros(table.num_rows, dtype=bool)
         while len(self._cache) > self.spec.row_group_cache:
-            self._cache.popitem(last=False)
+            self._taken.pop(self._cache.popitem(last=False)[0], None)
         return table
+
+    def _mark_taken(self, key: tuple[int, int], rows: np.ndarray) -> None:
+        """Rows `rows` of cached unit `key` were read; once every row of it was, it leaves the cache.
+
+        An epoch draws each row once, so a unit whose rows were all read is not asked for again this
+        epoch (a re-read, e.g. a retried fetch, reads it from the file again): with a window shuffle
+        the cache then holds the windows still being drawn from, not the last `row_group_cache`."""
+        taken = self._taken.get(key)
+        if taken is None:
+            return
+        taken[rows] = True
+        if taken.all():
+            self._cache.pop(key, None)
+            del self._taken[key]
 
     def _read_window(self, g: int, w: int) -> pa.Table:
         """Stream row group `g` forward to window `w`, keeping each window it passes: draws in
@@ -313,7 +330,9 @@ class ParquetSource(RowSource):
             g, w = int(groups[chunk[0]]), int(windows[chunk[0]])
             f_i = int(self._rg_file[g])
             try:
-                table = self._unit(g, w).take(pa.array(offsets[chunk] - w * self.window))
+                rows = offsets[chunk] - w * self.window
+                table = self._unit(g, w).take(pa.array(rows))
+                self._mark_taken((g, w), rows)
             except SourceError as exc:  # the file changed under the open handle: truncated or corrupt
                 cause = " ".join(str(exc.__cause__ or exc).split())  # Arrow's messages span lines
                 why = f"cannot be read at row group {int(self._rg_index[g])} ({cause})"
@@ -354,4 +373,5 @@ class ParquetSource(RowSource):
             pf.close()
         self._files = []
         getattr(self, "_cache", {}).clear()
+        getattr(self, "_taken", {}).clear()
         self._stream = None

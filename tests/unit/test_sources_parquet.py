@@ -284,6 +284,25 @@ def test_a_window_shuffle_streams_each_row_group_once_and_holds_only_windows(tmp
     whole.close()
 
 
+def test_a_unit_whose_rows_were_all_read_leaves_the_cache(tmp_path):
+    """An epoch draws each row once: a window (row group) every row of which was read is dropped
+    at once, not kept until the LRU pushes it out; a later read of it reads the file again."""
+    texts = _write_text_files(tmp_path, sizes=(40,), rg=16)
+    for window in (4, 0):
+        spec = SourceSpec(name="t", format="parquet", paths=[str(tmp_path)], shuffle_window=window,
+                          row_group_cache=4)
+        with ParquetSource(spec) as src:
+            unit = window or 16
+            src.read(np.arange(unit - 1))  # all but one row of the first unit
+            assert src.cache_stats()["row_groups"] == 1
+            src.read(np.array([unit - 1, unit - 2]))  # its last row (and one read before): complete
+            assert src.cache_stats()["row_groups"] == 0
+            reads = sum(n for (p, _, _), n in src.io_counts.items() if p == "read")
+            again = src.read(np.array([0]))
+            assert TOK.decode(again[0].tokens[:-1].tolist()) == texts[0]
+            assert sum(n for (p, _, _), n in src.io_counts.items() if p == "read") == reads + 1
+
+
 def test_shuffle_window_is_checked_with_the_key_named():
     from megascale_data_ext.errors import ConfigError
 
