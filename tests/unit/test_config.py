@@ -115,7 +115,7 @@ def test_default_train_gpt_maps_target_back_to_registered_name() -> None:
 def test_ray_cluster_group_and_init_kwargs() -> None:
     local = load_config(compose_config(["data.ray.num_cpus=2", "+data.ray.resources.loader=1"]), check_paths=False)
     want = {"address": "local", "namespace": "megascale", "include_dashboard": False, "num_cpus": 2,
-            "resources": {"loader": 1.0}, "_system_config": {"max_direct_call_object_size": 1 << 20}}
+            "resources": {"loader": 1.0}, "_system_config": {"max_direct_call_object_size": 1 << 20, "prestart_worker_first_driver": False}}
     assert local.ray.init_kwargs() == local.to_service_config().ray.init_kwargs() == want
     cluster = load_config(compose_config(["ray=cluster", "data.ray.num_cpus=2"]), check_paths=False)
     assert cluster.ray.init_kwargs() == {"address": "auto", "namespace": "megascale"}  # cluster owns its CPUs
@@ -125,7 +125,7 @@ def test_ray_cluster_group_and_init_kwargs() -> None:
 def test_ray_init_kwargs_embedded_or_cluster() -> None:
     # embedded = a new local instance, never a `ray start` cluster someone left running on the machine
     base = {"address": "local", "namespace": "megascale", "include_dashboard": False,
-            "_system_config": {"max_direct_call_object_size": 1 << 20}}
+            "_system_config": {"max_direct_call_object_size": 1 << 20, "prestart_worker_first_driver": False}}
     assert RayConfig(num_cpus=2).init_kwargs() == {**base, "num_cpus": 2}
     assert RayConfig().init_kwargs() == base
     joined = RayConfig(address="ray://head:10001", namespace="exp", num_cpus=2, resources={"gpu_host": 1.0})
@@ -137,7 +137,7 @@ def test_dashboard_and_metrics_port_are_honoured_embedded_and_refused_for_a_clus
     assert ports.problems() == []
     assert ports.init_kwargs() == {"address": "local", "namespace": "megascale", "include_dashboard": True,
                                    "dashboard_port": 8300, "_metrics_export_port": 9400,
-                                   "_system_config": {"max_direct_call_object_size": 1 << 20}}
+                                   "_system_config": {"max_direct_call_object_size": 1 << 20, "prestart_worker_first_driver": False}}
     with pytest.raises(ConfigError, match=r"data.ray.dashboard_port.*applies to an embedded Ray only .*ray start "
                                           r"--head --dashboard-port"):
         load_config(compose_config(["ray=cluster", "data.ray.dashboard_port=8300"]), check_paths=False)
@@ -147,11 +147,20 @@ def test_dashboard_and_metrics_port_are_honoured_embedded_and_refused_for_a_clus
 
 def test_inline_object_bytes_is_honoured_embedded_and_refused_for_a_cluster() -> None:
     cfg = load_config(compose_config(["data.ray.inline_object_bytes=262144"]), check_paths=False)
-    assert cfg.ray.init_kwargs()["_system_config"] == {"max_direct_call_object_size": 262144}
+    assert cfg.ray.init_kwargs()["_system_config"] == {"max_direct_call_object_size": 262144,
+                                                       "prestart_worker_first_driver": False}
     with pytest.raises(ConfigError, match=r"data.ray.inline_object_bytes.*embedded Ray only.*--system-config"):
         load_config(compose_config(["ray=cluster", "data.ray.inline_object_bytes=262144"]), check_paths=False)
     with pytest.raises(ConfigError, match=r"data.ray.inline_object_bytes.*integer >= 0"):
         load_config(compose_config(["data.ray.inline_object_bytes=-1"]), check_paths=False)
+
+
+def test_prestart_workers_is_honoured_embedded_and_refused_for_a_cluster() -> None:
+    cfg = load_config(compose_config(["data.ray.prestart_workers=true"]), check_paths=False)
+    assert cfg.ray.init_kwargs()["_system_config"]["prestart_worker_first_driver"] is True
+    with pytest.raises(ConfigError, match=r"data.ray.prestart_workers.*embedded Ray only.*"
+                                          r"RAY_prestart_worker_first_driver=0 ray start"):
+        load_config(compose_config(["ray=cluster", "data.ray.prestart_workers=true"]), check_paths=False)
 
 
 @pytest.mark.parametrize(

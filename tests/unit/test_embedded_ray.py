@@ -81,10 +81,25 @@ from megascale_data_ext.sources.demo_data import make_demo_data
 specs = make_demo_data(Path(tempfile.mkdtemp()), seed=1, rows=40, text_sources=2, image_sources=0, megatron_source=False)
 cfg = ServiceConfig(sources=[dataclasses.replace(s, truncate=True, max_tokens=512) for s in specs], samples_per_step=4,
                     num_microbatches=1, seq_length=512, ray=RayConfig(num_cpus=2), autoscale=AutoscaleConfig(enabled=False))
+from megascale_data_ext.commands._proc_stats import descendants
+from megascale_data_ext.runtime.embedded_ray import init_ray
+init_ray(cfg.ray, log_to_driver=False)  # as the service starts it; the raylet forks prestarted workers at once
+def workers():  # Ray's worker processes: default_worker.py until it names itself ray::IDLE / ray::<Actor>
+    n = 0
+    for pid in descendants():
+        try:
+            argv = open(f"/proc/{pid}/cmdline").read().split(chr(0))
+        except OSError:
+            continue
+        n += (argv[0].startswith("ray::") and not argv[0].endswith("Agent")) or any(
+            a.endswith("workers/default_worker.py") for a in argv[1:2])
+    return n
+print("worker processes before the service:", workers(), flush=True)
 svc = DataService(cfg, ClientPlaceTree.from_sizes(dp=2), progress=None)
 svc.start()
 try:
     actors = [svc.planner, *svc.loader_actors(), *svc.constructors]
+    print("worker processes beside the actors:", workers() - len(actors), flush=True)
     def allocators(_self):
         import pyarrow
         from megascale_data_ext.runtime.malloc import allocator_environment
@@ -111,6 +126,9 @@ def test_every_actor_of_an_embedded_service_starts_with_the_allocator_settings_a
     expected = repr(sorted({"MALLOC_ARENA_MAX": "2", "GLIBC_TUNABLES": "glibc.malloc.tcache_count=0",
                             "ARROW_DEFAULT_MEMORY_POOL": "system", "arrow": "system"}.items()))
     assert seen == [f"allocators of the actors: [{expected!r}]"], out.stdout[-2000:]  # Ray's own lines share stdout
+    # no idle prestarted workers (data.ray.prestart_workers=false): one per CPU otherwise, for as long as Ray runs
+    assert "worker processes before the service: 0\n" in out.stdout, out.stdout[-2000:]
+    assert "worker processes beside the actors: 0\n" in out.stdout, out.stdout[-2000:]
     preloads = [line for line in out.stdout.splitlines() if line.startswith("preloads of the actors:")]
     assert preloads == [f"preloads of the actors: [('--worker-preload-modules={','.join(SERVICE_MODULES)}',)]"], \
         out.stdout[-2000:]
