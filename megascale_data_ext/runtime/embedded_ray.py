@@ -7,11 +7,12 @@ so these settings travel that way before ``ray.init``:
 
 * the allocator settings of `runtime.malloc` (malloc arenas, glibc's per-thread caches, pyarrow's
   pool): flat memory in actors with many threads.
-* ``RAY_preload_python_modules``: the raylet prestarts one worker process per CPU as it starts, and
-  these import the service's actor modules (numpy, pyarrow, the data plane: ~1 s of CPU each on a
-  small box) while ``ray.init`` is still returning. The Planner's actor and the loader actor it
-  starts then take those warm processes instead of each paying its imports in series before the
-  first batch (`bench startup`). Set the variable yourself to preload something else, or
+* ``RAY_preload_python_modules``: each worker process imports the service's actor modules (numpy,
+  pyarrow, the data plane: ~1 s of CPU each on a small box) as it starts. With
+  ``data.ray.prestart_workers`` the raylet prestarts one per CPU while ``ray.init`` returns and the
+  first actors take them warm; by default (``RayConfig.prestart_workers`` false: on a many-core
+  node they would stay idle at ~80 MiB each) each actor's worker starts when the actor is asked
+  for, and imports them then. Set the variable yourself to preload something else, or
   ``MEGASCALE_PRELOAD=0`` to preload nothing. A cluster of your own (``ray start``) takes it from
   the shell that started it: ``RAY_preload_python_modules=<SERVICE_MODULES, comma-separated> ray start``
   (the README spells it out).

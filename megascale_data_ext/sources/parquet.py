@@ -45,6 +45,9 @@ KV_MAX_PATCHES = "megascale.max_image_patches"
 
 _STREAM_BATCH_ROWS = 4096
 _STREAM_BUFFER_BYTES = 128 << 10  # window reads: column chunks read through a buffer of this size
+# Rows decoded per read while streaming windows: between reads pyarrow's column readers keep about
+# twice the last batch's bytes, so a window is built from small batches (the cache holds them as is).
+_WINDOW_BATCH_ROWS = 16
 
 
 @dataclass(slots=True)
@@ -279,7 +282,7 @@ class ParquetSource(RowSource):
         stream = self._stream
         if stream is None or stream.group != g or stream.offset > lo:  # another row group, or back: from its start
             self.io_counts[("read", path, tuple(self._payload_columns))] += 1
-            batches = self._files[f_i].iter_batches(batch_size=self.window, row_groups=[r_i],
+            batches = self._files[f_i].iter_batches(batch_size=min(self.window, _WINDOW_BATCH_ROWS), row_groups=[r_i],
                                                     columns=self._payload_columns, use_threads=False)
             stream = self._stream = _RowGroupStream(g, batches)
         table = None
@@ -314,7 +317,10 @@ class ParquetSource(RowSource):
                 batch = batch.slice(0, n - got)
             pieces.append(batch)
             got += batch.num_rows
-        return pa.Table.from_batches(pieces) if pieces else pa.table({})
+        if not pieces:
+            return pa.table({})
+        # One contiguous copy per window: `take` on a table of many chunks concatenates them on every read.
+        return pa.Table.from_batches(pieces).combine_chunks() if len(pieces) > 1 else pa.Table.from_batches(pieces)
 
     def _raw_rows(self, indices: np.ndarray) -> list[RawSample]:
         spec = self.spec
