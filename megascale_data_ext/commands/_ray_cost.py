@@ -66,6 +66,9 @@ def client_core_worker_mib(address: str, namespace: str) -> float:
     p = ctx.Process(target=_client_process, args=(child, address, namespace))
     p.start()
     try:
+        while not parent.poll(1.0):  # a client that died (an import error) must not hang the bench
+            if not p.is_alive():
+                raise RuntimeError(f"the process measuring a trainer's Ray core worker exited with code {p.exitcode}")
         return float(parent.recv())
     finally:
         parent.send("exit")

@@ -47,6 +47,7 @@ from megascale_data_ext.runtime.failover import missing_buckets, read_buckets
 from megascale_data_ext.runtime.fault_injection import crash_self
 from megascale_data_ext.runtime.fetch_wire import encode_fetch
 from megascale_data_ext.runtime.loader import SourceLoader
+from megascale_data_ext.runtime.malloc import trim_periodically
 from megascale_data_ext.runtime.metrics import rss_bytes, samples_in, service_metrics
 from megascale_data_ext.runtime.ray_actor import Held, actor, resolve
 from megascale_data_ext.sources.base import SourceSpec
@@ -306,6 +307,7 @@ class LoaderGroupActor:
     def __init__(self, members: list[tuple[ShardRef, SourceSpec]] | Held, seed: int, shuffle: bool, workers: int = 1,
                  planner: Any = None, direct: bool = False):
         members = resolve(members)  # by reference: hundreds of sources' specs (`runtime.ray_actor.Held`)
+        trim_periodically()  # windows and pages of every size come and go on pyarrow's malloc (`runtime.malloc`)
         self._planner = planner
         self.calls, self.metrics = CallCounter(), service_metrics()
         self.group = LoaderGroup(members, seed=seed, shuffle=shuffle, workers=workers,

@@ -109,6 +109,9 @@ try:
     preloaded = ray.get([a.__ray_call__.remote(lambda _s: [x for x in sys.argv if x.startswith("--worker-preload-modules")])
                          for a in actors])
     print("preloads of the actors:", sorted({tuple(p) for p in preloaded}), flush=True)
+    trims = ray.get([a.__ray_call__.remote(lambda _s: any(t.name == "malloc-trim" for t in __import__("threading").enumerate()))
+                     for a in [*svc.loader_actors(), *svc.constructors]])
+    print("loaders and constructors trimming their heap:", trims, flush=True)
 finally:
     svc.stop()
 """
@@ -129,6 +132,8 @@ def test_every_actor_of_an_embedded_service_starts_with_the_allocator_settings_a
     # no idle prestarted workers (data.ray.prestart_workers=false): one per CPU otherwise, for as long as Ray runs
     assert "worker processes before the service: 0\n" in out.stdout, out.stdout[-2000:]
     assert "worker processes beside the actors: 0\n" in out.stdout, out.stdout[-2000:]
+    trims = [line for line in out.stdout.splitlines() if line.startswith("loaders and constructors trimming")]
+    assert len(trims) == 1 and "False" not in trims[0] and "True" in trims[0], out.stdout[-2000:]
     preloads = [line for line in out.stdout.splitlines() if line.startswith("preloads of the actors:")]
     assert preloads == [f"preloads of the actors: [('--worker-preload-modules={','.join(SERVICE_MODULES)}',)]"], \
         out.stdout[-2000:]
