@@ -7,9 +7,9 @@ reader keeps one :class:`pyarrow.parquet.ParquetFile` per file, maps a global ro
 at most ``spec.row_group_cache`` decoded row groups (LRU), each with the payload columns only,
 and drops one as soon as each of its rows has been read (an epoch draws a row once).
 With ``spec.shuffle_window`` = W (draws in storage order, `dataplane.epoch_order`) the unit is a
-window of W rows of a row group instead: a row group is streamed in W-row batches (buffered
-reads, never the whole column chunk at once) and ``row_group_cache`` windows are kept, so a
-source costs a few windows, not row groups.
+window of W rows of a row group instead: a row group is streamed in small batches (buffered
+reads, never the whole column chunk at once, no pre-buffering) and at most ``row_group_cache``
+windows are kept, so a source costs the window it is drawing from, not row groups.
 
 ``metadata()`` reads only the cost columns ``num_tokens`` / ``image_patches`` that
 ``prepare`` writes (ahead-of-fetch balancing: plans are made before any payload is read). A
