@@ -46,7 +46,7 @@ KV_MAX_PATCHES = "megascale.max_image_patches"
 _STREAM_BATCH_ROWS = 4096
 _STREAM_BUFFER_BYTES = 128 << 10  # window reads: column chunks read through a buffer of this size
 # Rows decoded per read while streaming windows: between reads pyarrow's column readers keep about
-# twice the last batch's bytes, so a window is built from small batches (the cache holds them as is).
+# twice the last batch's bytes, so a window is built from small batches, combined once it is whole.
 _WINDOW_BATCH_ROWS = 16
 
 
@@ -114,7 +114,7 @@ class ParquetSource(RowSource):
             self.close()
             raise empty_source_error(self.name, f"0 rows in {len(self.paths)} file(s) {self.paths[:3]}")
         self._cache: OrderedDict[tuple[int, int], pa.Table] = OrderedDict()  # (row group, window) -> rows
-        self._taken: dict[tuple[int, int], np.ndarray] = {}  # which rows of each cached unit were read
+        self._taken: dict[tuple[int, int], tuple[np.ndarray, list[int]]] = {}  # per cached unit: rows read, count
         self.io_counts: Counter[tuple[str, str, tuple[str, ...]]] = Counter()
 
     def _open(self, path: str) -> pq.ParquetFile:
@@ -254,7 +254,7 @@ class ParquetSource(RowSource):
 
     def _keep(self, key: tuple[int, int], table: pa.Table) -> pa.Table:
         self._cache[key] = table
-        self._taken[key] = np.zeros(table.num_rows, dtype=bool)
+        self._taken[key] = (np.zeros(table.num_rows, dtype=bool), [0])
         while len(self._cache) > self.spec.row_group_cache:
             self._taken.pop(self._cache.popitem(last=False)[0], None)
         return table
@@ -265,11 +265,14 @@ class ParquetSource(RowSource):
         An epoch draws each row once, so a unit whose rows were all read is not asked for again this
         epoch (a re-read, e.g. a retried fetch, reads it from the file again): with a window shuffle
         the cache then holds the windows still being drawn from, not the last `row_group_cache`."""
-        taken = self._taken.get(key)
-        if taken is None:
+        entry = self._taken.get(key)
+        if entry is None:
             return
-        taken[rows] = True
-        if taken.all():
+        taken, count = entry
+        fresh = np.unique(rows[~taken[rows]])  # O(rows read), not O(rows of the unit): a row group has millions
+        taken[fresh] = True
+        count[0] += len(fresh)
+        if count[0] == len(taken):
             self._cache.pop(key, None)
             del self._taken[key]
 
@@ -317,10 +320,9 @@ class ParquetSource(RowSource):
                 batch = batch.slice(0, n - got)
             pieces.append(batch)
             got += batch.num_rows
-        if not pieces:
-            return pa.table({})
-        # One contiguous copy per window: `take` on a table of many chunks concatenates them on every read.
-        return pa.Table.from_batches(pieces).combine_chunks() if len(pieces) > 1 else pa.Table.from_batches(pieces)
+        # One contiguous copy per window (none for one batch): `take` on a table of many chunks
+        # concatenates them on every read.
+        return pa.Table.from_batches(pieces).combine_chunks() if pieces else pa.table({})
 
     def _raw_rows(self, indices: np.ndarray) -> list[RawSample]:
         spec = self.spec
