@@ -2,8 +2,8 @@
 
 The YAML ships inside the package as ``megascale_data_ext/conf`` (in the repository a link to the
 top-level ``conf/``, in a wheel real files), so an editable and a wheel install find it alike;
-``MEGASCALE_CONF_DIR`` (or ``config_dir``) points elsewhere. Own ``@hydra.main`` apps add
-:func:`conf_dir` to ``hydra.searchpath``.
+``MEGASCALE_CONF_DIR`` (or ``config_dir``) points elsewhere. Own ``@hydra.main`` apps find the
+groups through the package's Hydra plugin (``hydra_plugins/megascale_data_ext_searchpath``).
 """
 
 from __future__ import annotations

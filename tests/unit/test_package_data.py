@@ -1,4 +1,5 @@
-"""The wheel ships the Hydra config groups, and an installed wheel composes configs from them."""
+"""The wheel ships the Hydra config groups and the plugin that puts them on every app's search path, and an
+installed wheel composes configs from them."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ def test_wheel_ships_conf_and_composes_from_it(tmp_path):
     shutil.copytree(REPO / "conf", src / "conf")
     shutil.copytree(REPO / "megascale_data_ext", src / "megascale_data_ext", symlinks=True,
                     ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(REPO / "hydra_plugins", src / "hydra_plugins", ignore=shutil.ignore_patterns("__pycache__"))
     assert (src / "megascale_data_ext" / "conf").is_symlink()  # the repository layout, link included
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", str(src),
                     "-w", str(tmp_path / "dist")], check=True, cwd=tmp_path, capture_output=True)
@@ -33,6 +35,9 @@ def test_wheel_ships_conf_and_composes_from_it(tmp_path):
         shipped = {n.removeprefix("megascale_data_ext/conf/"): zf.read(n) for n in zf.namelist()
                    if n.startswith("megascale_data_ext/conf/")}
         assert shipped == expected  # every group file, byte for byte, as real files
+        names = set(zf.namelist())
+        assert "hydra_plugins/megascale_data_ext_searchpath/__init__.py" in names
+        assert "hydra_plugins/__init__.py" not in names  # a namespace package: other packages' plugins stay visible
         zf.extractall(tmp_path / "site")  # a pure-Python wheel installs by unpacking
 
     probe = textwrap.dedent("""
@@ -44,20 +49,38 @@ def test_wheel_ships_conf_and_composes_from_it(tmp_path):
         print(cfg.data.seq_length, cfg.data.strategy._target_, len(cfg.data.sources))
         import pathlib, tempfile, warnings
         from hydra import compose, initialize_config_dir
-        d = tempfile.mkdtemp()  # a user's own config finding the groups through the package search path
-        pathlib.Path(d, "mine.yaml").write_text(
+        d = tempfile.mkdtemp()  # a user's own configs: one relying on the package's Hydra plugin, one on searchpath
+        pathlib.Path(d, "mine.yaml").write_text("defaults:\\n  - data: megascale\\n  - _self_\\n")
+        pathlib.Path(d, "mine_searchpath.yaml").write_text(
             "hydra:\\n  searchpath: [pkg://megascale_data_ext/conf]\\ndefaults:\\n  - data: megascale\\n  - _self_\\n")
         with warnings.catch_warnings():
-            warnings.simplefilter("error")  # Hydra only warns when a search path is not available
+            warnings.simplefilter("error")  # Hydra warns when a search path source is not available
             with initialize_config_dir(d, version_base=None):
                 print(compose("mine").data.seq_length)
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            with initialize_config_dir(d, version_base=None):
+                print(compose("mine_searchpath").data.seq_length,
+                      sum("no_such_package_of_configs" in str(w.message) for w in seen))
     """)
     env = {k: v for k, v in os.environ.items() if k != "MEGASCALE_CONF_DIR"}
-    env["PYTHONPATH"] = str(tmp_path / "site")
-    out = subprocess.run([sys.executable, "-c", probe], check=True, cwd=tmp_path, env=env, capture_output=True,
-                         text=True).stdout.splitlines()
+    # Another package's Hydra plugin whose source is unreachable, as multi-storage-client's (megatron-energon's
+    # dependency) is without an MSC profile: Hydra checks every source only when a config sets hydra.searchpath.
+    fake = tmp_path / "plugins" / "hydra_plugins" / "unreachable_source"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text(textwrap.dedent("""
+        from hydra.plugins.search_path_plugin import SearchPathPlugin
+        class UnreachableSourcePlugin(SearchPathPlugin):
+            def manipulate_search_path(self, search_path):
+                search_path.append("unreachable", "pkg://no_such_package_of_configs/conf")
+    """))
+    env["PYTHONPATH"] = os.pathsep.join((str(tmp_path / "site"), str(tmp_path / "plugins")))
+    run = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = run.stdout.splitlines()
     site = tmp_path / "site" / "megascale_data_ext"
     assert out[0] == str(site / "__init__.py")  # the unpacked wheel, not the checkout
     assert out[1] == str(site / "conf") and not (site / "conf").is_symlink()
     assert out[2] == "64 megascale_data_ext.dataplane.strategies.Vanilla 4"  # strategy=vanilla from the wheel
-    assert out[3] == "1024"  # the README's `hydra.searchpath: [pkg://megascale_data_ext/conf]` adoption
+    assert out[3] == "1024"  # the README's adoption: `data: megascale` found through the package's Hydra plugin
+    assert out[4] == "1024 1"  # with hydra.searchpath it composes too, but Hydra warns for the unreachable source
