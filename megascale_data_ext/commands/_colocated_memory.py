@@ -207,6 +207,7 @@ def measure_ranks(target: Any, args: tuple, ranks: int) -> dict[str, Any]:
         parent, child = ctx.Pipe()
         p = ctx.Process(target=target, args=(child, r, *args), daemon=False)
         p.start()
+        child.close()  # the rank holds its end now: if it dies, recv() here raises EOFError instead of waiting forever
         procs.append(p)
         conns.append(parent)
     try:
