@@ -1,4 +1,4 @@
-"""CPU shims that let megatron-core 0.16.1 train a GPTModel on CPU with gloo.
+"""CPU shims that let megatron-core 0.16.1–0.19 train a GPTModel on CPU with gloo.
 
 megatron-core assumes a CUDA device in a handful of places that a CPU-only laptop or CI
 run reaches: device queries, a few tensors created with ``device="cuda"``, a stream
@@ -105,6 +105,27 @@ def _noop_synchronize(_original: Any) -> Callable[..., None]:
     return synchronize
 
 
+class _HostStream:
+    """What ``torch.cuda.current_stream()`` returns on CPU: every wait is already satisfied."""
+
+    def wait_event(self, event: Any) -> None:
+        del event
+
+    def wait_stream(self, stream: Any) -> None:
+        del stream
+
+    def synchronize(self) -> None:
+        pass
+
+
+def _host_current_stream(_original: Any) -> Callable[..., _HostStream]:
+    def current_stream(device: Any = None) -> _HostStream:
+        del device  # gloo's collectives and CPU kernels run in program order: no stream to wait on
+        return _HostStream()
+
+    return current_stream
+
+
 def _cpu_torch_proxy(original: Any) -> _CpuDeviceTorch:
     return _CpuDeviceTorch(original)
 
@@ -181,6 +202,8 @@ CPU_SHIMS: tuple[CpuShim, ...] = (
     CpuShim(name="megatron.core.tensor_parallel.random.CudaRNGStatesTracker.fork",
             module="megatron.core.tensor_parallel.random", owner="CudaRNGStatesTracker", attr="fork",
             make=_cpu_rng_fork),
+    CpuShim(name="torch.cuda.current_stream", module="torch.cuda", attr="current_stream",
+            make=_host_current_stream),
 )
 
 _PATCHES = Patches()  # what the shims replaced (`patches.patching`: the package's one patching record)

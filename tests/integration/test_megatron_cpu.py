@@ -55,19 +55,20 @@ def test_shims_apply_idempotently_and_remove_restores_originals() -> None:
 
     remove_cpu_shims()  # a model built earlier in this process (initialize_parallel) leaves them applied
     originals = (torch.cuda.current_device, torch.cuda.synchronize, schedules.torch,
-                 fused_softmax.get_default_causal_mask, vars(CudaRNGStatesTracker)["fork"])
+                 fused_softmax.get_default_causal_mask, vars(CudaRNGStatesTracker)["fork"], torch.cuda.current_stream)
     first = apply_cpu_shims()
     try:
-        assert first == [s.name for s in CPU_SHIMS] and len(first) == 6
+        assert first == [s.name for s in CPU_SHIMS] and len(first) == 7
         assert apply_cpu_shims() == first == active_cpu_shims()
         assert torch.cuda.current_device() == torch.device("cpu")
         torch.cuda.synchronize()  # no-op instead of "Torch not compiled with CUDA enabled"
+        torch.cuda.current_stream().wait_event(None)  # megatron-core 0.19's grad sync waits on the stream
         assert schedules.torch is not torch
     finally:
         assert remove_cpu_shims() == first
     assert active_cpu_shims() == [] and remove_cpu_shims() == []
     assert (torch.cuda.current_device, torch.cuda.synchronize, schedules.torch,
-            fused_softmax.get_default_causal_mask, vars(CudaRNGStatesTracker)["fork"]) == originals
+            fused_softmax.get_default_causal_mask, vars(CudaRNGStatesTracker)["fork"], torch.cuda.current_stream) == originals
 
 
 def test_schedule_torch_redirects_cuda_factories_only(shims: list[str]) -> None:

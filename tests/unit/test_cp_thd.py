@@ -55,8 +55,9 @@ def megatron_thd_slice(padded: dict[str, np.ndarray], cp_size: int, cp_rank: int
     if not hasattr(mutils, "get_thd_batch_on_this_cp_rank"):  # megatron-core >= 0.18: the fields only
         monkeypatch.setattr(mutils.torch.distributed, "get_world_size", lambda group=None: cp_size)
         monkeypatch.setattr(mutils.torch.distributed, "get_rank", lambda group=None: cp_rank)
-        fields = mutils.get_sft_batch_on_this_cp_rank({**batch, "cu_seqlens": cu[None], "cu_seqlens_padded": cu_pad[None]},
-                                                      cp_group=object())
+        per_document = (getattr(mutils, "get_sft_batch_on_this_cp_rank", None)  # 0.18; 0.19 made it private
+                        or mutils._get_batch_on_this_cp_rank_per_document_balancing)
+        fields = per_document({**batch, "cu_seqlens": cu[None], "cu_seqlens_padded": cu_pad[None]}, cp_group=object())
         sliced = ("tokens", "labels", "loss_mask", "position_ids")  # what 0.18 slices (not our source_ids)
         return {k: v.numpy() for k, v in fields.items() if k in sliced}, None
     fields, params = mutils.get_thd_batch_on_this_cp_rank(batch, cu, cu_pad, torch.from_numpy(padded["max_seqlen"]),

@@ -231,10 +231,12 @@ def _megatron_cp_slice(batch: dict[str, np.ndarray], cp_size: int, cp_rank: int,
     # Megatron slices every key it gets, so hand it only the sequence fields.
     keys = ("tokens", "labels", "loss_mask", "position_ids", "attention_mask")
     torch_batch = {k: torch.from_numpy(batch[k].copy()) for k in keys if k in batch}
-    if hasattr(mutils, "get_pretrain_batch_on_this_cp_rank"):  # megatron-core >= 0.18: the group's size and rank
+    per_sequence = (getattr(mutils, "get_pretrain_batch_on_this_cp_rank", None)  # 0.18; 0.19 made it private
+                    or getattr(mutils, "_get_batch_on_this_cp_rank_per_sequence_balancing", None))
+    if per_sequence is not None:  # megatron-core >= 0.18: the group's size and rank
         monkeypatch.setattr(mutils.torch.distributed, "get_world_size", lambda group=None: cp_size)
         monkeypatch.setattr(mutils.torch.distributed, "get_rank", lambda group=None: cp_rank)
-        return {k: v.numpy() for k, v in mutils.get_pretrain_batch_on_this_cp_rank(torch_batch, object()).items()}
+        return {k: v.numpy() for k, v in per_sequence(torch_batch, object()).items()}
     return {k: v.numpy() for k, v in mutils.get_batch_on_this_cp_rank(torch_batch).items()}
 
 
