@@ -9,4 +9,6 @@ if [ ! -x .venv/bin/python ]; then
 fi
 # torch first, pinned: 2.13.0 resolves to the local CPU build; a bare `torch` would pull CUDA wheels.
 .venv/bin/python -m pip install -q --disable-pip-version-check torch==2.13.0
-.venv/bin/python -m pip install -q --disable-pip-version-check -e ".[test]"
+# megatron-core pinned to the version the whole suite runs on (docs/compatibility.md): on Python 3.12 pip would
+# otherwise take 0.19.x, which imports triton at import time (absent from a CPU torch build).
+.venv/bin/python -m pip install -q --disable-pip-version-check -e ".[test]" "megatron-core==0.16.1"
