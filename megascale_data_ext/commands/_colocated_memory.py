@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from megascale_data_ext.sources.profiling import process_memory
+from megascale_data_ext.trainer.app import quiet_imports  # megatron-core's TE/Apex notices, hidden as the examples' ranks do
 
 MiB = float(1 << 20)
 
@@ -33,6 +34,7 @@ class _Tokenizer:
 def _rank_process(conn: Any, rank: int, prefixes: list[str], workers: int, seq_length: int, train_samples: int,
                   seed: int, cache: str) -> None:
     """One colocated trainer rank: Megatron's blended dataset + a DataLoader with `workers` workers."""
+    quiet_imports()
     import torch
     import torch.distributed as dist
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
@@ -131,6 +133,7 @@ def _navit_rank_process(conn: Any, rank: int, specs: list[Any], workers: int, tr
     Batches are taken until every worker has filled the row-group cache of every source (the
     steady state of a long run), or the sampler ends.
     """
+    quiet_imports()
     import torch
     import torch.distributed as dist
     from megatron.core.datasets import helpers
