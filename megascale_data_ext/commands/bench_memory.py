@@ -429,6 +429,9 @@ def _run_workload(workload: str, args: argparse.Namespace, root: Path, t0: float
 
 
 def run(args: argparse.Namespace) -> int:
+    from megascale_data_ext.trainer.app import quiet_imports
+
+    quiet_imports()  # megatron-core's TE/Apex fallback notices (writing the text sources imports it), as demo does
     ranks_grid, sources_grid, measured_s = _ints(args.ranks), _ints(args.sources), _ints(args.measure_sources)
     if not ranks_grid or not sources_grid or not measured_s or args.workers < 0 or args.measure_ranks < 1:
         print("error: --ranks, --sources and --measure-sources need values; --workers >= 0, --measure-ranks >= 1",
