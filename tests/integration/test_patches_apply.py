@@ -142,19 +142,18 @@ def test_upstream_file_is_the_one_the_patch_was_written_for(upstream: tuple[byte
 @pytest.mark.skipif(shutil.which("git") is None, reason="git is not installed")
 def test_patch_applies_and_keeps_the_script_valid(upstream: tuple[bytes, str, Upstream], tmp_path: Path) -> None:
     content, _, u = upstream
-    PATCH = u.patch  # noqa: N806 (the module constant's name, for the lines below)
     target = tmp_path / UPSTREAM_FILE
     target.write_bytes(content)
-    check = subprocess.run(["git", "apply", "--check", "-v", str(PATCH)], cwd=tmp_path, capture_output=True,
+    check = subprocess.run(["git", "apply", "--check", "-v", str(u.patch)], cwd=tmp_path, capture_output=True,
                            text=True, timeout=60)
     assert check.returncode == 0, check.stderr
-    subprocess.run(["git", "apply", str(PATCH)], cwd=tmp_path, check=True, timeout=60)
+    subprocess.run(["git", "apply", str(u.patch)], cwd=tmp_path, check=True, timeout=60)
     patched = target.read_text()
     compile(patched, str(target), "exec")
     # The switch sits after upstream's own provider setup and before pretrain() uses the name.
     at_switch = patched.index('os.environ.get("MEGASCALE_DATA"')
     assert patched.index(u.after) < at_switch
     assert at_switch < patched.index(u.before)
-    reverse = subprocess.run(["git", "apply", "--check", "--reverse", str(PATCH)], cwd=tmp_path,
+    reverse = subprocess.run(["git", "apply", "--check", "--reverse", str(u.patch)], cwd=tmp_path,
                              capture_output=True, text=True, timeout=60)
     assert reverse.returncode == 0, reverse.stderr

@@ -23,7 +23,6 @@ def test_extrapolation_is_the_fitted_per_source_cost() -> None:
     assert 0 < mem["uss"] <= mem["pss"] <= mem["rss"]
 
 
-@pytest.mark.slow
 def test_a_rank_that_dies_is_an_error_not_a_hang() -> None:
     """A measured baseline rank that dies before it reports (here: its target raises at once) ends the
     measurement with one named error; before, the parent held the rank's end of the pipe too and waited forever."""
@@ -35,6 +34,7 @@ def test_a_rank_that_dies_is_an_error_not_a_hang() -> None:
         measure_ranks(operator.truediv, (), ranks=1)  # truediv(conn, rank): TypeError in the rank
 
 
+@pytest.mark.slow
 def test_tiny_grid_reports_every_field(tmp_path, capsys) -> None:
     out = tmp_path / "mem.json"
     argv = ["bench", "memory", "--workload", "text", "--ranks", "2", "--sources", "2", "--measure-sources", "2",
