@@ -28,4 +28,5 @@ class MegascaleDataSearchPathPlugin(SearchPathPlugin):
         env = os.environ.get("MEGASCALE_CONF_DIR")
         path = f"file://{os.path.abspath(env)}" if env else "pkg://megascale_data_ext/conf"
         if not any(e.path == path for e in search_path.get_path()):
-            search_path.append(provider=PROVIDER, path=path)
+            # named after the variable when it chose the path: Hydra lists providers when a config is missing
+            search_path.append(provider="MEGASCALE_CONF_DIR" if env else PROVIDER, path=path)
