@@ -115,7 +115,7 @@ class _HostStream:
         del stream
 
     def synchronize(self) -> None:
-        pass
+        """Nothing to drain: CPU work has finished when the call that issued it returned."""
 
 
 def _host_current_stream(_original: Any) -> Callable[..., _HostStream]:
