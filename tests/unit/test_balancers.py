@@ -297,3 +297,27 @@ def test_kk_small_bin_path_equals_the_numpy_merge(monkeypatch):
         ref = kk_mod.kk(costs, k, sizes=sizes)
         monkeypatch.setattr(kk_mod, "SMALL_K", 32)
         assert np.array_equal(kk_mod.kk(costs, k, sizes=sizes), ref), (trial, k, n)
+
+
+def test_kk_merge_resolving_slots_at_the_end_equals_merging_the_items():
+    """The numpy merge keeps only each merge's slot permutation and resolves the leaves' slots at the
+    end; the list merge carries items and slots through every merge. Same items, same order (sums over
+    them follow it), same slots, at k above SMALL_K, for head tuples (one item each) and BLDM chunks."""
+    from megascale_data_ext.dataplane.balancers import karmarkar_karp as kk_mod
+
+    rng = np.random.default_rng(11)
+    for trial in range(60):
+        k = int(rng.integers(kk_mod.SMALL_K + 1, 160))
+        if trial % 2:  # BLDM: sorted chunks of k items
+            m = int(rng.integers(1, 30))
+            costs = rng.integers(0, 5, k * m).astype(float) if trial % 4 == 1 else rng.random(k * m)
+            order = np.argsort(-costs, kind="stable")
+            tuples = [(costs[c] - costs[c[-1]], c, np.arange(k)) for c in order.reshape(-1, k)]
+        else:  # KK's head: one item per tuple
+            costs = rng.random(int(rng.integers(1, 3 * k)))
+            tuples = [(np.concatenate(([costs[i]], np.zeros(k - 1))), np.array([i]), np.zeros(1, dtype=np.int64))
+                      for i in range(costs.shape[0])]
+        item, slot = kk_mod._kk_merge_all(tuples, k)
+        want_item, want_slot = kk_mod._kk_merge_all_lists(tuples, k)
+        np.testing.assert_array_equal(item, want_item, err_msg=f"trial {trial}")
+        np.testing.assert_array_equal(slot, want_slot, err_msg=f"trial {trial}")

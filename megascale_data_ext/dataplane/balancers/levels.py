@@ -249,6 +249,8 @@ def _solve(costs: np.ndarray, tok: np.ndarray | None, k: int, m: int, cap: float
     fn = get_balancer(method)
     if level == "inter":
         bucket = fn(costs, k, tokens=tok, cap=None if cap is None else cap * m, sizes=None)
+        if m == 1 and (cap is None or tok is None):  # one uncapped microbatch a bucket (the encoder's images
+            return bucket, np.zeros(n, dtype=np.int64), None  # each step): nothing to cut; capped, the cut checks
         return bucket, _contiguous_microbatches(bucket, costs, tok, k, m, cap), None
     bucket, _ = _vanilla(n, k, m)  # intra: vanilla membership, balanced micro-batches inside
     microbatch = np.empty(n, dtype=np.int64)
