@@ -85,6 +85,7 @@ from megascale_data_ext.dataplane.traffic import (
 from megascale_data_ext.dataplane.workloads import Workload, generate_workload
 from megascale_data_ext.errors import ConfigError
 from megascale_data_ext.runtime.config import ServiceConfig
+from megascale_data_ext.runtime.constructor import encoder_rows
 from megascale_data_ext.runtime.planner import Planner
 from megascale_data_ext.runtime.topology import ServiceTopology
 from megascale_data_ext.sources.base import SourceSpec
@@ -262,13 +263,13 @@ def build_planner(layout: Layout, sources: Sequence[SimulatedSource],
 
 # ------------------------------------------------------------------ one row
 def serving_seconds(plan: StepPlan, topology: Any, num_sources: int) -> float:
-    """The Planner's own work to hand one step out, as its actor does on each call, measured:
-    every constructor's view of its buckets and every source's loader view, each pickled as Ray
-    ships a reply (the round trips themselves, ~0.1-1 ms each on the callers' side, are not in it)."""
+    """The Planner's own work to hand one step out, measured: every constructor's view of its buckets
+    and their images (`constructor_step`) and every source's loader view, each pickled as Ray ships a
+    reply (the round trips themselves, ~0.1-1 ms each on the callers' side, are not in it)."""
     t0 = time.perf_counter()
     for group in topology.constructor_groups:
-        for bucket in group:
-            pickle.dumps(plan.constructor_do_plan(bucket), protocol=pickle.HIGHEST_PROTOCOL)
+        views = ([plan.constructor_do_plan(b) for b in group], encoder_rows(plan, group))
+        pickle.dumps(views, protocol=pickle.HIGHEST_PROTOCOL)
     pickle.dumps(plan.loader_do_plans(range(num_sources)), protocol=pickle.HIGHEST_PROTOCOL)
     return time.perf_counter() - t0
 

@@ -103,6 +103,15 @@ class EncoderPlan:
         return np.bincount(self.bucket, weights=self.cost, minlength=self.num_buckets)
 
 
+def grouped_rows(keys: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Rows ordered by key in [0, k), ascending inside a key (a stable sort), and where each key's rows
+    start (k + 1 offsets): the rows of key j are ``order[start[j]:start[j + 1]]``."""
+    order = np.argsort(keys.astype(np.uint16) if k <= 65536 else keys, kind="stable")  # 16 bits: radix
+    start = np.zeros(k + 1, dtype=np.int64)
+    np.cumsum(np.bincount(keys, minlength=k), out=start[1:])
+    return (order.astype(np.int32) if keys.shape[0] < 2**31 else order), start
+
+
 @dataclass(slots=True, kw_only=True)
 class StepPlan:
     """The plan of one global step (arrays are aligned: row i is one planned sample).
@@ -133,6 +142,39 @@ class StepPlan:
     span_stop: np.ndarray | None = None  # int64 one past its last token (span_start + tokens)
     cp_size: np.ndarray | None = None  # int64 hybrid CP: the row's group size (a sample has a row per group member)
     cp_rank: np.ndarray | None = None  # int64 the row's place in its group; None = no hybrid CP
+    # Rows and encoder images grouped by bucket, built on the first constructor's call and not shipped:
+    # the Planner hands every constructor its buckets from one plan, which scanning all rows per bucket
+    # made O(rows × buckets) a step (at 4,096 GPUs ~0.2 s of the actor's time).
+    _by_bucket: tuple[np.ndarray, np.ndarray] | None = field(default=None, init=False, repr=False, compare=False)
+    _images_by_bucket: tuple[np.ndarray, np.ndarray] | None = field(default=None, init=False, repr=False,
+                                                                    compare=False)
+
+    def __getstate__(self) -> dict:
+        return {f: getattr(self, f) for f in self.__dataclass_fields__ if not f.startswith("_")}
+
+    def __setstate__(self, state: dict) -> None:
+        for k, v in state.items():
+            object.__setattr__(self, k, v)
+        self._by_bucket = self._images_by_bucket = None
+
+    def bucket_rows(self, bucket: int) -> np.ndarray:
+        """Rows going to `bucket`, ascending (``flatnonzero(self.bucket == bucket)``), from an index."""
+        if self._by_bucket is None:
+            self._by_bucket = grouped_rows(self.bucket, self.num_buckets)
+        order, start = self._by_bucket
+        return order[start[bucket] : start[bucket + 1]]
+
+    def encoder_images_of(self, buckets: Iterable[int]) -> np.ndarray:
+        """Encoder images whose samples go to `buckets`, ascending, from an index."""
+        if self.encoder is None:
+            return np.zeros(0, dtype=np.int64)
+        if self._images_by_bucket is None:
+            self._images_by_bucket = grouped_rows(self.bucket[self.encoder.sample], self.num_buckets)
+        order, start = self._images_by_bucket
+        parts = [order[start[b] : start[b + 1]] for b in dict.fromkeys(buckets)]
+        if len(parts) == 1:
+            return parts[0].astype(np.int64)
+        return np.sort(np.concatenate(parts)).astype(np.int64) if parts else np.zeros(0, dtype=np.int64)
 
     @property
     def num_samples(self) -> int:
@@ -214,7 +256,7 @@ class StepPlan:
         )
 
     def constructor_do_plan(self, bucket: int) -> ConstructorPlan:
-        rows = np.flatnonzero(self.bucket == bucket)
+        rows = self.bucket_rows(bucket)
         table = np.empty((len(rows), len(ConstructorPlan.COLUMNS)), dtype=np.int64)
         table[:, 0], table[:, 1] = self.microbatch[rows], self.source[rows]
         table[:, 2], table[:, 3] = self.position[rows], self.index[rows]

@@ -73,7 +73,7 @@ def encoder_rows(plan: StepPlan, buckets: Sequence[int]) -> EncoderRows | None:
     enc = plan.encoder
     if enc is None:
         return None
-    sel = np.flatnonzero(np.isin(plan.bucket[enc.sample], np.asarray(list(buckets), dtype=np.int64)))
+    sel = plan.encoder_images_of(buckets)
     rows = enc.sample[sel]
     return EncoderRows(
         source=plan.source[rows].astype(np.int64),

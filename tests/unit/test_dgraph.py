@@ -132,3 +132,28 @@ def test_strategies_resolve_cost_models_when_built_and_declare_axis_and_broadcas
     assert (vanilla.axis, vanilla.broadcast) == ("DP", ("tp",))
     vlm = build_strategy("vlm_balance", num_microbatches=2, model="gpt-tiny", axis="WORLD", broadcast=())
     assert (vlm.axis, vlm.broadcast) == ("WORLD", ())
+
+
+def test_serving_by_bucket_index_equals_scanning_every_row():
+    """`bucket_rows` / `encoder_images_of` (a by-bucket index built once per plan) give what scanning
+    all rows per bucket gives, for every bucket and groups of buckets; the index is not shipped."""
+    import pickle
+
+    from megascale_data_ext.runtime.constructor import encoder_rows
+
+    for seed, dp in ((0, 4), (1, 8), (2, 1)):
+        tree = ClientPlaceTree.from_sizes(tp=1, pp=2, dp=dp)
+        g = mixed(tree, batch=200, summary=make_summary(seed, sizes=(300, 200, 150)))
+        plan = build_strategy("vlm_balance", num_microbatches=3, cap=8192, model="gpt-tiny",
+                              encoder_model="vit-1b")(g).plan()
+        image_bucket = plan.bucket[plan.encoder.sample]
+        for b in range(dp):
+            np.testing.assert_array_equal(plan.bucket_rows(b), np.flatnonzero(plan.bucket == b))
+            np.testing.assert_array_equal(plan.encoder_images_of([b]), np.flatnonzero(image_bucket == b))
+        group = [dp - 1, 0] if dp > 1 else [0]
+        np.testing.assert_array_equal(plan.encoder_images_of(group), np.flatnonzero(np.isin(image_bucket, group)))
+        rows = encoder_rows(plan, group)
+        assert rows.rank.tolist() == plan.encoder.bucket[np.isin(image_bucket, group)].tolist()
+        shipped = pickle.loads(pickle.dumps(plan))
+        assert plan._by_bucket is not None and shipped._by_bucket is None and shipped._images_by_bucket is None
+        np.testing.assert_array_equal(shipped.bucket_rows(0), plan.bucket_rows(0))
