@@ -178,6 +178,28 @@ class ImageDGraph(_GraphBase):
         )
 
 
+def _stream_heads(src: np.ndarray, position: np.ndarray, held: np.ndarray, counts: np.ndarray, order: np.ndarray,
+                  mixer: str) -> np.ndarray:
+    """Buffer row of each batch slot: the slots of source s (`order`, ascending) take its `counts[s]`
+    lowest-position rows in position order. Sorts once, not once per source (hundreds of sources at
+    300k samples a step made a scan per source the Planner's largest cost)."""
+    k = len(counts)
+    if not np.array_equal(np.bincount(order, minlength=k)[:k], counts) or (len(order) and order.max() >= k):
+        raise PlanError(f"mixer {mixer}: order() must hold each source as often as counts() says ({counts.tolist()})")
+    step_src = np.diff(src)
+    if bool(np.all((step_src > 0) | ((step_src == 0) & (np.diff(position) >= 0)))):
+        by_stream = np.arange(len(src), dtype=np.int64)  # summaries arrive by source, in stream order
+    else:
+        by_stream = np.lexsort((position, src))
+    slots = np.argsort(order.astype(np.uint16) if k <= 65536 else order, kind="stable")
+    first_slot = np.cumsum(counts) - counts
+    first_row = np.cumsum(held) - held
+    at = order[slots]
+    picked = np.empty(len(order), dtype=np.int64)
+    picked[slots] = by_stream[first_row[at] + np.arange(len(order), dtype=np.int64) - first_slot[at]]
+    return picked
+
+
 class DGraph(_GraphBase):
     """Metadata graph of one step's samples; see the module docstring for the primitive chain."""
 
@@ -238,14 +260,7 @@ class DGraph(_GraphBase):
             raise ShortBufferError(
                 f"step {self.step}: source {self.summary.sources[s].name!r} has {int(held[s])} buffered samples but "
                 f"the mixture needs {n}; raise the loader buffer size (buffer_size) or lower the batch size", short)
-        picked = np.empty(len(order), dtype=np.int64)
-        for s, n in enumerate(counts.tolist()):
-            if n == 0:
-                continue
-            rows = np.flatnonzero(src == s)
-            rows = rows[np.argsort(self.cols["position"][rows], kind="stable")][:n]
-            picked[order == s] = rows
-        self._select(picked)
+        self._select(_stream_heads(src, self.cols["position"], held, counts, order, type(mixer).__name__))
         self._record(f"mix({type(mixer).__name__}, batch_size={batch_size}) -> counts {counts.tolist()}")
         return self
 

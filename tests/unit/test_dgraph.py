@@ -157,3 +157,36 @@ def test_serving_by_bucket_index_equals_scanning_every_row():
         shipped = pickle.loads(pickle.dumps(plan))
         assert plan._by_bucket is not None and shipped._by_bucket is None and shipped._images_by_bucket is None
         np.testing.assert_array_equal(shipped.bucket_rows(0), plan.bucket_rows(0))
+
+
+def test_mix_takes_each_sources_stream_heads_with_one_sort_as_a_scan_per_source_would():
+    """`mix` picks, for the slots of source s in the mixer's order, s's lowest-position buffer rows in
+    position order (ties by row): the per-source scan it replaced is the reference, on buffers in
+    stream order, shuffled, with repeated positions, sources the mixer does not know, empty counts."""
+    from megascale_data_ext.dataplane.dgraph import _stream_heads
+
+    def scan(src, position, counts, order):
+        picked = np.empty(len(order), dtype=np.int64)
+        for s, n in enumerate(counts.tolist()):
+            rows = np.flatnonzero(src == s)
+            picked[order == s] = rows[np.argsort(position[rows], kind="stable")][:n]
+        return picked
+
+    rng = np.random.default_rng(3)
+    for trial in range(600):
+        k, extra = int(rng.integers(1, 12)), int(rng.integers(0, 3))
+        sizes = rng.integers(0, 30, k + extra)
+        src = np.repeat(np.arange(k + extra), sizes).astype(np.int32)
+        kind = trial % 3  # stream order, a shuffled stream, repeated positions
+        position = np.concatenate([np.arange(h) if kind == 0 else rng.permutation(h) if kind == 1
+                                   else rng.integers(0, 5, h) for h in sizes]).astype(np.int64)
+        if trial % 4 == 0:  # rows not grouped by source
+            p = rng.permutation(len(src))
+            src, position = src[p], position[p]
+        held = np.bincount(src, minlength=k)
+        counts = np.array([int(rng.integers(0, h + 1)) for h in held[:k]], dtype=np.int64)
+        order = rng.permutation(np.repeat(np.arange(k), counts)).astype(np.int64)
+        np.testing.assert_array_equal(_stream_heads(src, position, held, counts, order, "m"),
+                                      scan(src, position, counts, order), err_msg=f"trial {trial}")
+    with pytest.raises(PlanError, match="order\\(\\) must hold each source"):
+        _stream_heads(src, position, held, counts + 1, order, "MyMixer")
