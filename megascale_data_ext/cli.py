@@ -69,4 +69,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         except ConfigError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2
-    return int(args._run(args) or 0)
+    from megascale_data_ext.errors import MegascaleDataError
+
+    try:
+        return int(args._run(args) or 0)
+    except MegascaleDataError as exc:  # bad input: one line that names it, not a traceback
+        print(f"error: {exc}", file=sys.stderr)
+        return 2

@@ -19,7 +19,7 @@ World (paper Table 2: Llama-12B + ViT-2B, navit, 8k tokens, "batch 72 per GPU"):
   64 = TP4·CP2·PP2·DP4 (smoke test), 288 = TP4·CP2·PP4·DP9, 1,152 = TP4·CP2·PP4·DP36,
   4,096 = TP4·CP2·PP4·DP128 (same samples per DP rank). Other sizes: TP4·CP2·PP4 when
   #GPUs divides by 32, else PP2; `--pp` overrides.
-* 4 simulated sources, mixing weights 0.4 / 0.3 / 0.2 / 0.1, deterministic mixing;
+* 4 simulated sources, mixing weights 0.4 / 0.3 / 0.2 / 0.1 (`--sources N`: N equal ones), deterministic mixing;
   m = ceil(samples per DP x mean sequence length / (8192 x 0.9)) packed microbatches per DP
   rank (`bench planner`'s FILL), token cap 8192, `overflow="defer"`; the strategy's own
   balancers (`VLMBalance`'s defaults: KK for the sequences, greedy for the images); Megatron's reading
@@ -60,7 +60,6 @@ import statistics
 import sys
 import time
 import tracemalloc
-from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -70,6 +69,7 @@ import numpy as np
 from tqdm import tqdm
 
 from megascale_data_ext.commands._plan_rpc import rpc_cost, start_ray
+from megascale_data_ext.commands._simulated_source import CONTEXT, WORKLOAD, SimulatedSource
 from megascale_data_ext.commands.bench_planner import FILL, TABLE2, Setup, time_setup
 from megascale_data_ext.dataplane.placetree import ClientPlaceTree
 from megascale_data_ext.dataplane.plan import StepPlan
@@ -82,7 +82,6 @@ from megascale_data_ext.dataplane.traffic import (
     step_bytes,
     step_totals,
 )
-from megascale_data_ext.dataplane.workloads import Workload, generate_workload
 from megascale_data_ext.errors import ConfigError
 from megascale_data_ext.runtime.config import ServiceConfig
 from megascale_data_ext.runtime.constructor import encoder_rows
@@ -94,9 +93,7 @@ NAME = "simulate"
 HELP = ("Run the real Planner over simulated metadata-only loaders at up to 4,096 GPUs: Table 2 side by side, "
         "planner time, fetching clients and bytes per step with and without selective broadcasting.")
 
-CONTEXT = 8192
 PER_GPU = 72
-WORKLOAD = "navit"
 WEIGHTS: tuple[float, ...] = (0.4, 0.3, 0.2, 0.1)
 BROADCAST = {"tp": ("tp",), "tp-cp": ("tp", "cp")}
 STRATEGY_ARGS: dict[str, Any] = {"model": "llama-12b", "encoder_model": "vit-2b", "level": "interleaved"}
@@ -147,62 +144,6 @@ def layout_for(gpus: int, pp: int | None = None) -> Layout:
 
 
 # ------------------------------------------------------------------ simulated loaders
-class SimulatedSource:
-    """A metadata-only Source Loader: `summary(start, count)` like `SourceLoader.summary_buffer`.
-
-    Stream position p lives in block p // block of a seeded workload draw
-    (``generate_workload(workload, block, seed=SeedSequence([seed, source, block_no]))``,
-    clipped to the context), so its text tokens and image patch counts are a pure function of
-    (seed, source, p): windows that overlap, or come from another Planner, agree. The stream
-    is endless and unshuffled (sample index = position). Blocks are kept in a small LRU cache.
-    """
-
-    def __init__(self, source: int, name: str, *, seed: int, context: int = CONTEXT, workload: str = WORKLOAD,
-                 block: int = 8192, cache_blocks: int = 1024):
-        self.source, self.name, self.seed, self.context = source, name, int(seed), int(context)
-        self.workload, self.block, self.cache_blocks = workload, int(block), int(cache_blocks)
-        self._cache: OrderedDict[int, Workload] = OrderedDict()
-        self.blocks_generated = 0
-
-    def _block(self, k: int) -> Workload:
-        wl = self._cache.get(k)
-        if wl is not None:
-            self._cache.move_to_end(k)
-            return wl
-        seed = int(np.random.SeedSequence([self.seed, self.source, k]).generate_state(1, dtype=np.uint64)[0])
-        wl = generate_workload(self.workload, self.block, seed=seed, context=self.context).clip(self.context)
-        self._cache[k] = wl
-        self.blocks_generated += 1
-        while len(self._cache) > self.cache_blocks:
-            self._cache.popitem(last=False)
-        return wl
-
-    @property
-    def patch_size(self) -> int:
-        return self._block(0).patch_size
-
-    def summary(self, start: int, count: int) -> SourceSummary:
-        """Metadata of stream positions [start, start + count)."""
-        texts, n_imgs, patches = [], [], []
-        pos, end = int(start), int(start) + int(count)
-        while pos < end:
-            k, lo = divmod(pos, self.block)
-            hi = min(self.block, lo + end - pos)
-            wl = self._block(k)
-            texts.append(wl.text_tokens[lo:hi])
-            n_imgs.append(np.diff(wl.image_offsets[lo:hi + 1]))
-            patches.append(wl.image_patch_counts[wl.image_offsets[lo]:wl.image_offsets[hi]])
-            pos += hi - lo
-        n_img = np.concatenate(n_imgs) if n_imgs else np.zeros(0, np.int64)
-        positions = np.arange(start, end, dtype=np.int64)
-        return SourceSummary(
-            source=self.source, name=self.name, positions=positions, indices=positions.copy(),
-            text_tokens=np.concatenate(texts) if texts else np.zeros(0, np.int64),
-            image_offsets=np.concatenate([[0], np.cumsum(n_img)]).astype(np.int64),
-            image_patch_counts=np.concatenate(patches) if patches else np.zeros(0, np.int64),
-        )
-
-
 def simulated_sources(seed: int, weights: Sequence[float] = WEIGHTS, *,
                       context: int = CONTEXT) -> list[SimulatedSource]:
     return [SimulatedSource(i, f"{WORKLOAD}-{i}", seed=seed, context=context) for i in range(len(weights))]
@@ -276,13 +217,14 @@ def serving_seconds(plan: StepPlan, topology: Any, num_sources: int) -> float:
 
 def simulate_row(gpus: int, args: argparse.Namespace, bar: tqdm) -> dict[str, Any]:
     t_row = time.perf_counter()
-    layout = layout_for(gpus, args.pp)
-    sources = simulated_sources(args.seed)
+    layout, weights = layout_for(gpus, args.pp), mixing_weights(args)
+    sources = simulated_sources(args.seed, weights)
     batch = PER_GPU * layout.world
-    m = microbatches_per_dp(sources, WEIGHTS, batch // layout.dp)
+    m = microbatches_per_dp(sources, weights, batch // layout.dp)
     patch_size = sources[0].patch_size
     patch_dim = patch_size * patch_size * 3
-    kw = dict(seed=args.seed, num_microbatches=m, patch_size=patch_size, middle_stage_masks=args.middle_stage_masks)
+    kw = dict(seed=args.seed, num_microbatches=m, patch_size=patch_size, middle_stage_masks=args.middle_stage_masks,
+              weights=weights)
     planners = {name: build_planner(layout, sources, broadcast=dims, **kw) for name, dims in BROADCAST.items()}
     strategy = planners["tp"][0].strategy
     effective = {"method": strategy.backbone.method, "encoder_method": strategy.encoder_method}
@@ -445,11 +387,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "off = Megatron's ends")
     parser.add_argument("--quick", action="store_true",
                         help="smoke test: 64 GPUs unless --gpus is given, 2 steps, no Ray round trips")
+    parser.add_argument("--sources", type=int, default=None,
+                        help="N equally weighted simulated sources instead of the docstring's 4 (blends of 1,000+)")
     parser.add_argument("--no-rpc", action="store_true",
                         help="leave out the measured Ray round trips of the Planner's replies (no Ray started)")
 
 
+def mixing_weights(args: argparse.Namespace) -> tuple[float, ...]:
+    if args.sources is not None and args.sources < 1:
+        raise ConfigError(f"--sources {args.sources}: give at least 1 simulated source")
+    return WEIGHTS if args.sources is None else (1.0,) * args.sources
+
+
 def run(args: argparse.Namespace) -> int:
+    mixing_weights(args)  # fail fast
     if args.quick:
         if args.gpus == [288, 1152, 4096]:
             args.gpus = [64]
@@ -474,7 +425,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         meta = {"seed": args.seed, "steps": args.steps, "context": CONTEXT, "per_gpu": PER_GPU, "workload": WORKLOAD,
-                "weights": list(WEIGHTS), "fill": FILL, "strategy": "vlm_balance", "strategy_args": STRATEGY_ARGS,
+                "weights": list(mixing_weights(args)), "fill": FILL, "strategy": "vlm_balance", "strategy_args": STRATEGY_ARGS,
                 "broadcast": {k: list(v) for k, v in BROADCAST.items()}, "measured_fields": list(MEASURED_FIELDS),
                 "byte_model": {
                     "packed_positions": "s = max(ceil(T/u)*u, u), u = pad_to_multiple_of(8) * 2 * cp",

@@ -89,11 +89,12 @@ def test_simulated_source_is_a_pure_function_of_seed_source_and_position() -> No
     assert not np.array_equal(other.text_tokens, wide.text_tokens)
 
 
-def test_every_source_position_is_planned_once_and_in_stream_order() -> None:
+@pytest.mark.parametrize("weights", [sim.WEIGHTS, (1.0,) * 120], ids=["4 sources", "120 sources"])
+def test_every_source_position_is_planned_once_and_in_stream_order(weights) -> None:
     lay = sim.layout_for(GPUS)
-    sources = sim.simulated_sources(0)
-    m = sim.microbatches_per_dp(sources, sim.WEIGHTS, sim.PER_GPU * lay.world // lay.dp)
-    planner, _ = sim.build_planner(lay, sources, seed=0, broadcast=("tp", "cp"), num_microbatches=m)
+    sources = sim.simulated_sources(0, weights)
+    m = sim.microbatches_per_dp(sources, weights, sim.PER_GPU * lay.world // lay.dp)
+    planner, _ = sim.build_planner(lay, sources, seed=0, broadcast=("tp", "cp"), num_microbatches=m, weights=weights)
     cursor = np.zeros(len(sources), dtype=np.int64)
     for step in range(3):
         plan = planner.plan(step)
@@ -140,6 +141,19 @@ def check_byte_model_against_packing(plan, lay: sim.Layout, *, d: int) -> None:
                   "image_patches": totals["image_patches"] + int(sum(i.shape[0] for s in samples for i in s["images"]))}
     assert got["tp"] == sim.step_bytes(totals, pp=lay.pp, copies=lay.cp, stages=2, patch_dim=d)["total"]
     assert got["tp-cp"] == sim.step_bytes(totals, pp=lay.pp, copies=1, stages=2, patch_dim=d)["total"]
+
+
+def test_sources_option_simulates_n_equal_sources(tmp_path, capsys) -> None:
+    out = tmp_path / "many.json"
+    assert main(["simulate", "--gpus", str(GPUS), "--quick", "--sources", "60", "--json", str(out)]) == 0
+    got = json.loads(out.read_text())
+    assert got["weights"] == [1.0] * 60
+    for step in got["rows"][0]["per_step"]:
+        counts = np.asarray(step["per_source"])
+        assert len(counts) == 60 and counts.min() >= counts.max() - 1  # equal weights: within one sample
+    capsys.readouterr()
+    assert main(["simulate", "--gpus", str(GPUS), "--quick", "--sources", "0"]) == 2
+    assert capsys.readouterr().err == "error: --sources 0: give at least 1 simulated source\n"
 
 
 def test_rpc_cost_times_each_reply_size_and_counts_the_steps_calls() -> None:
