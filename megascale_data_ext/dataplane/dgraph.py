@@ -208,29 +208,31 @@ class DGraph(_GraphBase):
         self.distribution = Distribution() if distribution is None else distribution
         sources = summary.sources
         parts = [p for p in sources if p.positions.shape[0]]  # a step's graph at 1,000+ sources holds rows of few
-        offs = [p.image_offsets for p in parts]
-        img_counts = [p.image_patch_counts for p in parts]
-        # Re-base each source's ragged image offsets onto the concatenated patch array.
-        base = np.cumsum([0] + [len(c) for c in img_counts[:-1]]) if parts else np.zeros(0, np.int64)
-        image_offsets = (
-            np.concatenate([o[:-1] + b for o, b in zip(offs, base, strict=True)] + [[sum(len(c) for c in img_counts)]])
-            if parts
-            else np.zeros(1, np.int64)
-        )
+        # Whole-buffer arrays in a few numpy calls, not a few per source (1,000+ sources a step).
+        lengths = np.fromiter(map(len, parts), dtype=np.int64, count=len(parts))
+
+        def cat(arrays: list[np.ndarray]) -> np.ndarray:
+            return np.concatenate(arrays) if arrays else np.zeros(0, np.int64)
+
+        offsets = cat([p.image_offsets for p in parts])  # each part's len + 1 entries, from 0
+        num_images = np.delete(np.diff(offsets), np.cumsum(lengths + 1)[:-1] - 1) if parts else np.zeros(0, np.int64)
+        image_offsets = np.concatenate(([0], np.cumsum(num_images)))
+        image_patch_counts = cat([p.image_patch_counts for p in parts])
+        patches_before = np.concatenate(([0], np.cumsum(image_patch_counts)))
         cols = {
-            "source": np.concatenate([np.full(len(p), p.source, np.int32) for p in parts]) if parts else np.zeros(0, np.int32),
-            "position": np.concatenate([p.positions for p in parts]) if parts else np.zeros(0, np.int64),
-            "index": np.concatenate([p.indices for p in parts]) if parts else np.zeros(0, np.int64),
-            "text_tokens": np.concatenate([p.text_tokens for p in parts]) if parts else np.zeros(0, np.int64),
-            "image_patches": np.concatenate([p.image_patches_total() for p in parts]) if parts else np.zeros(0, np.int64),
-            "num_images": np.concatenate([np.diff(p.image_offsets) for p in parts]) if parts else np.zeros(0, np.int64),
+            "source": np.repeat(np.fromiter((p.source for p in parts), np.int32, len(parts)), lengths),
+            "position": cat([p.positions for p in parts]),
+            "index": cat([p.indices for p in parts]),
+            "text_tokens": cat([p.text_tokens for p in parts]),
+            "image_patches": patches_before[image_offsets[1:]] - patches_before[image_offsets[:-1]],
+            "num_images": num_images,
         }
         for key in sorted({k for p in parts for k in p.extra}):
             cols[key] = np.concatenate([p.extra[key] for p in parts])
         cols["seq_len"] = cols["text_tokens"] + cols["image_patches"]
         super().__init__(cols, tree, step)
         self.image_offsets = image_offsets.astype(np.int64)
-        self.image_patch_counts = np.concatenate(img_counts).astype(np.int64) if parts else np.zeros(0, np.int64)
+        self.image_patch_counts = image_patch_counts.astype(np.int64)
         self.selected: np.ndarray | None = None
         self.broadcast_dims: tuple[str, ...] = ()
         self.encoder: ImageDGraph | None = None

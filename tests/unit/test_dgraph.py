@@ -190,3 +190,27 @@ def test_mix_takes_each_sources_stream_heads_with_one_sort_as_a_scan_per_source_
                                       scan(src, position, counts, order), err_msg=f"trial {trial}")
     with pytest.raises(PlanError, match="order\\(\\) must hold each source"):
         _stream_heads(src, position, held, counts + 1, order, "MyMixer")
+
+
+def test_buffer_columns_of_many_sources_match_each_sources_own_summary():
+    """The graph builds its columns for all sources at once; per source they are what its summary says
+    (empty sources, sources without images and ragged image counts included)."""
+    rng = np.random.default_rng(5)
+    parts = []
+    for s in range(40):
+        n = int(rng.integers(0, 12)) if s % 7 else 0
+        nimg = rng.integers(0, 3, n) if s % 3 else np.zeros(n, np.int64)
+        offs = np.concatenate([[0], np.cumsum(nimg)])
+        parts.append(SourceSummary(source=s, name=f"s{s}", positions=np.arange(n) + 3, indices=rng.permutation(n),
+                                   text_tokens=rng.integers(1, 50, n), image_offsets=offs,
+                                   image_patch_counts=rng.integers(1, 100, int(offs[-1]))))
+    g = DGraph.from_summary(BufferSummary.of(parts), TREE, step=0)
+    for p in parts:
+        rows = np.flatnonzero(g.cols["source"] == p.source)
+        np.testing.assert_array_equal(g.cols["position"][rows], p.positions)
+        np.testing.assert_array_equal(g.cols["image_patches"][rows], p.image_patches_total())
+        np.testing.assert_array_equal(g.cols["num_images"][rows], np.diff(p.image_offsets))
+        got = [g.image_patch_counts[g.image_offsets[r]:g.image_offsets[r + 1]] for r in rows.tolist()]
+        want = [p.image_patch_counts[p.image_offsets[i]:p.image_offsets[i + 1]] for i in range(len(p))]
+        assert all(np.array_equal(a, b) for a, b in zip(got, want, strict=True))
+    assert g.cols["source"].dtype == np.int32 and len(g) == sum(len(p) for p in parts)
