@@ -84,11 +84,11 @@ def encoder_bytes(totals: dict[str, int], *, patch_dim: int) -> int:
 
 
 def plan_nbytes(plan: StepPlan) -> int:
-    """A plan's arrays, and the by-bucket indexes serving it builds (int32 per row and per image)."""
+    """A plan's arrays, and the indexes serving it builds (int32 per row by bucket and by source, per image)."""
     arrays = [v for v in (getattr(plan, f) for f in plan.__dataclass_fields__) if isinstance(v, np.ndarray)]
-    indexed = plan.num_samples
+    indexed = 2 * plan.num_samples
     if plan.encoder is not None:
         arrays += [v for v in (getattr(plan.encoder, f) for f in plan.encoder.__dataclass_fields__)
                    if isinstance(v, np.ndarray)]
         indexed += plan.encoder.sample.shape[0]
-    return int(sum(a.nbytes for a in arrays)) + 4 * indexed + 2 * 8 * (plan.num_buckets + 1)
+    return int(sum(a.nbytes for a in arrays)) + 4 * indexed + 8 * (2 * plan.num_buckets + len(plan.source_names) + 3)

@@ -135,8 +135,9 @@ def test_strategies_resolve_cost_models_when_built_and_declare_axis_and_broadcas
 
 
 def test_serving_by_bucket_index_equals_scanning_every_row():
-    """`bucket_rows` / `encoder_images_of` (a by-bucket index built once per plan) give what scanning
-    all rows per bucket gives, for every bucket and groups of buckets; the index is not shipped."""
+    """`bucket_rows` / `encoder_images_of` / `source_rows` (indexes built once per plan) give what
+    scanning all rows per bucket or source gives, and so the constructors' and loaders' views; the
+    indexes are not shipped."""
     import pickle
 
     from megascale_data_ext.runtime.constructor import encoder_rows
@@ -154,8 +155,19 @@ def test_serving_by_bucket_index_equals_scanning_every_row():
         np.testing.assert_array_equal(plan.encoder_images_of(group), np.flatnonzero(np.isin(image_bucket, group)))
         rows = encoder_rows(plan, group)
         assert rows.rank.tolist() == plan.encoder.bucket[np.isin(image_bucket, group)].tolist()
+        for s in range(len(plan.source_names) + 1):  # one past the last: no rows
+            np.testing.assert_array_equal(plan.source_rows(s), np.flatnonzero(plan.source == s))
+        views = plan.loader_do_plans([2, 0, 2])
+        assert sorted(views) == [s for s in (0, 2) if (plan.source == s).any()]
+        for s, view in views.items():
+            rows = np.flatnonzero(plan.source == s)
+            rows = rows[np.argsort(plan.position[rows], kind="stable")]
+            np.testing.assert_array_equal(view.positions, plan.position[rows])
+            np.testing.assert_array_equal(view.bucket, plan.bucket[rows])
+            np.testing.assert_array_equal(plan.loader_do_plan(s).indices, plan.index[rows])
         shipped = pickle.loads(pickle.dumps(plan))
         assert plan._by_bucket is not None and shipped._by_bucket is None and shipped._images_by_bucket is None
+        assert plan._by_source is not None and shipped._by_source is None
         np.testing.assert_array_equal(shipped.bucket_rows(0), plan.bucket_rows(0))
 
 
