@@ -151,13 +151,15 @@ _NO_ROWS = np.zeros(0, dtype=np.int64)
 
 def _fresh(summaries: list[SourceSummary], counts: np.ndarray, order: np.ndarray) -> Pool:
     """The step's fresh draws in mixing order: each source's next `counts[s]` buffered samples."""
-    src = np.asarray(order, dtype=np.int64)
+    src, counts = np.asarray(order, dtype=np.int64), np.asarray(counts, dtype=np.int64)
     cols = {k: np.empty(len(src), dtype=np.int64) for k in ("position", "index", "length")}
     patches: list[tuple[int, ...]] = [()] * len(src)
-    for s, c in enumerate(np.asarray(counts).tolist()):
-        if not c:
-            continue
-        sel, summ = np.flatnonzero(src == s), summaries[s]
+    # each source's slots, ascending: one stable sort, not a scan of the batch per source (1,000+ sources)
+    slots = np.argsort(src.astype(np.uint16) if len(counts) <= 65536 else src, kind="stable")
+    first = np.cumsum(counts) - counts
+    for s in np.flatnonzero(counts).tolist():
+        c = int(counts[s])
+        sel, summ = slots[first[s]:first[s] + c], summaries[s]
         cols["position"][sel], cols["index"][sel] = summ.positions[:c], summ.indices[:c]
         cols["length"][sel] = summ.text_tokens[:c]
         if len(summ.image_patch_counts):

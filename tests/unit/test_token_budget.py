@@ -136,3 +136,31 @@ def test_image_samples_stay_whole_and_reach_the_encoder(tmp_path):
         assert set(np.unique(plan.encoder.sample).tolist()) <= set(rows.tolist())
         with_images = set(rows[plan.tokens[rows] > plan.span_stop[rows]].tolist())  # rows carrying patches
         assert with_images <= set(plan.encoder.sample.tolist())  # every image is encoded by some rank
+
+
+def test_fresh_draws_take_each_sources_next_samples_in_mixing_order():
+    """`_fresh` gives slot i of the mixer's order the next unused sample of its source (its stream heads
+    in order, images along), as a scan of the order per source did, at 200 sources of which most draw nothing."""
+    from megascale_data_ext.dataplane.summary import SourceSummary
+    from megascale_data_ext.runtime.token_budget import _fresh
+
+    rng = np.random.default_rng(2)
+    k = 200
+    counts = np.where(rng.random(k) < 0.2, rng.integers(1, 6, k), 0)
+    order = rng.permutation(np.repeat(np.arange(k), counts))
+    summaries = []
+    for s in range(k):
+        n = int(counts[s]) + int(rng.integers(0, 3))
+        nimg = rng.integers(0, 3, n) if s % 2 else np.zeros(n, np.int64)
+        offs = np.concatenate([[0], np.cumsum(nimg)])
+        summaries.append(SourceSummary(source=s, name=f"s{s}", positions=np.arange(n) + 10 * s,
+                                       indices=rng.permutation(n), text_tokens=rng.integers(1, 99, n),
+                                       image_offsets=offs, image_patch_counts=rng.integers(1, 50, int(offs[-1]))))
+    pool = _fresh(summaries, counts, order)
+    seen = np.zeros(k, dtype=np.int64)
+    for i, s in enumerate(order.tolist()):
+        j, summ = int(seen[s]), summaries[s]
+        seen[s] += 1
+        assert (pool.source[i], pool.position[i], pool.index[i], pool.length[i]) == (
+            s, summ.positions[j], summ.indices[j], summ.text_tokens[j])
+        assert pool.patches[i] == tuple(summ.image_patch_counts[summ.image_offsets[j]:summ.image_offsets[j + 1]])
