@@ -29,6 +29,7 @@ import numpy as np
 from megascale_data_ext.dataplane.balancers import balance_step
 from megascale_data_ext.dataplane.balancers.hybrid_cp import CPCost, balance_hybrid_cp
 from megascale_data_ext.dataplane.distribution import Distribution
+from megascale_data_ext.dataplane.grouping import stable_order
 from megascale_data_ext.dataplane.plan import EncoderPlan, StepPlan
 from megascale_data_ext.dataplane.summary import BufferSummary
 from megascale_data_ext.errors import PlanError, ShortBufferError
@@ -191,7 +192,7 @@ def _stream_heads(src: np.ndarray, position: np.ndarray, held: np.ndarray, count
         by_stream = np.arange(len(src), dtype=np.int64)  # summaries arrive by source, in stream order
     else:
         by_stream = np.lexsort((position, src))
-    slots = np.argsort(order.astype(np.uint16) if k <= 65536 else order, kind="stable")
+    slots = stable_order(order, k)
     first_slot = np.cumsum(counts) - counts
     first_row = np.cumsum(held) - held
     at = order[slots]

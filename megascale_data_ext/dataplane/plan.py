@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from megascale_data_ext.dataplane.grouping import grouped_rows
+
 
 @dataclass(slots=True, kw_only=True, frozen=True)
 class SampleRef:
@@ -103,12 +105,9 @@ class EncoderPlan:
         return np.bincount(self.bucket, weights=self.cost, minlength=self.num_buckets)
 
 
-def grouped_rows(keys: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """Rows ordered by key in [0, k), ascending inside a key (a stable sort), and where each key's rows
-    start (k + 1 offsets): the rows of key j are ``order[start[j]:start[j + 1]]``."""
-    order = np.argsort(keys.astype(np.uint16) if k <= 65536 else keys, kind="stable")  # 16 bits: radix
-    start = np.zeros(k + 1, dtype=np.int64)
-    np.cumsum(np.bincount(keys, minlength=k), out=start[1:])
+def _index(keys: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """`grouped_rows`, its row numbers as int32 (a cached plan holds a few of these)."""
+    order, start = grouped_rows(keys, k)
     return (order.astype(np.int32) if keys.shape[0] < 2**31 else order), start
 
 
@@ -161,14 +160,14 @@ class StepPlan:
     def bucket_rows(self, bucket: int) -> np.ndarray:
         """Rows going to `bucket`, ascending (``flatnonzero(self.bucket == bucket)``), from an index."""
         if self._by_bucket is None:
-            self._by_bucket = grouped_rows(self.bucket, self.num_buckets)
+            self._by_bucket = _index(self.bucket, self.num_buckets)
         order, start = self._by_bucket
         return order[start[bucket] : start[bucket + 1]]
 
     def source_rows(self, source: int) -> np.ndarray:
         """Rows of `source`, ascending (``flatnonzero(self.source == source)``), from an index."""
         if self._by_source is None:
-            self._by_source = grouped_rows(self.source, len(self.source_names))
+            self._by_source = _index(self.source, len(self.source_names))
         order, start = self._by_source
         return order[start[source] : start[source + 1]] if 0 <= source < len(start) - 1 else order[:0]
 
@@ -177,7 +176,7 @@ class StepPlan:
         if self.encoder is None:
             return np.zeros(0, dtype=np.int64)
         if self._images_by_bucket is None:
-            self._images_by_bucket = grouped_rows(self.bucket[self.encoder.sample], self.num_buckets)
+            self._images_by_bucket = _index(self.bucket[self.encoder.sample], self.num_buckets)
         order, start = self._images_by_bucket
         parts = [order[start[b] : start[b + 1]] for b in dict.fromkeys(buckets)]
         if len(parts) == 1:

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from megascale_data_ext.dataplane.dgraph import DGraph
+from megascale_data_ext.dataplane.grouping import stable_order
 from megascale_data_ext.dataplane.mixing.budget import (
     OFFER_FRACTION,
     SLACK_MICROBATCHES,
@@ -155,7 +156,7 @@ def _fresh(summaries: list[SourceSummary], counts: np.ndarray, order: np.ndarray
     cols = {k: np.empty(len(src), dtype=np.int64) for k in ("position", "index", "length")}
     patches: list[tuple[int, ...]] = [()] * len(src)
     # each source's slots, ascending: one stable sort, not a scan of the batch per source (1,000+ sources)
-    slots = np.argsort(src.astype(np.uint16) if len(counts) <= 65536 else src, kind="stable")
+    slots = stable_order(src, len(counts))
     first = np.cumsum(counts) - counts
     for s in np.flatnonzero(counts).tolist():
         c = int(counts[s])

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from megascale_data_ext.dataplane.grouping import grouped_rows
+
 __all__ = ["bucket_cost", "members_by_bucket", "pack_buckets_under_cap", "pack_under_cap", "packed_better",
            "repair_packing"]
 
@@ -70,8 +72,8 @@ def pack_buckets_under_cap(tokens: np.ndarray, bucket: np.ndarray, k: int, cap: 
 def members_by_bucket(bucket: np.ndarray, k: int) -> list[np.ndarray]:
     """Each bucket's documents (ascending ids), from one sort: ``flatnonzero(bucket == b)`` for
     every b would read all documents k times (65 ms at 4,096 buckets)."""
-    order = np.argsort(bucket, kind="stable")
-    return np.split(order, np.cumsum(np.bincount(bucket, minlength=k))[:-1])
+    order, start = grouped_rows(bucket, k)
+    return np.split(order, start[1:-1])
 
 
 def packed_better(start: np.ndarray, improved: np.ndarray, costs: np.ndarray, tokens: np.ndarray, k: int,
