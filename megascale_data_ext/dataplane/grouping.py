@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["grouped_rows", "stable_order"]
+__all__ = ["grouped_rows", "ranks_within", "stable_order"]
 
 
 def stable_order(keys: np.ndarray, bound: int) -> np.ndarray:
@@ -23,3 +23,12 @@ def grouped_rows(keys: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     start = np.zeros(k + 1, dtype=np.int64)
     np.cumsum(np.bincount(keys, minlength=k), out=start[1:])
     return stable_order(keys, k), start
+
+
+def ranks_within(keys: np.ndarray, k: int) -> np.ndarray:
+    """For each row, how many earlier rows have its key in [0, k) (0 for the first of each key)."""
+    order, start = grouped_rows(keys, k)
+    first = start[:-1]
+    rank = np.empty(len(keys), dtype=np.int64)
+    rank[order] = np.arange(len(keys), dtype=np.int64) - first[keys[order]]
+    return rank

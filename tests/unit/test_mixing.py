@@ -292,6 +292,30 @@ def test_deterministic_order_interleaves_every_prefix() -> None:
         Mixer(ConstantSchedule([1] * 5), list("abcde"), seed=0).order(0, np.array([1, -1, 0, 0, 0]))
 
 
+@pytest.mark.parametrize("mode", ["deterministic", "random"])
+def test_interleave_is_the_order_with_each_slots_rank_in_its_source(mode: str) -> None:
+    """`interleave`'s rank is how many earlier slots hold the same source; its deterministic order is the
+    (2j+1)/(2c) interleave with ties to the lower source, as the lexsort it replaced computed it."""
+    rng = np.random.default_rng(11)
+    for trial in range(200):
+        k = int(rng.integers(1, 40))
+        counts = rng.integers(0, 60, k) * (rng.random(k) < 0.8)
+        if trial % 5 == 0:
+            counts[:] = counts.max()  # equal counts: every fraction ties across sources
+        mixer = Mixer(ConstantSchedule([1] * k), [f"s{i}" for i in range(k)], seed=trial, mode=mode)
+        order, rank = mixer.interleave(trial, counts)
+        np.testing.assert_array_equal(order, mixer.order(trial, counts))
+        seen = np.zeros(k, dtype=np.int64)
+        expected = np.empty(len(order), dtype=np.int64)
+        for i, s in enumerate(order.tolist()):
+            expected[i], seen[s] = seen[s], seen[s] + 1
+        np.testing.assert_array_equal(rank, expected, err_msg=f"trial {trial}")
+        if mode == "deterministic":
+            src = np.repeat(np.arange(k, dtype=np.int32), counts)
+            j = np.arange(src.size) - np.repeat(np.cumsum(counts) - counts, counts)
+            np.testing.assert_array_equal(order, src[np.lexsort((src, (2 * j + 1) / (2 * counts[src])))])
+
+
 # --------------------------------------------------------------------------- state
 
 

@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from megascale_data_ext.dataplane.grouping import ranks_within
 from megascale_data_ext.dataplane.mixing.checks import is_count, names_tuple, raise_problems
 from megascale_data_ext.dataplane.mixing.schedules import MixingSchedule
 from megascale_data_ext.errors import ConfigError, PlanError
@@ -208,16 +209,24 @@ class Mixer:
         every prefix holds each source within one sample of its share, as Megatron's blend
         order does. Random mode shuffles with ``default_rng([seed, step, 1])``.
         """
+        return self.interleave(step, counts)[0]
+
+    def interleave(self, step: int, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """`order` and each slot's rank among its source's slots (how many earlier slots hold the
+        same source): the deterministic order knows it already, and `DGraph.mix` then picks each
+        source's stream heads without sorting 300k slots by source again (4,096 GPUs)."""
         c = np.asarray(counts)
         if c.shape != self._target.shape or np.any(c < 0) or np.any(c != np.round(c)):
             raise PlanError(f"counts must be {len(self.source_names)} non-negative integers, got {c.tolist()!r}")
         c = c.astype(np.int64)
         src = np.repeat(np.arange(c.size, dtype=np.int32), c)
         if self.mode is MixMode.RANDOM:
-            return np.random.default_rng([self.seed, int(step), 1]).permutation(src)
+            order = np.random.default_rng([self.seed, int(step), 1]).permutation(src)
+            return order, ranks_within(order, c.size)
         j = np.arange(src.size) - np.repeat(np.cumsum(c) - c, c)
-        pos = (2 * j + 1) / (2 * c[src])  # exact for equal fractions, so ties are decided by the source index
-        return src[np.lexsort((src, pos))]
+        pos = (2 * j + 1) / np.repeat(2 * c, c)  # exact for equal fractions, so ties are decided by the source index:
+        by_pos = np.argsort(pos, kind="stable")  # rows are by source already, so a stable sort keeps the lower first
+        return src[by_pos], j[by_pos]
 
     def fingerprint(self) -> dict[str, Any]:
         return self._fingerprint
