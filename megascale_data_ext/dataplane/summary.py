@@ -81,16 +81,17 @@ class SourceSummary:
         stop = min(start + n, len(self))
         off = self.image_offsets[start: stop + 1]
         base = int(off[0]) if len(off) else 0
-        return SourceSummary(
-            source=self.source,
-            name=self.name,
-            positions=self.positions[start:stop],
-            indices=self.indices[start:stop],
-            text_tokens=self.text_tokens[start:stop],
-            image_offsets=off - base,
-            image_patch_counts=self.image_patch_counts[base: off[-1]] if len(off) else self.image_patch_counts[:0],
-            extra={k: v[start:stop] for k, v in self.extra.items()},
-        )
+        # Slices of a checked summary are consistent: skip the checks (the Planner slices every drawn
+        # source each step, 1,000+ at a time).
+        window = object.__new__(SourceSummary)
+        window.source, window.name = self.source, self.name
+        window.positions, window.indices = self.positions[start:stop], self.indices[start:stop]
+        window.text_tokens = self.text_tokens[start:stop]
+        window.image_offsets = off - base if base else off
+        window.image_patch_counts = (self.image_patch_counts[base: off[-1]] if len(off)
+                                     else self.image_patch_counts[:0])
+        window.extra = {k: v[start:stop] for k, v in self.extra.items()} if self.extra else {}
+        return window
 
 
 _SOURCE, _NAME = operator.attrgetter("source"), operator.attrgetter("name")

@@ -226,3 +226,29 @@ def test_buffer_columns_of_many_sources_match_each_sources_own_summary():
         want = [p.image_patch_counts[p.image_offsets[i]:p.image_offsets[i + 1]] for i in range(len(p))]
         assert all(np.array_equal(a, b) for a, b in zip(got, want, strict=True))
     assert g.cols["source"].dtype == np.int32 and len(g) == sum(len(p) for p in parts)
+
+
+def test_a_summary_window_equals_the_checked_summary_of_its_slice():
+    """`window` skips the checks a slice of a checked summary cannot fail; what it returns is what the
+    checked constructor makes of the same slice (ragged images, none, extra columns, past the end)."""
+    rng = np.random.default_rng(9)
+    for trial in range(50):
+        n = int(rng.integers(0, 40))
+        images = rng.integers(0, 4, n) * (trial % 2)
+        offsets = np.concatenate(([0], np.cumsum(images)))
+        full = SourceSummary(source=3, name="s", positions=np.arange(n) + 100, indices=rng.permutation(n),
+                             text_tokens=rng.integers(1, 99, n), image_offsets=offsets,
+                             image_patch_counts=rng.integers(1, 50, int(offsets[-1])),
+                             extra={"w": rng.random(n)} if trial % 3 else {})
+        start, k = int(rng.integers(0, n + 1)), int(rng.integers(0, 20))
+        got, stop = full.window(start, k), min(start + k, n)
+        off = full.image_offsets[start:stop + 1]
+        want = SourceSummary(source=3, name="s", positions=full.positions[start:stop],
+                             indices=full.indices[start:stop], text_tokens=full.text_tokens[start:stop],
+                             image_offsets=off - off[0], image_patch_counts=full.image_patch_counts[off[0]:off[-1]],
+                             extra={key: v[start:stop] for key, v in full.extra.items()})
+        for field in ("positions", "indices", "text_tokens", "image_offsets", "image_patch_counts"):
+            np.testing.assert_array_equal(getattr(got, field), getattr(want, field), err_msg=f"{trial} {field}")
+            assert getattr(got, field).dtype == np.int64
+        assert got.extra.keys() == want.extra.keys() and (got.source, got.name) == (3, "s")
+        np.testing.assert_array_equal(got.seq_lengths(), want.seq_lengths())
