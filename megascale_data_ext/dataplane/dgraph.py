@@ -229,8 +229,8 @@ class DGraph(_GraphBase):
             cols[key] = np.concatenate([p.extra[key] for p in parts])
         cols["seq_len"] = cols["text_tokens"] + cols["image_patches"]
         super().__init__(cols, tree, step)
-        self.image_offsets = image_offsets.astype(np.int64)
-        self.image_patch_counts = image_patch_counts.astype(np.int64)
+        self.image_offsets = image_offsets.astype(np.int64, copy=False)
+        self.image_patch_counts = image_patch_counts.astype(np.int64, copy=False)
         self.selected: np.ndarray | None = None
         self.broadcast_dims: tuple[str, ...] = ()
         self.encoder: ImageDGraph | None = None
@@ -273,13 +273,19 @@ class DGraph(_GraphBase):
         return self
 
     def _select(self, rows: np.ndarray) -> None:
-        offs, counts = self.image_offsets, self.image_patch_counts
-        starts, ends = offs[rows], offs[rows + 1]
-        lens = ends - starts
-        idx = np.repeat(starts - np.cumsum(np.concatenate([[0], lens[:-1]])), lens) + np.arange(lens.sum())
-        self.image_patch_counts = counts[idx] if len(idx) else np.zeros(0, np.int64)
-        self.image_offsets = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
+        starts = self.image_offsets[rows]
         self.cols = {k: v[rows] for k, v in self.cols.items()}
+        lens = self.cols["num_images"]  # the offsets' differences, gathered with the other columns
+        offsets = np.zeros(len(rows) + 1, dtype=np.int64)
+        np.cumsum(lens, out=offsets[1:])
+        total = int(offsets[-1])
+        if total:
+            idx = np.repeat(starts - offsets[:-1], lens)
+            idx += np.arange(total, dtype=np.int64)
+            self.image_patch_counts = self.image_patch_counts[idx]
+        else:
+            self.image_patch_counts = np.zeros(0, np.int64)
+        self.image_offsets = offsets
         self.selected = rows
 
     def images(self) -> ImageDGraph:
