@@ -262,7 +262,8 @@ class DGraph(_GraphBase):
             raise ShortBufferError(
                 f"step {self.step}: source {self.summary.sources[s].name!r} has {int(held[s])} buffered samples but "
                 f"the mixture needs {n}; raise the loader buffer size (buffer_size) or lower the batch size", short)
-        self._select(_stream_heads(src, self.cols["position"], held, counts, order, type(mixer).__name__, rank))
+        self._select(_stream_heads(src, self.cols["position"], held, counts, order, type(mixer).__name__, rank),
+                     source=order)
         self._record(f"mix({type(mixer).__name__}, batch_size={batch_size}) -> counts {counts.tolist()}")
         return self
 
@@ -272,9 +273,11 @@ class DGraph(_GraphBase):
         self._record(f"{note}({len(rows)} rows)")
         return self
 
-    def _select(self, rows: np.ndarray) -> None:
+    def _select(self, rows: np.ndarray, *, source: np.ndarray | None = None) -> None:
+        """Keep these rows in this order; `source` is their source column where the caller knows it."""
         starts = self.image_offsets[rows]
-        self.cols = {k: v[rows] for k, v in self.cols.items()}
+        self.cols = {k: source.astype(v.dtype) if k == "source" and source is not None else v[rows]
+                     for k, v in self.cols.items()}
         lens = self.cols["num_images"]  # the offsets' differences, gathered with the other columns
         offsets = np.zeros(len(rows) + 1, dtype=np.int64)
         np.cumsum(lens, out=offsets[1:])
