@@ -275,8 +275,8 @@ class DGraph(_GraphBase):
 
     def _select(self, rows: np.ndarray, *, source: np.ndarray | None = None) -> None:
         """Keep these rows in this order; `source` is their source column where the caller knows it."""
-        starts = self.image_offsets[rows]
-        self.cols = {k: source.astype(v.dtype) if k == "source" and source is not None else v[rows]
+        starts = np.take(self.image_offsets, rows)  # np.take: a 1-D gather without fancy indexing's overhead
+        self.cols = {k: source.astype(v.dtype) if k == "source" and source is not None else np.take(v, rows)
                      for k, v in self.cols.items()}
         lens = self.cols["num_images"]  # the offsets' differences, gathered with the other columns
         offsets = np.zeros(len(rows) + 1, dtype=np.int64)
@@ -285,7 +285,7 @@ class DGraph(_GraphBase):
         if total:
             idx = np.repeat(starts - offsets[:-1], lens)
             idx += np.arange(total, dtype=np.int64)
-            self.image_patch_counts = self.image_patch_counts[idx]
+            self.image_patch_counts = np.take(self.image_patch_counts, idx)
         else:
             self.image_patch_counts = np.zeros(0, np.int64)
         self.image_offsets = offsets
