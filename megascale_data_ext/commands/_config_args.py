@@ -56,6 +56,20 @@ def dataset_source(item: str) -> dict[str, Any] | None:
     return None
 
 
+def not_a_dataset(item: str) -> str:
+    """Why a command-line item that is not an override is not a dataset either, and what would be."""
+    kinds = "a Parquet or JSONL file or directory, WebDataset .tar shards, or a Megatron prefix with its .bin/.idx"
+    path = Path(item)
+    if path.is_dir():
+        found = sorted({p.suffix for p in path.rglob("*") if p.suffix in _FORMATS})
+        what = (f"mixes {', '.join(found)} files: name one format's files or directory" if len(found) > 1
+                else f"holds no .parquet, .jsonl, .tar or .idx files")
+        return f"{item!r} {what} ({kinds})"
+    if path.exists():
+        return f"{item!r} is not a dataset file: pass {kinds}"
+    return f"{item!r} does not exist: check the path ({kinds}); a Hydra override is key=value"
+
+
 def compose_from_args(args: argparse.Namespace) -> Any:
     """The composed (not yet validated) config the arguments name. Dataset paths among them
     replace the config's sources (one source each, equal weights), so `info` / `lint` run on
@@ -66,6 +80,10 @@ def compose_from_args(args: argparse.Namespace) -> Any:
     from megascale_data_ext.errors import ConfigError
 
     datasets = [d for d in map(dataset_source, args.config) if d is not None]
+    for item in args.config:  # neither key=value, ~key, a YAML file nor a dataset: say why, before Hydra's grammar does
+        if "=" not in item and not item.startswith("~") and not item.endswith((".yaml", ".yml")) \
+                and dataset_source(item) is None:
+            raise ConfigError(not_a_dataset(item))
     if datasets:
         names = [d["name"] for d in datasets]
         for i, d in enumerate(datasets):  # unique names, as the config requires

@@ -8,6 +8,7 @@ groups through the package's Hydra plugin (``hydra_plugins/megascale_data_ext_se
 
 from __future__ import annotations
 
+import difflib
 import os
 import re
 from collections.abc import Iterator, Sequence
@@ -109,7 +110,7 @@ def compose_config(
             that is not in the config); Hydra's message lists the available options.
     """
     from hydra import compose, initialize_config_dir
-    from hydra.errors import HydraException
+    from hydra.errors import HydraException, MissingConfigException
     from omegaconf.errors import OmegaConfBaseException
 
     named = [i for i, o in enumerate(overrides) if _source_by_name(o) is not None]
@@ -127,9 +128,52 @@ def compose_config(
                                return_hydra_config=return_hydra_config)
         with hydra_scope(d, search_path):
             return compose(config_name=config_name, overrides=list(overrides), return_hydra_config=return_hydra_config)
+    except MissingConfigException as e:
+        raise ConfigError(_missing_config_message(e, config_name, where, overrides)) from e
     except (HydraException, OmegaConfBaseException) as e:
-        msg = f"cannot compose {config_name!r} from {where} with overrides {list(overrides)}: {e}"
-        raise ConfigError(msg) from e
+        unknown = re.match(r"Could not override '([^']+)'", str(e))
+        if unknown:
+            raise ConfigError(_unknown_key_message(unknown.group(1), overrides, config_name, config_dir,
+                                                   search_path)) from e
+        detail = " ".join(line.strip() for line in str(e).split("Config search path:")[0].splitlines() if line.strip())
+        raise ConfigError(f"cannot compose {config_name!r} from {where} with overrides {list(overrides)}: {detail}") from e
+
+
+def _unknown_key_message(key: str, overrides: Sequence[str], config_name: str, config_dir: str | Path | None,
+                         search_path: Sequence[str | Path]) -> str:
+    """One line for an override of a key the config does not have: the keys beside it, the closest first."""
+    given = next((o for o in overrides if o.split("=", 1)[0] == key), key)
+    parent, _, leaf = key.rpartition(".")
+    try:
+        from omegaconf import DictConfig, OmegaConf
+
+        rest = [o for o in overrides if o.split("=", 1)[0] != key]
+        cfg = compose_config(rest, config_name, config_dir=config_dir, search_path=search_path)
+        node = OmegaConf.select(cfg, parent) if parent else cfg
+        while node is None and parent:  # `nope.x`: the keys of the nearest node that exists
+            parent, _, leaf = parent.rpartition(".")
+            node = OmegaConf.select(cfg, parent) if parent else cfg
+        keys = sorted(str(k) for k in node.keys()) if isinstance(node, DictConfig) else []
+    except ConfigError:
+        keys = []
+    where = f"under `{parent}`" if parent else "at the top"
+    have = f"; the keys {where} are {', '.join(keys)}" if keys else ""
+    return f"{given}: the config has no key `{key}`; {did_you_mean(leaf, keys)}check its spelling{have}"
+
+
+def _missing_config_message(e: Any, config_name: str, where: str, overrides: Sequence[str]) -> str:
+    """One line for Hydra's missing config: the override that named it, the group's options, one to paste."""
+    group, _, option = str(e.missing_cfg_file or "").rpartition("/")
+    options = list(e.options or [])
+    if not group:
+        return f"config {config_name!r} not found in {where}; check --config-name and --config-dir"
+    given = next((o for o in overrides if o.lstrip("+~").split("=", 1)[0].split("@", 1)[0] == group),
+                 f"{group}={option}")
+    if not options:
+        return f"{given}: config group {group!r} not found in {where}"
+    close = difflib.get_close_matches(option, options, n=1)
+    return (f"{given}: config group {group!r} has no option {option!r}; pick one of {', '.join(options)} "
+            f"(e.g. {group}={close[0] if close else options[0]})")
 
 
 # ``data.sources.<name>.<key>=<value>`` (any ``+`` prefix; also ``data.validation.sources``): a

@@ -164,13 +164,39 @@ def test_prestart_workers_is_honoured_embedded_and_refused_for_a_cluster() -> No
 
 
 @pytest.mark.parametrize(
-    ("overrides", "fragment"),
-    [(["strategy=nope"], "llm_balance"), (["data.seq_lenght=2048"], "seq_lenght"), (["data.seq_length=[1"], "[1")],
+    ("overrides", "line"),
+    [(["strategy=nope"], "strategy=nope: config group 'strategy' has no option 'nope'; pick one of hybrid_cp, "
+                         "llm_balance, vanilla, vlm_balance (e.g. strategy=hybrid_cp)"),
+     (["strategy=llm_balanc"], "(e.g. strategy=llm_balance)"),
+     (["data.seq_lenght=2048"], "data.seq_lenght=2048: the config has no key `data.seq_lenght`; did you mean "
+                                "'seq_length'? check its spelling; the keys under `data` are "),
+     (["nope.x=1"], "the keys at the top are data, model, parallel, train"),
+     (["data.seq_length=[1"], "cannot compose 'train_gpt'")],
 )
-def test_compose_errors_are_config_errors(overrides: list[str], fragment: str) -> None:
-    with pytest.raises(ConfigError, match="cannot compose 'train_gpt'") as info:
+def test_compose_errors_are_one_line_config_errors_that_name_the_fix(overrides: list[str], line: str) -> None:
+    with pytest.raises(ConfigError) as info:
         compose_config(overrides)
-    assert fragment in str(info.value)
+    assert line in str(info.value) and "\n" not in str(info.value)
+    if "e.g. " in line:  # the suggested override composes
+        compose_config([line.split("e.g. ")[1].rstrip(")")])
+
+
+def test_a_command_line_item_that_is_neither_an_override_nor_a_dataset_says_which(tmp_path: Path) -> None:
+    import argparse
+
+    from megascale_data_ext.commands._config_args import compose_from_args
+
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "mixed").mkdir()
+    (tmp_path / "mixed" / "a.jsonl").write_text('{"text": "x"}\n')
+    (tmp_path / "mixed" / "b.parquet").write_bytes(b"")
+    (tmp_path / "notes.txt").write_text("x")
+    cases = {str(tmp_path / "gone"): "does not exist: check the path", str(tmp_path / "empty"): "holds no .parquet",
+             str(tmp_path / "mixed"): "mixes .jsonl, .parquet files", str(tmp_path / "notes.txt"): "is not a dataset file"}
+    for item, fragment in cases.items():
+        args = argparse.Namespace(config=["sources=demo_text", item], config_dir=None, config_name=None)
+        with pytest.raises(ConfigError, match=re.escape(f"{item!r} {fragment}")):
+            compose_from_args(args)
 
 
 def test_structured_schema_registered_and_typed_at_compose() -> None:
