@@ -77,21 +77,29 @@ def compose_from_args(args: argparse.Namespace) -> Any:
     from omegaconf import OmegaConf
 
     from megascale_data_ext.config import compose_config, conf_dir
+    from megascale_data_ext.config.hydra import named_source_override
     from megascale_data_ext.errors import ConfigError
 
-    datasets = [d for d in map(dataset_source, args.config) if d is not None]
-    for item in args.config:  # neither key=value, ~key, a YAML file nor a dataset: say why, before Hydra's grammar does
-        if "=" not in item and not item.startswith("~") and not item.endswith((".yaml", ".yml")) \
-                and dataset_source(item) is None:
+    found = [dataset_source(item) for item in args.config]  # a directory is walked once
+    datasets = [d for d in found if d is not None]
+    for item, d in zip(args.config, found, strict=True):  # neither key=value, ~key, YAML nor a dataset: say why
+        if d is None and "=" not in item and not item.startswith("~") and not item.endswith((".yaml", ".yml")):
             raise ConfigError(not_a_dataset(item))
     if datasets:
         names = [d["name"] for d in datasets]
         for i, d in enumerate(datasets):  # unique names, as the config requires
             if names.count(d["name"]) > 1:
                 d["name"] = f"{d['name']}-{i}"
-        rest = [c for c in args.config if dataset_source(c) is None]
+        names = [d["name"] for d in datasets]
+        rest = [c for c, d in zip(args.config, found, strict=True) if d is None]
+        # data.sources.<name>.<key>=<value> for a dataset named here (what its error hints print) applies to it
+        on_datasets = [m for m in map(named_source_override, rest) if m and m["list"] == "sources" and m["name"] in names]
+        rest = [c for c in rest if not any(c == m.string for m in on_datasets)]
         cfg = compose_from_args(argparse.Namespace(**{**vars(args), "config": rest}))
         cfg.data.sources = datasets
+        for m in on_datasets:
+            value = OmegaConf.from_dotlist([f"v={m['value']}"]).v
+            OmegaConf.update(cfg, f"data.sources.{names.index(m['name'])}.{m['rest']}", value, force_add=True)
         if "validation" in cfg.data:  # the config's held-out sources are not among the datasets named
             cfg.data.validation.sources = []
         if "data_root" in cfg.data:

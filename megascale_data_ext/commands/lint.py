@@ -85,50 +85,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 # -- schema ----------------------------------------------------------------------
-def _is_int_list(t: Any) -> bool:
-    import pyarrow as pa
-
-    return (pa.types.is_list(t) or pa.types.is_large_list(t)) and pa.types.is_integer(t.value_type)
-
-
-def _is_image(t: Any) -> bool:
-    import pyarrow as pa
-
-    if pa.types.is_binary(t) or pa.types.is_large_binary(t):
-        return True
-    if pa.types.is_list(t) or pa.types.is_large_list(t):
-        return _is_image(t.value_type)
-    return pa.types.is_struct(t) and t.get_field_index("bytes") >= 0 and _is_image(t.field("bytes").type)
-
-
 def parquet_schema_problems(spec: Any, path: str) -> list[str]:
     """What is wrong with a Parquet file's columns for `spec` (opening problems included)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from megascale_data_ext.sources.parquet import PATCHES_COLUMN, TOKENS_COLUMN
+    from megascale_data_ext.sources.parquet import column_problems
 
     try:
         schema = pq.read_schema(path)
     except (pa.ArrowException, OSError) as exc:
         return [f"cannot open as Parquet ({type(exc).__name__}: {exc})"]
-    names = set(schema.names)
-    want = [(spec.tokens_column, "tokens_column", _is_int_list, "a list of integers")] if spec.tokens_column else [
-        (spec.text_column, "text_column", lambda t: pa.types.is_string(t) or pa.types.is_large_string(t), "a string")]
-    if spec.image_column:
-        want.append((spec.image_column, "image_column", _is_image, "binary, a list of binary or a struct with `bytes`"))
-    want += [(TOKENS_COLUMN, None, pa.types.is_integer, "an integer"), (PATCHES_COLUMN, None, _is_int_list,
-                                                                        "a list of integers")]
-    out = []
-    for column, key, ok, what in want:
-        if column not in names:
-            if key is not None:
-                out.append(f"no column {column!r} (`{key}`); it has {schema.names}")
-            continue
-        t = schema.field(column).type
-        if not ok(t):
-            out.append(f"column {column!r} is {t}, expected {what}")
-    return out
+    return column_problems(spec, schema)
 
 
 def jsonl_lines(spec: Any, path: str) -> tuple[list[int], list[tuple[int, str]]]:

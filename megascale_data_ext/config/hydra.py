@@ -113,11 +113,11 @@ def compose_config(
     from hydra.errors import HydraException, MissingConfigException
     from omegaconf.errors import OmegaConfBaseException
 
-    named = [i for i, o in enumerate(overrides) if _source_by_name(o) is not None]
+    named = [i for i, o in enumerate(overrides) if named_source_override(o) is not None]
     if named:  # compose without them to learn the sources' order, then address each by index
         rest = [o for i, o in enumerate(overrides) if i not in named]
         data = compose_config(rest, config_name, config_dir=config_dir, search_path=search_path).get("data") or {}
-        overrides = [source_override_by_index(o, _source_list(data, _source_by_name(o)["list"])) if i in named
+        overrides = [source_override_by_index(o, _source_list(data, named_source_override(o)["list"])) if i in named
                      else o for i, o in enumerate(overrides)]
     d = Path(config_dir).resolve() if config_dir is not None else conf_dir()
     where = ", ".join(repr(str(p)) for p in (d, *search_path))
@@ -190,7 +190,8 @@ def _source_list(data: Any, key: str) -> Sequence:
     return node or []
 
 
-def _source_by_name(override: str) -> re.Match[str] | None:
+def named_source_override(override: str) -> re.Match[str] | None:
+    """``data.sources.<name>.<key>=<value>`` split into ``list``, ``name``, ``rest``, ``value`` (None: not one)."""
     m = _BY_NAME.match(override)
     return None if m is None or m["name"].isdigit() else m
 
@@ -205,7 +206,7 @@ def source_override_by_index(override: str, sources: Sequence) -> str:
     """
     from types import SimpleNamespace
 
-    m = _source_by_name(override)
+    m = named_source_override(override)
     if m is None:
         return override
     names = []

@@ -142,6 +142,12 @@ class ParquetSource(RowSource):
                     f"source {self.name!r}: file {path!r} has no column(s) {missing}; it has {names}. "
                     f"Set `{which}`/`image_column` in the source spec to one of those"
                 )
+            typed = column_problems(spec, pf.schema_arrow)
+            if typed:  # found at open, not as a traceback from the first batch that reads it
+                key = "tokens_column" if spec.tokens_column else "text_column"
+                raise SourceError(f"source {self.name!r}: file {path!r}: {typed[0]}; re-create it with the right "
+                                  f"types (megascale-data prepare), or name another column with "
+                                  f"data.sources.{self.name}.{key}=COLUMN (images: image_column)")
 
     def __len__(self) -> int:
         return int(self._rg_start[-1])
@@ -383,3 +389,37 @@ class ParquetSource(RowSource):
         getattr(self, "_cache", {}).clear()
         getattr(self, "_taken", {}).clear()
         self._stream = None
+
+
+def _is_int_list(t: pa.DataType) -> bool:
+    return (pa.types.is_list(t) or pa.types.is_large_list(t)) and pa.types.is_integer(t.value_type)
+
+
+def _is_image(t: pa.DataType) -> bool:
+    if pa.types.is_binary(t) or pa.types.is_large_binary(t):
+        return True
+    if pa.types.is_list(t) or pa.types.is_large_list(t):
+        return _is_image(t.value_type)
+    return pa.types.is_struct(t) and t.get_field_index("bytes") >= 0 and _is_image(t.field("bytes").type)
+
+
+def column_problems(spec: SourceSpec, schema: pa.Schema) -> list[str]:
+    """What is wrong with a Parquet schema's columns for `spec`: a payload column it lacks or whose type the
+    reader cannot use (text: a string; tokens: a list of integers; images: binary), a cost column of another type."""
+    names = set(schema.names)
+    want = [(spec.tokens_column, "tokens_column", _is_int_list, "a list of integers")] if spec.tokens_column else [
+        (spec.text_column, "text_column", lambda t: pa.types.is_string(t) or pa.types.is_large_string(t), "a string")]
+    if spec.image_column:
+        want.append((spec.image_column, "image_column", _is_image, "binary, a list of binary or a struct with `bytes`"))
+    want += [(TOKENS_COLUMN, None, pa.types.is_integer, "an integer"),
+             (PATCHES_COLUMN, None, _is_int_list, "a list of integers")]
+    out = []
+    for column, key, ok, what in want:
+        if column not in names:
+            if key is not None:
+                out.append(f"no column {column!r} (`{key}`); it has {schema.names}")
+            continue
+        t = schema.field(column).type
+        if not ok(t) and not pa.types.is_null(t):  # null: no rows or no values to type (an empty shard)
+            out.append(f"column {column!r} is {t}, expected {what}")
+    return out

@@ -622,3 +622,18 @@ def test_a_user_strategy_without_a_cost_model_gets_none_from_model(base: dict[st
     loaded = load_config(whole)
     assert "model" not in loaded.strategy.args
     assert make_strategy(loaded.to_service_config()) == CustomStrategy(num_microbatches=2, cap=512, level="x")
+
+
+def test_a_source_override_by_name_applies_to_a_dataset_named_on_the_command_line(tmp_path: Path) -> None:
+    """The hints of a dataset given as a path print `data.sources.<its name>.<key>=...`: pasted, they apply to it."""
+    import argparse
+
+    from megascale_data_ext.commands._config_args import compose_from_args
+
+    (tmp_path / "web").mkdir()
+    pq.write_table(pa.table({"content": ["a b"] * 4}), tmp_path / "web" / "x.parquet")
+    args = argparse.Namespace(config=[str(tmp_path / "web"), "data.sources.web.text_column=content",
+                                      "data.seq_length=512"], config_dir=None, config_name=None)
+    cfg = compose_from_args(args)
+    assert [s["name"] for s in cfg.data.sources] == ["web"]
+    assert cfg.data.sources[0].text_column == "content" and cfg.data.seq_length == 512

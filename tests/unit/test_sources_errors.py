@@ -63,6 +63,18 @@ def test_missing_column_lists_existing(tmp_path):
     )
 
 
+@pytest.mark.parametrize(("table", "kw", "fragment"), [
+    ({"text": [1, 2]}, {}, "column 'text' is int64, expected a string"),
+    ({"text": ["a", "b"], "jpg": ["not", "bytes"]}, {"image_column": "jpg"}, "column 'jpg' is string, expected binary"),
+    ({"text": ["a", "b"], "num_tokens": [1.5, 2.0]}, {}, "column 'num_tokens' is double, expected an integer"),
+])
+def test_a_column_of_the_wrong_type_is_named_at_open(tmp_path, table, kw, fragment):
+    """Found when the source opens (one line naming file, column and type), not as a traceback from the first read."""
+    pq.write_table(pa.table(table), tmp_path / "x.parquet")
+    with pytest.raises(SourceError, match=r"source 'src': file '.*x.parquet': " + fragment.replace("'", ".")):
+        open_source(_spec(tmp_path / "x.parquet", **kw))
+
+
 def test_empty_source(tmp_path):
     pq.write_table(pa.table({"text": pa.array([], pa.string())}), tmp_path / "e.parquet")
     with pytest.raises(SourceError, match=r"source 'src' is empty: 0 rows in 1 file.*point `data.sources.src.paths` at "
