@@ -20,7 +20,7 @@ from megascale_data_ext.commands._config_args import (
     fail,
     layout_tree,
 )
-from megascale_data_ext.errors import MegascaleDataError
+from megascale_data_ext.errors import ConfigError, MegascaleDataError
 
 NAME = "plan"
 HELP = "Write the step plans of a training config to a directory (replay mode: data.replay_dir)."
@@ -41,7 +41,7 @@ def run(args: argparse.Namespace) -> int:
     from megascale_data_ext.runtime.inprocess import InProcessService
 
     if args.steps < 1:
-        raise SystemExit("--steps must be >= 1")
+        return fail(ConfigError(f"--steps must be >= 1, got {args.steps}"))
     try:
         cfg = compose_from_args(args)
         tree, sizes = layout_tree(cfg, args, what="plan")
@@ -49,10 +49,13 @@ def run(args: argparse.Namespace) -> int:
     except MegascaleDataError as exc:
         return fail(exc)
     if service_cfg.replay_dir is not None:
-        raise SystemExit("data.replay_dir is set: plan from the live configuration (drop the override)")
+        return fail(ConfigError("data.replay_dir is set: plan from the live configuration (drop the override)"))
     t0 = time.perf_counter()
-    planner = InProcessService(service_cfg, tree).planner
-    store = PlanStore.create(args.out, planner.fingerprint())
+    try:
+        planner = InProcessService(service_cfg, tree).planner
+        store = PlanStore.create(args.out, planner.fingerprint())
+    except MegascaleDataError as exc:
+        return fail(exc)
     for step in tqdm(range(args.steps), total=args.steps, desc="planning", unit="step", file=sys.stderr):
         store.write(planner.plan(step))
     print(f"wrote {store.num_steps} plans for {tree!r} to {args.out} in {time.perf_counter() - t0:.1f} s; "

@@ -57,7 +57,11 @@ class PlanStore:
     def create(cls, directory: str | Path, fingerprint: Mapping[str, Any]) -> PlanStore:
         """An empty store for plans made under `fingerprint` (existing plans there are replaced)."""
         d = Path(directory)
-        d.mkdir(parents=True, exist_ok=True)
+        try:
+            d.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:  # a file of that name, no permission
+            raise ConfigError(f"cannot write plans to {str(d)!r} ({exc.strerror}): name a directory to create "
+                              "or one that holds plans") from exc
         for old in d.glob("step_*.npz"):
             old.unlink()
         manifest = {"format": FORMAT_VERSION, "fingerprint": plain(dict(fingerprint)), "steps": 0}

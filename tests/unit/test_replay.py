@@ -76,3 +76,11 @@ def test_replay_refuses_plans_of_another_config_or_layout(data_dir, tmp_path):
         live_service(data_dir, replay_dir=str(plans), world_size=8)
     with pytest.raises(ConfigError, match="manifest.json is missing"):
         live_service(data_dir, replay_dir=str(tmp_path / "nothing"))
+
+
+def test_plan_refuses_a_bad_out_or_step_count_in_one_line(tmp_path, capsys):
+    (tmp_path / "notes.txt").write_text("x")
+    with pytest.raises(ConfigError, match=r"cannot write plans to '.*notes.txt' \(File exists\): name a directory"):
+        PlanStore.create(tmp_path / "notes.txt", {})
+    assert main(["plan", "--steps", "0", "--out", str(tmp_path / "p"), "--world-size", "1"]) == 2
+    assert capsys.readouterr().err.strip() == "error: --steps must be >= 1, got 0"
