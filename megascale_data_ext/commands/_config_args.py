@@ -65,6 +65,12 @@ def not_a_dataset(item: str) -> str:
         what = (f"mixes {', '.join(found)} files: name one format's files or directory" if len(found) > 1
                 else f"holds no .parquet, .jsonl, .tar or .idx files")
         return f"{item!r} {what} ({kinds})"
+    if path.suffix in (".bin", ".idx") or Path(f"{path}.bin").exists():
+        prefix = path.with_suffix("") if path.suffix in (".bin", ".idx") else path
+        other = Path(f"{prefix}.bin" if path.suffix == ".idx" else f"{prefix}.idx")
+        if not other.exists():
+            return (f"{item!r} is half of a Megatron prefix: {str(other)!r} does not exist; put the .bin/.idx pair "
+                    "side by side (tools/preprocess_data.py writes both)")
     if path.exists():
         return f"{item!r} is not a dataset file: pass {kinds}"
     return f"{item!r} does not exist: check the path ({kinds}); a Hydra override is key=value"

@@ -191,7 +191,9 @@ def test_a_command_line_item_that_is_neither_an_override_nor_a_dataset_says_whic
     (tmp_path / "mixed" / "a.jsonl").write_text('{"text": "x"}\n')
     (tmp_path / "mixed" / "b.parquet").write_bytes(b"")
     (tmp_path / "notes.txt").write_text("x")
-    cases = {str(tmp_path / "gone"): "does not exist: check the path", str(tmp_path / "empty"): "holds no .parquet",
+    (tmp_path / "half.bin").write_bytes(b"x")
+    cases = {str(tmp_path / "half.bin"): "is half of a Megatron prefix", str(tmp_path / "half"): "is half of a Megatron",
+             str(tmp_path / "gone"): "does not exist: check the path", str(tmp_path / "empty"): "holds no .parquet",
              str(tmp_path / "mixed"): "mixes .jsonl, .parquet files", str(tmp_path / "notes.txt"): "is not a dataset file"}
     for item, fragment in cases.items():
         args = argparse.Namespace(config=["sources=demo_text", item], config_dir=None, config_name=None)
