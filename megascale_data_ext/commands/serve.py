@@ -218,9 +218,22 @@ def _catch_signals() -> None:
         signal.signal(sig, _on_signal)
 
 
+def check_env_file(path: Path | None) -> None:
+    """`--env-file` must be writable before the service starts, not found unwritable once it runs."""
+    if path is None:
+        return
+    parent = path.parent if str(path.parent) else Path(".")
+    problem = ("it is a directory" if path.is_dir() else f"its directory {str(parent)!r} does not exist"
+               if not parent.is_dir() else "it is not writable" if not os.access(path if path.exists() else parent, os.W_OK)
+               else None)
+    if problem:
+        raise ConfigError(f"--env-file {str(path)!r}: {problem}; name a file in an existing, writable directory")
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         service_cfg, tree, _, validation = build(args)
+        check_env_file(args.env_file)
     except MegascaleDataError as exc:
         return fail(exc)
     _catch_signals()

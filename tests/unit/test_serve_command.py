@@ -68,3 +68,15 @@ def test_a_stop_signal_during_a_status_line_is_not_swallowed() -> None:
     finally:
         for sig, handler in saved.items():
             signal.signal(sig, handler)
+
+
+def test_an_env_file_that_cannot_be_written_is_refused_before_the_service_starts(tmp_path):
+    from megascale_data_ext.commands.serve import check_env_file
+    from megascale_data_ext.errors import ConfigError
+
+    check_env_file(None)
+    check_env_file(tmp_path / "serve.env")  # a new file in a writable directory
+    with pytest.raises(ConfigError, match=r"--env-file '.*gone/serve.env': its directory '.*gone' does not exist"):
+        check_env_file(tmp_path / "gone" / "serve.env")
+    with pytest.raises(ConfigError, match=r"it is a directory; name a file"):
+        check_env_file(tmp_path)
