@@ -70,10 +70,15 @@ class PreparedParquetWriter:
             raise ConfigError(f"`kind` must be one of ['text', 'image-text'], got {kind!r}")
         if row_group_rows < 1 or rows_per_file < 1:
             raise ConfigError(
-                f"`row_group_rows` and `rows_per_file` must be >= 1, got {row_group_rows} and {rows_per_file}"
+                f"`row_group_rows` and `rows_per_file` (--row-group-rows, --rows-per-file) must be >= 1, got "
+                f"{row_group_rows} and {rows_per_file}"
             )
         self.out_dir = str(out_dir)
-        os.makedirs(self.out_dir, exist_ok=True)
+        try:
+            os.makedirs(self.out_dir, exist_ok=True)
+        except OSError as exc:  # a file of that name, no permission
+            raise ConfigError(f"cannot write Parquet shards to {self.out_dir!r} ({exc.strerror}): name a directory "
+                              "to create or an empty one (--output)") from exc
         self.kind, self.tokenizer, self.prefix = kind, tokenizer, prefix
         self.patch_size, self.max_image_patches = patch_size, max_image_patches
         self.row_group_rows, self.rows_per_file = row_group_rows, rows_per_file

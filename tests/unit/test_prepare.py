@@ -150,6 +150,9 @@ def test_prepare_errors(tmp_path, capsys):
         == 2
     )
     assert "`row_group_rows`" in capsys.readouterr().err
+    (tmp_path / "t.txt").write_text("hello\n")
+    assert main(["prepare", "--input", str(tmp_path / "t.txt"), "--output", str(tmp_path / "x.csv"), "--no-progress"]) == 2
+    assert capsys.readouterr().err.startswith(f"error: cannot write Parquet shards to {str(tmp_path / 'x.csv')!r}")
 
 
 def test_prepare_progress_counts_input_bytes_against_their_total(tmp_path, capsys):
