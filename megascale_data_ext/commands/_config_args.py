@@ -18,6 +18,17 @@ LAYOUT_FLAGS = {"tp": "tensor_model_parallel_size", "pp": "pipeline_model_parall
                 "cp": "context_parallel_size", "vpp": "virtual_pipeline_model_parallel_size"}
 
 
+def positive_int(text: str) -> int:
+    """An argparse type for sizes and counts: argparse's one-line error (exit 2) for 0, negatives and non-integers."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
 def add_config_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("config", nargs="*", metavar="CONFIG.yaml|OVERRIDE|DATASET",
                         help="a config YAML file and/or Hydra overrides (key=value, group=option), e.g. "

@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
+from megascale_data_ext.commands._config_args import positive_int
 from megascale_data_ext.commands._plotting import pyplot
 from megascale_data_ext.dataplane.balancers import BalanceResult, balance_step
 from megascale_data_ext.dataplane.costs import TransformerCost
@@ -72,15 +73,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", type=Path, help="write all rows as JSON here")
     parser.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
     parser.add_argument("--quick", action="store_true", help="DP 8 × context 4k only (smoke test)")
-    parser.add_argument("--microbatches", type=int, default=8, help="micro-batches per rank m (default 8)")
+    parser.add_argument("--microbatches", type=positive_int, default=8, help="micro-batches per rank m (default 8)")
     parser.add_argument("--fill", type=float, default=0.9, help="fraction of DP×m×context the batch fills (0.9)")
     parser.add_argument("--plot", type=Path, help="write a Fig. 3-style per-rank/micro-batch cost plot (PNG)")
     parser.add_argument("--plot-row", default="navit:8:8192", help="workload:DP:context of the plotted row")
     vs = parser.add_argument_group("--vs megatron (megatron-core's BalancedCPScheduler on the same batches)")
     vs.add_argument("--vs", choices=("megatron",), help="compare the planner with megatron-core's own balancer")
-    vs.add_argument("--gpus", type=int, nargs="+", default=[8, 32, 128], help="DP x CP GPUs (default 8 32 128)")
-    vs.add_argument("--caps", type=int, nargs="+", default=[4096, 8192], help="tokens per GPU (default 4096 8192)")
-    vs.add_argument("--batches", type=int, default=20, help="global batches per setting, medians kept (default 20)")
+    vs.add_argument("--gpus", type=positive_int, nargs="+", default=[8, 32, 128],
+                    help="DP x CP GPUs (default 8 32 128)")
+    vs.add_argument("--caps", type=positive_int, nargs="+", default=[4096, 8192],
+                    help="tokens per GPU (default 4096 8192)")
+    vs.add_argument("--batches", type=positive_int, default=20,
+                    help="global batches per setting, medians kept (default 20)")
     vs.add_argument("--workloads", nargs="+", default=None, choices=workload_names(), help="default: all")
 
 

@@ -46,6 +46,7 @@ from typing import Any
 
 import numpy as np
 
+from megascale_data_ext.commands._config_args import positive_int
 from megascale_data_ext.commands._plotting import pyplot
 
 NAME = "bench chaos"
@@ -345,11 +346,11 @@ def plot(result: dict[str, Any], path: Path) -> None:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--steps", type=positive_int, default=200)
     parser.add_argument("--seed", type=int, default=3, help="seeds the data and the fault schedule")
-    parser.add_argument("--dp", type=int, default=4)
-    parser.add_argument("--pp", type=int, default=2)
-    parser.add_argument("--sources", type=int, default=8, help="distinct demo text sources (default 8)")
+    parser.add_argument("--dp", type=positive_int, default=4)
+    parser.add_argument("--pp", type=positive_int, default=2)
+    parser.add_argument("--sources", type=positive_int, default=8, help="distinct demo text sources (default 8)")
     parser.add_argument("--no-scaling", action="store_true", help="keep the offline partition (no online scaling)")
     parser.add_argument("--client-prefetch", type=int, default=4)
     parser.add_argument("--no-shadows", action="store_true", help="loaders recover by restart only (no shadows)")

@@ -30,6 +30,8 @@ from typing import Any
 
 import numpy as np
 
+from megascale_data_ext.commands._config_args import positive_int
+
 NAME = "bench consumers"
 HELP = "Racing and stalling trainer ranks on the Ray service: every step whole, constructor/client memory bounded."
 
@@ -38,11 +40,12 @@ STRATEGY_ARGS = {"vlm_balance": VLM_ARGS, "llm_balance": {"model": "gpt-tiny"}, 
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--steps", type=int, default=500, help="steps every rank consumes")
+    p.add_argument("--steps", type=positive_int, default=500, help="steps every rank consumes")
     p.add_argument("--strategy", default="vlm_balance", choices=sorted(STRATEGY_ARGS))
-    p.add_argument("--dp", type=int, default=3)
-    p.add_argument("--pp", type=int, default=2)
-    p.add_argument("--cp", type=int, default=1, help="context parallel size (hybrid_cp: groups of the DP x CP ranks)")
+    p.add_argument("--dp", type=positive_int, default=3)
+    p.add_argument("--pp", type=positive_int, default=2)
+    p.add_argument("--cp", type=positive_int, default=1,
+                   help="context parallel size (hybrid_cp: groups of the DP x CP ranks)")
     p.add_argument("--client-prefetch", type=int, default=4, help="steps each rank keeps requested ahead")
     p.add_argument("--stall-at", type=int, default=50, help="step at which the last fetching rank stalls")
     p.add_argument("--stall", type=float, default=30.0, help="seconds it stalls before racing")

@@ -38,6 +38,8 @@ from typing import Any
 
 import numpy as np
 
+from megascale_data_ext.commands._config_args import positive_int
+
 NAME = "bench faults"
 HELP = "Kill loaders, the Planner and Data Constructors during a run; report lost/duplicated samples and stalls."
 
@@ -163,18 +165,19 @@ class Row:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--sources", type=int, default=16, help="demo text sources = Source Loaders (default 16)")
-    parser.add_argument("--dp", type=int, default=3)
-    parser.add_argument("--pp", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=64, help="steps per run (default 64)")
-    parser.add_argument("--kills", type=int, default=20, help="kills per component type (default 20)")
+    parser.add_argument("--sources", type=positive_int, default=16,
+                        help="demo text sources = Source Loaders (default 16)")
+    parser.add_argument("--dp", type=positive_int, default=3)
+    parser.add_argument("--pp", type=positive_int, default=2)
+    parser.add_argument("--steps", type=positive_int, default=64, help="steps per run (default 64)")
+    parser.add_argument("--kills", type=positive_int, default=20, help="kills per component type (default 20)")
     parser.add_argument("--components", default="loader,planner,constructor")
     parser.add_argument("--step-seconds", type=float, default=0.5, help="simulated compute per step (default 0.5)")
     parser.add_argument("--client-prefetch", type=int, default=4)
     parser.add_argument("--no-shadows", action="store_true", help="loaders recover by restart only")
     parser.add_argument("--autoscale", action="store_true",
                         help="autoscaled loader groups (the main job's default) instead of one loader per source")
-    parser.add_argument("--num-cpus", type=int, default=2)
+    parser.add_argument("--num-cpus", type=positive_int, default=2)
     parser.add_argument("--json", type=Path, help="write the rows as JSON here")
 
 

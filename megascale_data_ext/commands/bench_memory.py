@@ -67,6 +67,7 @@ from megascale_data_ext.commands._colocated_memory import (
     shared_once,
     write_navit_sources,
 )
+from megascale_data_ext.commands._config_args import positive_int
 from megascale_data_ext.commands._loader_caches import cache_state
 from megascale_data_ext.commands._plotting import pyplot
 from megascale_data_ext.commands._ray_cost import client_core_worker_mib, daemons_pss_mib, object_store_mib
@@ -86,18 +87,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ranks", default="8,16,32", help="trainer ranks of the grid")
     parser.add_argument("--sources", default="32,128", help="source counts of the grid")
     parser.add_argument("--workers", type=int, default=2, help="DataLoader workers per rank (Megatron's default: 2)")
-    parser.add_argument("--measure-ranks", type=int, default=2, help="colocated rank processes measured at once")
+    parser.add_argument("--measure-ranks", type=positive_int, default=2,
+                        help="colocated rank processes measured at once")
     parser.add_argument("--measure-sources", default="8,32", help="source counts the colocated ranks are measured at")
-    parser.add_argument("--docs", type=int, default=400, help="documents per source (text)")
-    parser.add_argument("--seq-length", type=int, default=1024, help="sequence length (text)")
+    parser.add_argument("--docs", type=positive_int, default=400, help="documents per source (text)")
+    parser.add_argument("--seq-length", type=positive_int, default=1024, help="sequence length (text)")
     parser.add_argument("--row-group-mib", type=float, default=16.0,
                         help="navit: decoded size of a Parquet row group (production: 512 MB - 1 GB)")
-    parser.add_argument("--row-groups", type=int, default=4,
+    parser.add_argument("--row-groups", type=positive_int, default=4,
                         help="navit: row groups per source (>= the sources' row_group_cache, so caches can fill)")
     parser.add_argument("--weight-sigma", type=float, default=0.5,
                         help="navit: sigma of the seeded lognormal mixing weights (0 = equal weights: Megatron's "
                              "blend is then periodic and each of W workers reads only S/W sources)")
-    parser.add_argument("--navit-seq-length", type=int, default=8192, help="navit: sequence length of the service")
+    parser.add_argument("--navit-seq-length", type=positive_int, default=8192,
+                        help="navit: sequence length of the service")
     parser.add_argument("--shuffle-window", type=int, default=0,
                         help="navit: the service's sources draw in storage order, rows shuffled within windows of "
                              "this many rows (`shuffle_window`; Energon's way of reading); 0 = a global shuffle")
@@ -108,7 +111,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="navit: most steps the service serves until its loaders' row-group caches are full")
     parser.add_argument("--train-samples", type=int, default=20000,
                         help="samples the per-rank blended dataset is built for (Megatron builds indices for all)")
-    parser.add_argument("--steps", type=int, default=3, help="steps the service serves before it is measured")
+    parser.add_argument("--steps", type=positive_int, default=3, help="steps the service serves before it is measured")
     parser.add_argument("--ranks-per-node", type=int, default=8,
                         help="ranks per trainer node (one constructor sidecar each); 0 = do not measure constructors")
     parser.add_argument("--actor-cap-mib", type=float, default=1024, help="partitioner's memory cap per loader actor")

@@ -29,6 +29,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
+from megascale_data_ext.commands._config_args import positive_int
 from megascale_data_ext.dataplane.balancers import balance_step, partition
 from megascale_data_ext.dataplane.costs import TransformerCost, ViTCost
 from megascale_data_ext.dataplane.workloads import generate_workload
@@ -93,7 +94,7 @@ class Timing:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", type=Path, help="write the timings as JSON here")
-    parser.add_argument("--repeats", type=int, default=20, help="timed repeats per setup (median reported)")
+    parser.add_argument("--repeats", type=positive_int, default=20, help="timed repeats per setup (median reported)")
     parser.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
     parser.add_argument("--quick", action="store_true", help="baseline setup only, 3 repeats (smoke test)")
 

@@ -50,6 +50,7 @@ from typing import Any
 
 import numpy as np
 
+from megascale_data_ext.commands._config_args import positive_int
 from megascale_data_ext.commands._plotting import pyplot
 
 NAME = "bench soak"
@@ -57,10 +58,10 @@ HELP = "Hundreds of concurrent clients for minutes: errors, every actor's memory
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--clients", type=int, default=256, help="fetching ranks, one client thread each (DP size)")
-    p.add_argument("--constructors", type=int, default=4, help="Data Constructors (clients divide among them)")
+    p.add_argument("--clients", type=positive_int, default=256, help="fetching ranks, one client thread each (DP size)")
+    p.add_argument("--constructors", type=positive_int, default=4, help="Data Constructors (clients divide among them)")
     p.add_argument("--seconds", type=float, default=300.0, help="how long the clients pull")
-    p.add_argument("--sources", type=int, default=8, help="distinct demo text sources")
+    p.add_argument("--sources", type=positive_int, default=8, help="distinct demo text sources")
     p.add_argument("--client-prefetch", type=int, default=2, help="steps each client keeps requested ahead")
     p.add_argument("--max-spread", type=int, default=1,
                    help="steps the fastest consumer may be ahead of the slowest (1: lockstep, as collectives hold "

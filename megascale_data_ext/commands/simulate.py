@@ -68,6 +68,7 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
+from megascale_data_ext.commands._config_args import positive_int
 from megascale_data_ext.commands._plan_rpc import rpc_cost, start_ray
 from megascale_data_ext.commands._simulated_source import CONTEXT, WORKLOAD, SimulatedSource
 from megascale_data_ext.commands.bench_planner import FILL, TABLE2, Setup, time_setup
@@ -374,13 +375,15 @@ def format_table(rows: list[dict[str, Any]]) -> str:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--gpus", type=int, nargs="+", default=[288, 1152, 4096],
+    parser.add_argument("--gpus", type=positive_int, nargs="+", default=[288, 1152, 4096],
                         help="world sizes (default 288 1152 4096)")
     parser.add_argument("--json", type=Path, help="write the rows as JSON here")
-    parser.add_argument("--steps", type=int, default=3, help="timed steps per world after one warm-up (default 3)")
+    parser.add_argument("--steps", type=positive_int, default=3,
+                        help="timed steps per world after one warm-up (default 3)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the simulated sources and the mixer (default 0)")
-    parser.add_argument("--pp", type=int, default=None, help="pipeline size (default: the layouts in the docstring)")
-    parser.add_argument("--bench-repeats", type=int, default=5,
+    parser.add_argument("--pp", type=positive_int, default=None,
+                        help="pipeline size (default: the layouts in the docstring)")
+    parser.add_argument("--bench-repeats", type=positive_int, default=5,
                         help="repeats of bench planner's cost()/balance() timing")
     parser.add_argument("--middle-stage-masks", action="store_true",
                         help="middle pipeline stages fetch cu_seqlens too (the runtime's default); "

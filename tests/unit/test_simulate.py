@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import pickle
+import re
 
 import numpy as np
 
@@ -177,3 +178,15 @@ def test_rpc_cost_times_each_reply_size_and_counts_the_steps_calls() -> None:
     assert cost["rpc_reply_bytes"]["constructor_step"] >= one * len(topology.constructor_groups[0])
     want = sum(n * cost["rpc_call_s"][k] for k, n in cost["rpc_calls_per_step"].items())
     assert cost["rpc_per_step_s"] == pytest.approx(want)
+
+
+@pytest.mark.parametrize("argv", [["simulate", "--gpus", "0"], ["bench", "faults", "--kills", "-1"],
+                                  ["bench", "planner", "--repeats", "0"], ["bench", "soak", "--clients", "x"]])
+def test_a_size_or_count_below_one_is_argparses_one_line_error(argv, capsys):
+    """Sizes and counts are checked as they are parsed: exit 2, one line naming the flag (was a ZeroDivisionError
+    from `simulate --gpus 0` and `bench faults --kills -1`, a silent 1 from `bench planner --repeats 0`)."""
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2
+    assert re.search(rf"error: argument {argv[-2]}: must be a positive integer, got '?{re.escape(argv[-1])}'?$",
+                     capsys.readouterr().err.strip())
