@@ -74,7 +74,7 @@ def not_a_dataset(item: str) -> str:
     if path.is_dir():
         found = sorted({p.suffix for p in path.rglob("*") if p.suffix in _FORMATS})
         what = (f"mixes {', '.join(found)} files: name one format's files or directory" if len(found) > 1
-                else f"holds no .parquet, .jsonl, .tar or .idx files")
+                else "holds no .parquet, .jsonl, .tar or .idx files")
         return f"{item!r} {what} ({kinds})"
     if path.suffix in (".bin", ".idx") or Path(f"{path}.bin").exists():
         prefix = path.with_suffix("") if path.suffix in (".bin", ".idx") else path
@@ -110,7 +110,8 @@ def compose_from_args(args: argparse.Namespace) -> Any:
         names = [d["name"] for d in datasets]
         rest = [c for c, d in zip(args.config, found, strict=True) if d is None]
         # data.sources.<name>.<key>=<value> for a dataset named here (what its error hints print) applies to it
-        on_datasets = [m for m in map(named_source_override, rest) if m and m["list"] == "sources" and m["name"] in names]
+        on_datasets = [m for m in map(named_source_override, rest)
+                       if m and m["list"] == "sources" and m["name"] in names]
         rest = [c for c in rest if not any(c == m.string for m in on_datasets)]
         cfg = compose_from_args(argparse.Namespace(**{**vars(args), "config": rest}))
         cfg.data.sources = datasets

@@ -223,11 +223,15 @@ def check_env_file(path: Path | None) -> None:
     if path is None:
         return
     parent = path.parent if str(path.parent) else Path(".")
-    problem = ("it is a directory" if path.is_dir() else f"its directory {str(parent)!r} does not exist"
-               if not parent.is_dir() else "it is not writable" if not os.access(path if path.exists() else parent, os.W_OK)
-               else None)
-    if problem:
-        raise ConfigError(f"--env-file {str(path)!r}: {problem}; name a file in an existing, writable directory")
+    if path.is_dir():
+        problem = "it is a directory"
+    elif not parent.is_dir():
+        problem = f"its directory {str(parent)!r} does not exist"
+    elif not os.access(path if path.exists() else parent, os.W_OK):
+        problem = "it is not writable"
+    else:
+        return
+    raise ConfigError(f"--env-file {str(path)!r}: {problem}; name a file in an existing, writable directory")
 
 
 def run(args: argparse.Namespace) -> int:

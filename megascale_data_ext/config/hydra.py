@@ -135,8 +135,10 @@ def compose_config(
         if unknown:
             raise ConfigError(_unknown_key_message(unknown.group(1), overrides, config_name, config_dir,
                                                    search_path)) from e
-        detail = " ".join(line.strip() for line in str(e).split("Config search path:")[0].splitlines() if line.strip())
-        raise ConfigError(f"cannot compose {config_name!r} from {where} with overrides {list(overrides)}: {detail}") from e
+        lines = str(e).split("Config search path:")[0].splitlines()  # one line, without Hydra's search path
+        detail = " ".join(line.strip() for line in lines if line.strip())
+        raise ConfigError(f"cannot compose {config_name!r} from {where} with overrides {list(overrides)}: "
+                          f"{detail}") from e
 
 
 def _unknown_key_message(key: str, overrides: Sequence[str], config_name: str, config_dir: str | Path | None,

@@ -252,7 +252,8 @@ class DGraph(_GraphBase):
         """
         counts = np.asarray(mixer.counts(self.step, batch_size), dtype=np.int64)
         interleave = getattr(mixer, "interleave", None)  # a mixer that knows each slot's rank in its source
-        order, rank = interleave(self.step, counts) if interleave is not None else (mixer.order(self.step, counts), None)
+        order, rank = (interleave(self.step, counts) if interleave is not None
+                       else (mixer.order(self.step, counts), None))
         order = np.asarray(order, dtype=np.int64)
         src = self.cols["source"]
         held = np.bincount(src, minlength=len(counts)) if len(src) else np.zeros(len(counts), np.int64)
