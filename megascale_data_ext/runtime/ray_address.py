@@ -42,28 +42,35 @@ def host_port(address: str) -> tuple[str, int] | None:
                           "or auto") from None
 
 
-def check_reachable(address: str | None, *, seconds: float = PROBE_SECONDS) -> None:
-    """Raise `ConfigError` if `address` accepts no TCP connection within `seconds`."""
+def check_reachable(address: str | None, *, seconds: float = PROBE_SECONDS, key: str = "data.ray.address") -> None:
+    """Raise `ConfigError` (naming `key`, where the address came from) if `address` accepts no TCP
+    connection within `seconds`; a host name that does not resolve fails at once."""
     endpoint = None if address is None else host_port(address)
     if endpoint is None:
         return
+    embedded = ", or set data.ray.address=null for an embedded local Ray" if key == "data.ray.address" else ""
     retry = Retry(seconds, base_s=0.5, cap_s=0.5)
     last: OSError | None = None
     while not retry.expired():
         try:
             with socket.create_connection(endpoint, timeout=min(2.0, max(0.1, retry.left()))) as sock:
                 if os.environ.get("RAY_USE_TLS", "0").lower() not in ("1", "true"):
-                    _speaks_grpc(sock, address, endpoint)
+                    _speaks_grpc(sock, address, endpoint, key=key)
                 return
+        except socket.gaierror as exc:  # waiting does not make a name resolve
+            raise ConfigError(f"`{key}` {address!r}: cannot resolve host {endpoint[0]!r} ({exc.strerror}); "
+                              f"fix the address (the Ray head's host:port, as `ray start --head` prints it){embedded}"
+                              ) from None
         except OSError as exc:
             last = exc
             retry.pause()
-    raise ConfigError(f"`data.ray.address` {address!r}: nothing answers at {endpoint[0]}:{endpoint[1]} after "
-                      f"{seconds:g} s ({last}); start the Ray head there (`ray start --head`), fix the address, "
-                      "or set data.ray.address=null for an embedded local Ray")
+    raise ConfigError(f"`{key}` {address!r}: nothing answers at {endpoint[0]}:{endpoint[1]} after "
+                      f"{seconds:g} s ({last}); start the Ray head there (`ray start --head`), fix the address"
+                      f"{embedded}")
 
 
-def _speaks_grpc(sock: socket.socket, address: str, endpoint: tuple[str, int], seconds: float = H2_SECONDS) -> None:
+def _speaks_grpc(sock: socket.socket, address: str, endpoint: tuple[str, int], seconds: float = H2_SECONDS, *,
+                 key: str = "data.ray.address") -> None:
     """Raise `ConfigError` unless the peer answers an HTTP/2 preface with a SETTINGS frame (gRPC)."""
     what = "said nothing"
     try:
@@ -82,6 +89,6 @@ def _speaks_grpc(sock: socket.socket, address: str, endpoint: tuple[str, int], s
             what = f"answered {head!r}, not gRPC"
     except OSError as exc:  # a timeout: it holds the connection and says nothing
         what = f"said nothing ({exc or type(exc).__name__})"
-    raise ConfigError(f"`data.ray.address` {address!r}: {endpoint[0]}:{endpoint[1]} accepts TCP but is no Ray "
+    raise ConfigError(f"`{key}` {address!r}: {endpoint[0]}:{endpoint[1]} accepts TCP but is no Ray "
                       f"cluster (to an HTTP/2 preface it {what} within {seconds:g} s); give the address of the Ray "
                       "head's GCS (`ray start --head` prints it, port 6379 by default) or ray://host:10001")

@@ -28,6 +28,22 @@ def test_unreachable_address_fails_fast_naming_the_key():
     assert time.monotonic() - t0 < 10
 
 
+def test_a_host_that_does_not_resolve_fails_on_the_first_try_naming_where_the_address_came_from(monkeypatch):
+    calls = []
+
+    def no_such_host(endpoint, timeout):
+        calls.append(endpoint)
+        raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+
+    monkeypatch.setattr(socket, "create_connection", no_such_host)
+    with pytest.raises(ConfigError, match=r"^`--address` 'nohost:6379': cannot resolve host 'nohost' \(Name or service "
+                                          r"not known\); fix the address [^;]*$"):
+        check_reachable("nohost:6379", seconds=30.0, key="--address")
+    assert calls == [("nohost", 6379)]  # no retries for 30 s
+    with pytest.raises(ConfigError, match=r"`data.ray.address` .*data.ray.address=null for an embedded local Ray"):
+        check_reachable("nohost:6379")
+
+
 def _serve_once(server: socket.socket, reply: bytes) -> None:
     """Accept one connection, read the client's first bytes and answer `reply`."""
     conn, _ = server.accept()
