@@ -22,23 +22,26 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from megascale_data_ext.commands._config_args import fail, positive_int
+from megascale_data_ext.errors import ConfigError
+
 NAME = "demo"
 HELP = "run the end-to-end main job: sample data -> Ray service -> torchrun megatron-core GPT training"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--tp", type=int, default=2)
-    p.add_argument("--pp", type=int, default=2)
-    p.add_argument("--dp", type=int, default=2)
-    p.add_argument("--cp", type=int, default=1, help="context parallel size (THD slices per document)")
+    p.add_argument("--tp", type=positive_int, default=2)
+    p.add_argument("--pp", type=positive_int, default=2)
+    p.add_argument("--dp", type=positive_int, default=2)
+    p.add_argument("--cp", type=positive_int, default=1, help="context parallel size (THD slices per document)")
     p.add_argument("--attention", default="auto", choices=["auto", "te", "flex", "dense"])
     p.add_argument("--bf16", action="store_true", help="Megatron bf16 mixed precision (GPU)")
-    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--steps", type=positive_int, default=5)
     p.add_argument("--strategy", default="llm_balance", choices=["vanilla", "llm_balance", "vlm_balance"])
-    p.add_argument("--samples-per-step", type=int, default=12)
-    p.add_argument("--num-microbatches", type=int, default=4)
-    p.add_argument("--seq-length", type=int, default=1024)
-    p.add_argument("--rows", type=int, default=600, help="rows per demo text source")
+    p.add_argument("--samples-per-step", type=positive_int, default=12)
+    p.add_argument("--num-microbatches", type=positive_int, default=4)
+    p.add_argument("--seq-length", type=positive_int, default=1024)
+    p.add_argument("--rows", type=positive_int, default=600, help="rows per demo text source")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--autoscale", action=argparse.BooleanOptionalAction, default=True,
                    help="loader actors from profiles + mixture (auto-partitioning); --no-autoscale: one per source")
@@ -55,13 +58,20 @@ def run(args: argparse.Namespace) -> int:
     from megascale_data_ext.sources.demo_data import make_demo_data
     from megascale_data_ext.sources.tokenizer import load_tokenizer
 
+    patches = 256  # image-text samples keep room for one image of <= 256 patches
+    if args.seq_length < patches + 2:
+        return fail(ConfigError(f"--seq-length {args.seq_length} leaves no room for text beside the demo's images "
+                                f"({patches} patches each): pass --seq-length {patches + 2} or more (default 1024)"))
     work = args.workdir or Path(tempfile.mkdtemp(prefix="megascale-demo-"))
-    work.mkdir(parents=True, exist_ok=True)
+    try:
+        work.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        return fail(ConfigError(f"--workdir {str(work)!r}: {exc.strerror}; name a directory to create or an "
+                                "existing one"))
     print(f"[demo] workdir {work}", flush=True)
     t0 = time.perf_counter()
     # Long documents are cut to the context (truncate); without it they would be named errors.
-    # Image-text samples keep room for their image placeholders (one image of <= 256 patches).
-    patches = 256
+    # Image-text samples keep room for their image placeholders.
     specs = [
         replace(s, truncate=True, max_tokens=args.seq_length - (patches if s.image_column else 0))
         for s in make_demo_data(work / "data", seed=args.seed, rows=args.rows, max_image_patches=patches)

@@ -190,3 +190,12 @@ def test_a_size_or_count_below_one_is_argparses_one_line_error(argv, capsys):
     assert exit_.value.code == 2
     assert re.search(rf"error: argument {argv[-2]}: must be a positive integer, got '?{re.escape(argv[-1])}'?$",
                      capsys.readouterr().err.strip())
+
+
+def test_demo_refuses_a_context_without_room_for_its_images_and_a_workdir_that_is_a_file(tmp_path, capsys):
+    assert main(["demo", "--seq-length", "7"]) == 2
+    assert capsys.readouterr().err.strip() == ("error: --seq-length 7 leaves no room for text beside the demo's images "
+                                               "(256 patches each): pass --seq-length 258 or more (default 1024)")
+    (tmp_path / "f").write_text("x")
+    assert main(["demo", "--workdir", str(tmp_path / "f")]) == 2
+    assert "File exists; name a directory" in capsys.readouterr().err
