@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import pkgutil
 import shlex
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from megascale_data_ext import commands
 
@@ -48,6 +50,28 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+OUTPUT_FLAGS = ("json", "plot", "out", "output", "model_out", "env_file")
+
+
+def output_path_problem(args: argparse.Namespace) -> str | None:
+    """Why an output path among the arguments cannot be written (a file where a directory must be, no
+    permission), found before the command works for minutes; None when every one can."""
+    for flag in OUTPUT_FLAGS:
+        value = getattr(args, flag, None)
+        if not isinstance(value, (str, Path)) or not str(value):
+            continue
+        path = Path(value)
+        parent = path.parent
+        while not parent.exists() and parent != parent.parent:
+            parent = parent.parent
+        option = "--" + flag.replace("_", "-")
+        if not parent.is_dir():
+            return f"{option} {str(path)!r}: {str(parent)!r} is a file, not a directory; name a path inside a directory"
+        if not os.access(parent, os.W_OK):
+            return f"{option} {str(path)!r}: {str(parent)!r} is not writable; name a path you can write"
+    return None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     # Overrides may follow flags (`serve --world-size 4 data.seq_length=2048`): argparse leaves
@@ -60,6 +84,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if extra:
         args.config += extra
+    unwritable = output_path_problem(args)
+    if unwritable:  # before the work, not a traceback after it
+        print(f"error: {unwritable}", file=sys.stderr)
+        return 2
     if getattr(args, "plot", None) or args.command == "heatmap":  # before the work, not after it
         from megascale_data_ext.commands._plotting import pyplot
         from megascale_data_ext.errors import ConfigError

@@ -80,3 +80,14 @@ def test_an_env_file_that_cannot_be_written_is_refused_before_the_service_starts
         check_env_file(tmp_path / "gone" / "serve.env")
     with pytest.raises(ConfigError, match=r"it is a directory; name a file"):
         check_env_file(tmp_path)
+
+
+def test_an_output_path_under_a_file_is_refused_before_the_command_works(tmp_path, capsys):
+    (tmp_path / "notes.txt").write_text("x")
+    bad = str(tmp_path / "notes.txt" / "out.json")
+    assert main(["lint", str(tmp_path / "nothing-needed"), "--json", bad]) == 2
+    assert capsys.readouterr().err.strip() == (f"error: --json {bad!r}: {str(tmp_path / 'notes.txt')!r} is a file, not "
+                                               "a directory; name a path inside a directory")
+    from megascale_data_ext.cli import output_path_problem
+
+    assert output_path_problem(SimpleNamespace(json=str(tmp_path / "new" / "dir" / "r.json"), plot=True)) is None
