@@ -59,6 +59,7 @@ __all__ = ["GROUP_CONCURRENCY", "LoaderGroup", "LoaderGroupActor", "Spawn", "mer
            "spawn_loader_groups", "spawn_shadows"]
 
 GROUP_CONCURRENCY = 16
+METADATA_GROUP = "metadata"  # the Planner's summaries: threads of their own (`LoaderGroupActor.RAY_OPTIONS`)
 _log = logging.getLogger(__name__)
 GetPlan = Callable[[int, int], LoaderPlan]
 GetPlans = Callable[[int, list[int]], Mapping[int, LoaderPlan]]
@@ -302,7 +303,11 @@ class LoaderGroupActor:
     (`LoaderGroup.fetch` reads again what the dead instance had handed out).
     """
 
+    # The Planner's metadata calls get threads of their own. Fetches wait on the Planner's plans, and the
+    # Planner waits on these calls to plan: in one pool of threads, GROUP_CONCURRENCY fetches waiting for
+    # a plan left no thread to answer the summaries that plan needed, until the Planner's timeouts.
     RAY_OPTIONS = {"num_cpus": 0, "max_concurrency": GROUP_CONCURRENCY}  # `runtime.ray_actor.actor` adds the rest
+    CONCURRENCY_GROUPS = {METADATA_GROUP: 2}
 
     def __init__(self, members: list[tuple[ShardRef, SourceSpec]] | Held, seed: int, shuffle: bool, workers: int = 1,
                  planner: Any = None, direct: bool = False):
@@ -326,9 +331,11 @@ class LoaderGroupActor:
                 "shards": {s: [r.shard, r.num_shards] for s, r in self.group.refs.items()},
                 "shadow": self.group.direct}
 
+    @ray.method(concurrency_group=METADATA_GROUP)
     def summary_buffer(self, source: int, start: int, count: int):
         return self.group.summary_buffer(source, start, count)
 
+    @ray.method(concurrency_group=METADATA_GROUP)
     def summaries(self, requests: list[tuple[int, int, int]]) -> list:
         """The Planner's metadata requests for any of this actor's sources, answered in one call."""
         return self.group.summaries(requests)

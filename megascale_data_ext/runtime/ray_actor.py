@@ -1,6 +1,7 @@
 """Every actor of the service is ``ray.remote(cls).options(**options)`` over a plain façade class.
 
-The class's own defaults (``RAY_OPTIONS``: CPUs, concurrency) are extended by the caller's
+The class's own defaults (``RAY_OPTIONS``: CPUs, concurrency; ``CONCURRENCY_GROUPS``, which Ray takes
+only in ``ray.remote``) are extended by the caller's
 options (names, restarts, placement); no options are fixed in decorators (`runtime.wiring`
 starts the Planner and the constructors, `runtime.loader_group` the loaders). Large constructor
 arguments travel as `Held` references.
@@ -19,7 +20,8 @@ __all__ = ["Held", "actor", "resolve"]
 def _remote(cls: type) -> Any:
     import ray
 
-    return ray.remote(cls)
+    groups = getattr(cls, "CONCURRENCY_GROUPS", None)  # Ray takes these in ray.remote only, not in .options()
+    return ray.remote(concurrency_groups=groups)(cls) if groups else ray.remote(cls)
 
 
 def actor(cls: type, **options: Any) -> Any:

@@ -135,3 +135,43 @@ def test_hybrid_cp_ranks_race_on_ray_and_each_gets_its_own_count_whole(ray_local
             assert got[rank] == want[rank], f"rank {rank}: bytes differ"
     finally:
         svc.stop()
+
+
+class _Busy:
+    """Every default thread blocks on a plan that needs `meta` first, as a loader's fetches wait on the
+    Planner while the Planner waits on the loader's summaries."""
+
+    RAY_OPTIONS = {"num_cpus": 0, "max_concurrency": 2}
+    CONCURRENCY_GROUPS = {"metadata": 1}
+
+    def __init__(self):
+        import threading
+
+        self.answered = threading.Event()
+
+    def fetch(self):
+        return self.answered.wait(300)
+
+    def summaries(self):
+        self.answered.set()
+        return "answered"
+
+
+def test_a_loaders_metadata_calls_are_answered_while_every_fetch_thread_waits(ray_local):
+    """The Planner's summaries run on threads of their own: with every default thread of the actor
+    blocked on a fetch that needs them, they are still answered (in one pool they deadlocked until
+    the Planner's 120 s timeout, run 104)."""
+    import ray
+
+    from megascale_data_ext.runtime.loader_group import METADATA_GROUP, LoaderGroupActor
+    from megascale_data_ext.runtime.ray_actor import actor
+
+    assert LoaderGroupActor.CONCURRENCY_GROUPS == {METADATA_GROUP: 2}
+    for method in ("summaries", "summary_buffer"):
+        assert getattr(LoaderGroupActor, method).__ray_concurrency_group__ == METADATA_GROUP
+    _Busy.summaries = ray.method(concurrency_group="metadata")(_Busy.summaries)
+    busy = actor(_Busy).remote()
+    fetches = [busy.fetch.remote() for _ in range(2)]  # both default threads wait
+    assert ray.get(busy.summaries.remote(), timeout=120) == "answered"
+    assert ray.get(fetches, timeout=120) == [True, True]
+    ray.kill(busy)
