@@ -50,7 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-OUTPUT_FLAGS = ("json", "plot", "out", "output", "model_out", "env_file")
+OUTPUT_FLAGS = ("json", "plot", "out", "output", "model_out")  # serve checks --env-file itself (`check_env_file`)
 
 
 def output_path_problem(args: argparse.Namespace) -> str | None:

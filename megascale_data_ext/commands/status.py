@@ -31,13 +31,11 @@ def run(args: argparse.Namespace) -> int:
     import ray
 
     from megascale_data_ext.runtime.actor_table import actor_rows, find_service, format_table
+    from megascale_data_ext.runtime.ray_address import PROBE_SECONDS
     from megascale_data_ext.runtime.remote import join_ray
 
-    from megascale_data_ext.runtime.ray_address import PROBE_SECONDS, check_reachable
-
     try:
-        check_reachable(args.address, seconds=min(args.timeout, PROBE_SECONDS), key="--address")
-        join_ray(args.address, args.namespace)
+        join_ray(args.address, args.namespace, key="--address", probe_seconds=min(args.timeout, PROBE_SECONDS))
         try:
             planner, constructors, topology = find_service(args.namespace)
         except ValueError:

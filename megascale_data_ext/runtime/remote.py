@@ -30,14 +30,16 @@ from megascale_data_ext.runtime.retry import Retry
 from megascale_data_ext.runtime.topology import PLANNER_NAME, ServiceTopology
 
 
-def join_ray(address: str | None, namespace: str) -> None:
-    """Join the service's Ray cluster once per process (no-op when already joined)."""
+def join_ray(address: str | None, namespace: str, *, key: str = "data.ray.address",
+             probe_seconds: float | None = None) -> None:
+    """Join the service's Ray cluster once per process (no-op when already joined); an unreachable
+    address is a `ConfigError` naming `key`, where the address came from."""
     import ray
 
-    from megascale_data_ext.runtime.ray_address import check_reachable
+    from megascale_data_ext.runtime.ray_address import PROBE_SECONDS, check_reachable
 
     if not ray.is_initialized():
-        check_reachable(address)
+        check_reachable(address, seconds=PROBE_SECONDS if probe_seconds is None else probe_seconds, key=key)
         ray.init(address=address, namespace=namespace, log_to_driver=False, configure_logging=False)
         _exit_quietly_on_sigterm()
 
