@@ -5,11 +5,12 @@ Pull model (paper Sec. 3): a Client asks its Data Constructor, the constructor a
 Loaders, a loader asks the Planner for its plan, the Planner asks loaders for metadata — each
 of these once per loader actor for all the sources it holds (`runtime.calls`).
 The Planner -> loader call happens while a loader may be waiting on the Planner, so loaders
-and constructors are threaded actors (``max_concurrency`` = `ACTOR_CONCURRENCY`): a loader's
-`summaries` are served on another thread while its `fetch` waits. The Planner is threaded
-too: with loss-driven mixing, planning a step waits for a trainer's `report_loss`, which must
-be served meanwhile (the Planner's lock serialises planning itself). The Planner never
-waits on a constructor, so the call graph has no cycle that can exhaust the thread pools.
+and constructors are threaded actors (``max_concurrency`` = `ACTOR_CONCURRENCY`), and a loader's
+`summaries` run on threads of their own (a Ray concurrency group) that its waiting fetches cannot
+take. The Planner is threaded too: with loss-driven mixing, planning a step waits for a trainer's
+`report_loss`, which runs on the Planner's own control threads for the same reason (the Planner's
+lock serialises planning itself). The Planner never waits on a constructor, so no cycle of waits
+can exhaust a pool of threads.
 
 Failures (`runtime.fault_tolerance`, paper Sec. 6): every actor may be restarted by Ray. The Planner
 writes its state after each planned step and a restarted one restores it (re-planning older
@@ -51,6 +52,7 @@ from megascale_data_ext.runtime.shadows import Replica
 from megascale_data_ext.runtime.topology import ServiceTopology
 
 ACTOR_CONCURRENCY = 16
+CONTROL_GROUP = "control"  # the Planner's calls that never wait: threads of their own (`PlannerActor`)
 NO_FAULT_TOLERANCE = FaultToleranceConfig(restart=False)
 
 
@@ -99,7 +101,11 @@ class PlannerActor:
     of the plan).
     """
 
+    # Calls that never wait get threads of their own. With feedback mixing every plan call of a step
+    # waits for a trainer's loss report; in one pool of threads, ACTOR_CONCURRENCY constructors and
+    # loaders asking for that step left no thread to take the report, until the 600 s report timeout.
     RAY_OPTIONS = {"num_cpus": 0, "max_concurrency": ACTOR_CONCURRENCY}  # `runtime.ray_actor.actor` adds the rest
+    CONCURRENCY_GROUPS = {CONTROL_GROUP: 2}
 
     def __init__(self, config: ServiceConfig | Held, topology: ServiceTopology, loaders: AutoscalePlan | Held,
                  ft: FaultToleranceConfig | None = None, checkpoint_dir: str | None = None):
@@ -182,10 +188,12 @@ class PlannerActor:
         """`Planner.adopt_cost_model`, saved at once: a restarted Planner keeps balancing with it."""
         return self.planner.adopt_cost_model(fit, then=self.recovery.planned)
 
+    @ray.method(concurrency_group=CONTROL_GROUP)
     def topology(self) -> ServiceTopology:
         """The service's topology, for clients that join by namespace alone."""
         return self._topology
 
+    @ray.method(concurrency_group=CONTROL_GROUP)
     def fault_tolerance(self) -> FaultToleranceConfig:
         """The service's fault-tolerance settings, for clients (retries, prefetch)."""
         return self.ft
@@ -251,9 +259,11 @@ class PlannerActor:
         """Continue at the saved step; `reshard` accepts a state saved under another parallel layout."""
         self.recovery.load_state_dict(state, reshard=reshard)
 
+    @ray.method(concurrency_group=CONTROL_GROUP)
     def report_loss(self, step: int, losses: dict) -> None:
         self.recovery.report_loss(step, losses)
 
+    @ray.method(concurrency_group=CONTROL_GROUP)
     def stats(self) -> dict:
         return {"next_step": self.planner.next_step, "restored_from": self.recovery.restored_from,
                 "rewinds": self.recovery.rewinds,
@@ -277,15 +287,18 @@ class PlannerActor:
         self._wait_loaders_ready(self.scaler)
         return self.scaler.live()
 
+    @ray.method(concurrency_group=CONTROL_GROUP)
     def shadow_actors(self) -> list[Any]:
         """The shadow of every live loader actor (empty without ``fault_tolerance.shadow_loaders``)."""
         return self.scaler.live_shadows()
 
+    @ray.method(concurrency_group=CONTROL_GROUP)
     def homes(self) -> dict[str, list]:
         """Where the service's actors belong (`runtime.placement`): ``loaders``, each live loader actor
         with its home node, and ``constructors``, each constructor's home (None: no home)."""
         return {"loaders": self.scaler.live_homes(), "constructors": list(self._constructor_homes)}
 
+    @ray.method(concurrency_group=CONTROL_GROUP)
     def scaling_events(self) -> list[dict[str, Any]]:
         return list(self.scaler.events)
 
