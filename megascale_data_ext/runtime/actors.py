@@ -47,6 +47,7 @@ from megascale_data_ext.runtime.placement import constructor_homes
 from megascale_data_ext.runtime.planner import Planner
 from megascale_data_ext.runtime.planner_recovery import PlannerRecovery
 from megascale_data_ext.runtime.ray_actor import Held, resolve
+from megascale_data_ext.runtime.thread_stacks import ThreadStacks
 from megascale_data_ext.runtime.routing import RouteBook
 from megascale_data_ext.runtime.shadows import Replica
 from megascale_data_ext.runtime.topology import ServiceTopology
@@ -86,7 +87,7 @@ class ConstructorStep:
     replicas: dict[int, Replica] = field(default_factory=dict)  # handles of the ids the caller lacks
 
 
-class PlannerActor:
+class PlannerActor(ThreadStacks):
     """The Planner in its own process; holds handles to the loaders for `summary_buffer`.
 
     With a checkpoint directory, `PlannerRecovery` writes the state after every planned step; a

@@ -19,6 +19,7 @@ from megascale_data_ext.runtime.actors import ACTOR_CONCURRENCY, NO_FAULT_TOLERA
 from megascale_data_ext.runtime.calls import CallCounter
 from megascale_data_ext.runtime.config import ServiceConfig
 from megascale_data_ext.runtime.ray_actor import Held, resolve
+from megascale_data_ext.runtime.thread_stacks import ThreadStacks
 from megascale_data_ext.runtime.constructor import DataConstructor, EncoderRows
 from megascale_data_ext.runtime.fault_injection import crash_self
 from megascale_data_ext.runtime.fault_tolerance import FaultToleranceConfig
@@ -42,7 +43,7 @@ def constructor_concurrency(topology: ServiceTopology, buckets: list[int], ft: F
     return max(ACTOR_CONCURRENCY, fetchers * (ft.client_prefetch + 1) + world + 4)
 
 
-class DataConstructorActor:
+class DataConstructorActor(ThreadStacks):
     """A Data Constructor with a `Prefetcher` building `prefetch` steps ahead.
 
     A constructor Ray restarted starts prefetching at the first step a client asks for and

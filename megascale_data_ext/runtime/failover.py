@@ -24,6 +24,7 @@ from megascale_data_ext.dataplane.plan import LoaderPlan
 from megascale_data_ext.errors import ServiceUnavailableError, SourceError
 from megascale_data_ext.runtime.loader import SourceLoader
 from megascale_data_ext.runtime.retry import Retry
+from megascale_data_ext.runtime.thread_stacks import note_thread_stacks
 
 __all__ = ["ACTOR_FAILURES", "cannot_restart", "missing_buckets", "raise_unless_recovering", "read_buckets"]
 
@@ -59,10 +60,15 @@ def raise_unless_recovering(failures: Mapping[Any, BaseException], sources: Sequ
         raise ServiceUnavailableError(f"the loader of sources {names}{more} cannot start again after a restart: "
                                       f"{dead}") from last
     if retry.expired():
-        raise ServiceUnavailableError(
+        error = ServiceUnavailableError(
             f"the loaders of sources {names}{more} did not {doing} within {retry.timeout_s:g} s "
             f"(fault_tolerance.recovery_timeout_s): {last!r}. Check the actors' logs (`ray logs`), raise the "
-            "timeout, or enable fault_tolerance.shadow_loaders") from last
+            "timeout, or enable fault_tolerance.shadow_loaders")
+        silent = [key for key, exc in failures.items() if isinstance(exc, GetTimeoutError)]
+        for key in silent[:2]:  # alive but silent: where its threads wait (a deadlock names itself)
+            handle = getattr(key, "primary", key)  # a `shadows.Replica`, or a handle
+            note_thread_stacks(error, handle, f"the loader of sources {names}{more}")
+        raise error from last
 
 
 def read_buckets(loader: SourceLoader, plan: LoaderPlan, buckets: Sequence[int]) -> dict[str, list]:

@@ -50,6 +50,7 @@ from megascale_data_ext.runtime.loader import SourceLoader
 from megascale_data_ext.runtime.malloc import trim_periodically
 from megascale_data_ext.runtime.metrics import rss_bytes, samples_in, service_metrics
 from megascale_data_ext.runtime.ray_actor import Held, actor, resolve
+from megascale_data_ext.runtime.thread_stacks import ThreadStacks
 from megascale_data_ext.sources.base import SourceSpec
 
 #: ``(members, workers, ray options) -> actor handle``: a ready loader (group) actor with its plans wired.
@@ -293,7 +294,7 @@ class LoaderGroup:
             ld.close()
 
 
-class LoaderGroupActor:
+class LoaderGroupActor(ThreadStacks):
     """A `LoaderGroup` in its own process (the service's one loader actor class); plans come from
     the Planner actor whose handle it is given.
 

@@ -1,7 +1,7 @@
 """Every actor of the service is ``ray.remote(cls).options(**options)`` over a plain façade class.
 
 The class's own defaults (``RAY_OPTIONS``: CPUs, concurrency; ``CONCURRENCY_GROUPS``, which Ray takes
-only in ``ray.remote``) are extended by the caller's
+only in ``ray.remote``, plus one thread for `thread_stacks` where the class has it) are extended by the caller's
 options (names, restarts, placement); no options are fixed in decorators (`runtime.wiring`
 starts the Planner and the constructors, `runtime.loader_group` the loaders). Large constructor
 arguments travel as `Held` references.
@@ -20,7 +20,11 @@ __all__ = ["Held", "actor", "resolve"]
 def _remote(cls: type) -> Any:
     import ray
 
-    groups = getattr(cls, "CONCURRENCY_GROUPS", None)  # Ray takes these in ray.remote only, not in .options()
+    from megascale_data_ext.runtime.thread_stacks import DIAGNOSTICS_GROUP
+
+    groups = dict(getattr(cls, "CONCURRENCY_GROUPS", None) or {})  # Ray takes these in ray.remote only
+    if hasattr(cls, "thread_stacks"):  # answered beside threads that all wait (`runtime.thread_stacks`)
+        groups[DIAGNOSTICS_GROUP] = 1
     return ray.remote(concurrency_groups=groups)(cls) if groups else ray.remote(cls)
 
 

@@ -223,6 +223,7 @@ class RemoteConstructors:
         import ray
 
         from megascale_data_ext.runtime.failover import ACTOR_FAILURES
+        from megascale_data_ext.runtime.thread_stacks import note_thread_stacks
 
         ft = self.ft
         retry, last = Retry(ft.recovery_timeout_s), None
@@ -238,12 +239,15 @@ class RemoteConstructors:
                 last = exc
                 timed_out = isinstance(exc, ray.exceptions.GetTimeoutError)
                 if retry.attempts + (not timed_out) > ft.retries or retry.expired():
-                    raise ServiceUnavailableError(
+                    error = ServiceUnavailableError(
                         f"constructor/{index} (serving rank {rank}) did not deliver step {step} after "
                         f"{retry.attempts + (not timed_out)} re-sends within {retry.elapsed():.1f} s "
                         f"(fault_tolerance.retries={ft.retries}, recovery_timeout_s={ft.recovery_timeout_s:g}): "
                         f"last error {exc!r}. Check the actor's log (`ray logs` / the dashboard); resume the job "
-                        "from its last checkpoint") from exc
+                        "from its last checkpoint")
+                    if timed_out and index in self._handles:  # alive but silent: where its threads wait
+                        note_thread_stacks(error, self._handles[index], f"constructor/{index}")
+                    raise error from exc
                 if timed_out:  # alive but slow (a rebuild, a loader failover): keep waiting on the same call
                     continue
                 retry.pause()

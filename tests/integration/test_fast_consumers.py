@@ -21,6 +21,7 @@ from megascale_data_ext.runtime.fault_tolerance import FaultToleranceConfig
 from megascale_data_ext.runtime.inprocess import InProcessService
 from megascale_data_ext.runtime.remote import RemoteConstructors
 from megascale_data_ext.runtime.service import DataService
+from megascale_data_ext.runtime.thread_stacks import ThreadStacks
 from megascale_data_ext.sources.demo_data import make_demo_data
 
 pytestmark = pytest.mark.slow
@@ -137,7 +138,7 @@ def test_hybrid_cp_ranks_race_on_ray_and_each_gets_its_own_count_whole(ray_local
         svc.stop()
 
 
-class _Busy:
+class _Busy(ThreadStacks):
     """Every default thread blocks on a plan that needs `meta` first, as a loader's fetches wait on the
     Planner while the Planner waits on the loader's summaries."""
 
@@ -172,6 +173,29 @@ def test_a_loaders_metadata_calls_are_answered_while_every_fetch_thread_waits(ra
     _Busy.summaries = ray.method(concurrency_group="metadata")(_Busy.summaries)
     busy = actor(_Busy).remote()
     fetches = [busy.fetch.remote() for _ in range(2)]  # both default threads wait
+    _a_caller_that_gives_up_names_where_the_threads_wait(busy)
     assert ray.get(busy.summaries.remote(), timeout=120) == "answered"
     assert ray.get(fetches, timeout=120) == [True, True]
     ray.kill(busy)
+
+
+def _a_caller_that_gives_up_names_where_the_threads_wait(busy) -> None:
+    """A loader call given up on (recovery timeout) raises one line, with the silent actor's thread
+    stacks as a note: every service actor answers them on a thread of its own."""
+    from ray.exceptions import GetTimeoutError
+
+    from megascale_data_ext.errors import ServiceUnavailableError
+    from megascale_data_ext.runtime.actors import PlannerActor
+    from megascale_data_ext.runtime.constructor_actor import DataConstructorActor
+    from megascale_data_ext.runtime.failover import raise_unless_recovering
+    from megascale_data_ext.runtime.loader_group import LoaderGroupActor
+    from megascale_data_ext.runtime.retry import Retry
+
+    assert all(issubclass(c, ThreadStacks) for c in (PlannerActor, DataConstructorActor, LoaderGroupActor))
+    with pytest.raises(ServiceUnavailableError) as got:
+        raise_unless_recovering({busy: GetTimeoutError("silent")}, ["text-0"], "answer `summaries`", Retry(0.0))
+    assert "\n" not in str(got.value) and "text-0" in str(got.value)
+    notes = "\n".join(got.value.__notes__)
+    assert "threads of the loader of sources ['text-0']" in notes
+    assert notes.count("in fetch") == 2 and "self.answered.wait(300)" in notes  # both waiting threads
+
