@@ -25,6 +25,16 @@ class PlanError(MegascaleDataError):
     """The planner cannot build a plan for a step (e.g. a sample that fits no microbatch)."""
 
 
+class ReportTimeoutError(PlanError):
+    """A step's plan waited `report_timeout_s` for a loss report its feedback mixing needs.
+
+    Planning waits for the reports of steps up to ``step - delay``; a request sent ahead of the
+    trainer (client prefetch) waits through the trainer's own pauses (evaluation, a checkpoint
+    save) and may time out with nothing wrong. A client re-sends such a request once when it takes
+    the step (`RemoteConstructors`): by then the report is there, or it is really missing.
+    """
+
+
 class ShortBufferError(PlanError):
     """The metadata the Planner holds of some sources is shorter than a step's draws from them.
 

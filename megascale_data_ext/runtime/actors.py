@@ -123,7 +123,8 @@ class PlannerActor(ThreadStacks):
         self._horizon = delivery_horizon(config, self.ft)
         summarize_many = functools.partial(self.scaler.summaries, ft=self.ft, calls=self.calls)
         self.planner = Planner(config, topology, None, summarize_many=summarize_many,
-                               on_planned=self._on_planned, constructors=topology.num_constructors)
+                               on_planned=self._on_planned, constructors=topology.num_constructors,
+                               report_timeout_s=self.ft.report_timeout_s)
         self.recovery = PlannerRecovery(self.planner, checkpoints, restarted=restarted,
                                         reports_kept=4 * self.ft.checkpoint_keep)
 

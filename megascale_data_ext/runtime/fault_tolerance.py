@@ -38,6 +38,9 @@ class FaultToleranceConfig:
         retries: Most re-resolutions of a dead actor per request before `ServiceUnavailableError`.
         hedge_s: A loader call unanswered this long is also sent to the shadow (first answer wins).
         suspect_s: After a loader failure, how long its shadow serves before the primary is tried again.
+        report_timeout_s: Longest a plan waits for a loss report its feedback mixing needs; a request a
+            client sent ahead that waited longer (the trainer paused: evaluation, a checkpoint save)
+            is sent again when the client takes it, and fails only if the report is still missing.
         inject: Fault schedule (see module docstring); ``MEGASCALE_FAULTS`` adds to it.
     """
 
@@ -52,6 +55,7 @@ class FaultToleranceConfig:
     retries: int = 8
     hedge_s: float = 1.0
     suspect_s: float = 5.0
+    report_timeout_s: float = 600.0
     inject: str = ""
 
     def __post_init__(self) -> None:
@@ -74,7 +78,7 @@ class FaultToleranceConfig:
             problems.append(("max_lead_steps", f"must be an integer >= 1 or null (= prefetch + client_prefetch + 1), "
                                                f"got {lead!r}"))
         problems += [(k, f"must be > 0 seconds, got {get(k)!r}")
-                     for k in ("rpc_timeout_s", "recovery_timeout_s", "hedge_s", "suspect_s")
+                     for k in ("rpc_timeout_s", "recovery_timeout_s", "hedge_s", "suspect_s", "report_timeout_s")
                      if k in values and not get(k) > 0]
         if values.get("inject"):
             try:

@@ -1,7 +1,7 @@
 """Loss-driven mixing: the trainer's per-source loss reports, fed to the schedule in step order.
 
 With a feedback schedule of delay d, planning step s first applies the reports of every step up
-to s - d, in order, waiting for one that has not arrived (a named PlanError after
+to s - d, in order, waiting for one that has not arrived (a named `ReportTimeoutError` after
 ``report_timeout_s``). Plans therefore depend on the reports, never on prefetch timing. Reports
 arrive on trainer threads while planning waits for them: they have their own condition, apart
 from the planning lock. Plain Python: no Ray or torch.
@@ -13,7 +13,7 @@ import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from megascale_data_ext.errors import PlanError
+from megascale_data_ext.errors import PlanError, ReportTimeoutError
 
 __all__ = ["LossReports"]
 
@@ -53,7 +53,7 @@ class LossReports:
         for k in range(self.applied_through() + 1, step - delay + 1):
             with self._cv:
                 if not self._cv.wait_for(lambda k=k: k in self._reports, timeout=self.timeout_s):
-                    raise PlanError(
+                    raise ReportTimeoutError(
                         f"planning step {step} needs the per-source loss of step {k} (feedback mixing, delay {delay}) "
                         f"but none arrived within {self.timeout_s:g} s: the trainer must report every step "
                         "(hooks: install(client, report_loss=True)), or use a static mixing schedule")

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from megascale_data_ext.errors import ConfigError, ServiceUnavailableError
+from megascale_data_ext.errors import ConfigError, ReportTimeoutError, ServiceUnavailableError
 from megascale_data_ext.runtime.constructor import EncoderImages, merge_encoder_images
 from megascale_data_ext.runtime.fault_injection import FaultInjector
 from megascale_data_ext.runtime.fault_tolerance import FaultToleranceConfig
@@ -219,25 +219,35 @@ class RemoteConstructors:
         return self._current[2][microbatch]
 
     def _take(self, ref: Any, index: int, step: int, rank: int) -> list:
-        """Wait for `step`'s reply; re-send it (and the prefetched steps) to a restarted constructor."""
+        """Wait for `step`'s reply; re-send it (and the prefetched steps) to a restarted constructor,
+        and once when it was sent ahead and timed out waiting for a loss report (`ReportTimeoutError`:
+        the trainer's own pause, e.g. a checkpoint save, outlasted ``report_timeout_s``)."""
         import ray
 
         from megascale_data_ext.runtime.failover import ACTOR_FAILURES
         from megascale_data_ext.runtime.thread_stacks import note_thread_stacks
 
         ft = self.ft
-        retry, last = Retry(ft.recovery_timeout_s), None
+        retry, last, report_wait = Retry(ft.recovery_timeout_s), None, None
         while True:
             try:
                 out = ray.get(ref, timeout=max(0.01, min(ft.rpc_timeout_s, retry.left())))
-                if retry.attempts:
+                if retry.attempts or report_wait is not None:
+                    error = last or report_wait
                     self.recoveries.append({"step": step, "constructor": index, "rank": rank,
                                             "attempts": retry.attempts, "seconds": retry.elapsed(),
-                                            "error": type(last).__name__})
+                                            "error": type(getattr(error, "cause", error)).__name__})
                 return out
+            except ReportTimeoutError as exc:
+                if report_wait is not None:  # asked again now that the rank needs it: the report is missing
+                    raise self._report_missing(exc, rank, step, retry) from exc
+                report_wait = exc
+                ref = self._handle(index, step=step).get_step.remote(step, rank, step, job=self.topology.job)
             except ACTOR_FAILURES as exc:
                 last = exc
                 timed_out = isinstance(exc, ray.exceptions.GetTimeoutError)
+                if report_wait is not None and timed_out and retry.expired():
+                    raise self._report_missing(report_wait, rank, step, retry) from report_wait
                 if retry.attempts + (not timed_out) > ft.retries or retry.expired():
                     error = ServiceUnavailableError(
                         f"constructor/{index} (serving rank {rank}) did not deliver step {step} after "
@@ -254,6 +264,14 @@ class RemoteConstructors:
                 handle = self._handle(index, fresh=True, step=step)  # the restarted actor, by name
                 ref = handle.get_step.remote(step, rank, step, job=self.topology.job)
                 self._resend_failed(handle, rank, step)
+
+    @staticmethod
+    def _report_missing(exc: BaseException, rank: int, step: int, retry: Retry) -> ReportTimeoutError:
+        """`exc` (a `ReportTimeoutError` from the constructor) as one line, once the re-sent request
+        failed too: the report is missing, not late."""
+        cause = getattr(exc, "cause", exc)  # without Ray's task header
+        return ReportTimeoutError(f"{cause} (asked again when rank {rank} took step {step}: still none after "
+                                  f"{retry.elapsed():.0f} s)")
 
     def _resend_failed(self, handle: Any, rank: int, step: int) -> None:
         """Re-send the prefetched requests after `step` that already failed; a reply that came

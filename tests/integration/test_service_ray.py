@@ -220,3 +220,38 @@ def test_a_loss_report_is_taken_while_every_planner_thread_waits_for_it(specs, r
     finally:
         svc.stop()
     assert {p.step for p in plans} == {3}
+
+
+def test_a_pause_longer_than_the_report_timeout_loses_no_step_and_a_missing_report_is_named(specs, ray_local):
+    """Feedback mixing: requests a client sent ahead wait for loss reports through the trainer's own
+    pause (a checkpoint save) and time out; taken later, each is asked again and delivered. A report
+    that never comes is a named `ReportTimeoutError`, not a hang."""
+    from megascale_data_ext.errors import ReportTimeoutError
+    from megascale_data_ext.runtime.fault_tolerance import FaultToleranceConfig
+    from megascale_data_ext.runtime.remote import RemoteConstructors
+
+    mixing = {"type": "feedback", "base_weights": [1.0] * len(specs), "lr": 0.5, "delay": 1}
+    svc = DataService(config(specs, namespace="feedback-pause", mixing=mixing), ClientPlaceTree.from_sizes(dp=1),
+                      fault_tolerance=FaultToleranceConfig(report_timeout_s=2.0))
+    handles = svc.start()
+    client = RemoteConstructors(handles.topology)
+    loss = {s: 1.0 + s for s in range(len(specs))}
+    try:
+        for step in range(3):
+            client.get(step, 0, 0)
+            client.report_loss(step, loss)
+        client.get(3, 0, 0)  # steps 4-7 are asked for ahead; the trainer pauses before reporting step 3
+        ahead = client._pending[(0, 5)]
+        ray.wait([ahead], timeout=300)  # the pause: until that request gave up waiting
+        with pytest.raises(ReportTimeoutError):
+            ray.get(ahead)
+        client.report_loss(3, loss)
+        for step in range(4, 8):
+            client.get(step, 0, 0)
+            client.report_loss(step, loss)
+        assert [r["error"] for r in client.recoveries] == ["ReportTimeoutError"] * 4  # steps 4-7 asked again
+        client.get(8, 0, 0)  # step 8's report never comes
+        with pytest.raises(ReportTimeoutError, match=r"loss of step 8 .* still none after"):
+            client.get(9, 0, 0)
+    finally:
+        svc.stop()
