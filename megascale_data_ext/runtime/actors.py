@@ -9,8 +9,9 @@ and constructors are threaded actors (``max_concurrency`` = `ACTOR_CONCURRENCY`)
 `summaries` run on threads of their own (a Ray concurrency group) that its waiting fetches cannot
 take. The Planner is threaded too: with loss-driven mixing, planning a step waits for a trainer's
 `report_loss`, which runs on the Planner's own control threads for the same reason (the Planner's
-lock serialises planning itself). The Planner never waits on a constructor, so no cycle of waits
-can exhaust a pool of threads.
+lock serialises planning itself), and the trainer's own calls about steps it has reached run on
+threads of theirs: the trainer, which the reports come from, never waits behind calls that wait for
+it. The Planner never waits on a constructor.
 
 Failures (`runtime.fault_tolerance`, paper Sec. 6): every actor may be restarted by Ray. The Planner
 writes its state after each planned step and a restarted one restores it (re-planning older
@@ -54,6 +55,7 @@ from megascale_data_ext.runtime.topology import ServiceTopology
 
 ACTOR_CONCURRENCY = 16
 CONTROL_GROUP = "control"  # the Planner's calls that never wait: threads of their own (`PlannerActor`)
+TRAINER_GROUP = "trainer"  # the trainer's calls about steps it has reached (`PlannerActor`)
 NO_FAULT_TOLERANCE = FaultToleranceConfig(restart=False)
 
 
@@ -102,11 +104,14 @@ class PlannerActor(ThreadStacks):
     of the plan).
     """
 
-    # Calls that never wait get threads of their own. With feedback mixing every plan call of a step
-    # waits for a trainer's loss report; in one pool of threads, ACTOR_CONCURRENCY constructors and
-    # loaders asking for that step left no thread to take the report, until the 600 s report timeout.
+    # With feedback mixing, constructors' and loaders' calls for steps ahead wait for the trainer's
+    # loss reports, each holding a thread of the default pool; 2 x constructors + loader actors of
+    # them can be waiting. What the trainer needs to go on must not queue behind them: its reports
+    # (`CONTROL_GROUP`, with the other calls that never wait) and its calls about steps it has reached
+    # (`TRAINER_GROUP`: rank 0's per-step plan summary, checkpoints, the cost model). In one pool
+    # the waiting calls held every thread until the report timeout, step after step.
     RAY_OPTIONS = {"num_cpus": 0, "max_concurrency": ACTOR_CONCURRENCY}  # `runtime.ray_actor.actor` adds the rest
-    CONCURRENCY_GROUPS = {CONTROL_GROUP: 2}
+    CONCURRENCY_GROUPS = {CONTROL_GROUP: 2, TRAINER_GROUP: 4}
 
     def __init__(self, config: ServiceConfig | Held, topology: ServiceTopology, loaders: AutoscalePlan | Held,
                  ft: FaultToleranceConfig | None = None, checkpoint_dir: str | None = None):
@@ -186,6 +191,7 @@ class PlannerActor(ThreadStacks):
     def _plan(self, step: int):
         return self.recovery.plan(step)
 
+    @ray.method(concurrency_group=TRAINER_GROUP)
     def adopt_cost_model(self, fit: dict) -> int:
         """`Planner.adopt_cost_model`, saved at once: a restarted Planner keeps balancing with it."""
         return self.planner.adopt_cost_model(fit, then=self.recovery.planned)
@@ -200,6 +206,7 @@ class PlannerActor(ThreadStacks):
         """The service's fault-tolerance settings, for clients (retries, prefetch)."""
         return self.ft
 
+    @ray.method(concurrency_group=TRAINER_GROUP)
     def plan(self, step: int):
         return self._plan(step)
 
@@ -251,12 +258,15 @@ class PlannerActor(ThreadStacks):
         """Constructor `constructor`'s slowest consumer is on `step` (plans before it may go)."""
         self.planner.constructor_floor(constructor, step)
 
+    @ray.method(concurrency_group=TRAINER_GROUP)
     def plan_summary(self, step: int) -> dict:
         return self._plan(step).summary()
 
+    @ray.method(concurrency_group=TRAINER_GROUP)
     def state_dict(self, step: int | None = None) -> dict:
         return self.recovery.state_dict(step)
 
+    @ray.method(concurrency_group=TRAINER_GROUP)
     def load_state_dict(self, state: dict, reshard: bool = False) -> None:
         """Continue at the saved step; `reshard` accepts a state saved under another parallel layout."""
         self.recovery.load_state_dict(state, reshard=reshard)
@@ -280,10 +290,12 @@ class PlannerActor(ThreadStacks):
         self._plan(step)  # plan (and observe) up to `step` first, so its layout is decided
         return self.scaler.routes(step, sources)
 
+    @ray.method(concurrency_group=TRAINER_GROUP)
     def loaders_of(self, source: int) -> list[Any]:
         """The actors serving `source` now (newest layout)."""
         return self.scaler.newest(source)
 
+    @ray.method(concurrency_group=TRAINER_GROUP)
     def loader_actors(self) -> list[Any]:
         """Every live loader actor, once (the first call waits until they opened their sources)."""
         self._wait_loaders_ready(self.scaler)

@@ -10,6 +10,7 @@ from the planning lock. Plain Python: no Ray or torch.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -50,9 +51,10 @@ class LossReports:
         delay = self.delay
         if delay is None:
             return
+        deadline = time.monotonic() + self.timeout_s  # one budget for the call, however many reports it needs
         for k in range(self.applied_through() + 1, step - delay + 1):
             with self._cv:
-                if not self._cv.wait_for(lambda k=k: k in self._reports, timeout=self.timeout_s):
+                if not self._cv.wait_for(lambda k=k: k in self._reports, timeout=max(0.0, deadline - time.monotonic())):
                     raise ReportTimeoutError(
                         f"planning step {step} needs the per-source loss of step {k} (feedback mixing, delay {delay}) "
                         f"but none arrived within {self.timeout_s:g} s: the trainer must report every step "

@@ -201,25 +201,27 @@ def test_a_client_whose_service_was_stopped_gets_one_named_error(specs, ray_loca
         RemoteConstructors(handles.topology).get(0, 0, 0)  # a client that joins after the stop
 
 
-def test_a_loss_report_is_taken_while_every_planner_thread_waits_for_it(specs, ray_local):
-    """Feedback mixing: every plan call of step 3 waits for step 0's loss report. With more such
-    calls than the Planner has threads, the report still arrives (the Planner's control threads);
-    in one pool it waited for the 600 s report timeout and every waiting plan failed."""
+def test_the_trainers_calls_are_answered_while_every_planner_thread_waits_for_its_report(specs, ray_local):
+    """Feedback mixing: constructors' and loaders' calls for step 3 wait for step 0's loss report. With
+    more of them than the Planner has threads, the trainer still gets the plan of a step it reached
+    and its report through (threads of their own); in one pool both queued behind the waiting calls
+    until the 600 s report timeout, and every waiting call failed."""
     from megascale_data_ext.runtime.actors import ACTOR_CONCURRENCY
 
     mixing = {"type": "feedback", "base_weights": [1.0] * len(specs), "lr": 0.5, "delay": 1}
     svc = DataService(config(specs, namespace="feedback-threads", mixing=mixing), ClientPlaceTree.from_sizes(dp=2))
     svc.start()
     try:
-        waiting = [svc.planner.plan.remote(3) for _ in range(ACTOR_CONCURRENCY + 4)]
+        waiting = [svc.planner.constructor_plans.remote(3, [0]) for _ in range(ACTOR_CONCURRENCY + 4)]
         ready, _ = ray.wait(waiting, timeout=1)
         assert ready == []  # step 3 cannot be planned before step 0's report
+        assert ray.get(svc.planner.plan.remote(0), timeout=120).step == 0  # rank 0's per-step summary
         for step in range(3):
             ray.get(svc.planner.report_loss.remote(step, {s: 1.0 + s for s in range(len(specs))}), timeout=120)
         plans = ray.get(waiting, timeout=120)
     finally:
         svc.stop()
-    assert {p.step for p in plans} == {3}
+    assert len(plans) == ACTOR_CONCURRENCY + 4 and all(len(p) == 1 for p in plans)
 
 
 def test_a_pause_longer_than_the_report_timeout_loses_no_step_and_a_missing_report_is_named(specs, ray_local):
