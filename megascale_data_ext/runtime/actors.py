@@ -56,6 +56,7 @@ from megascale_data_ext.runtime.topology import ServiceTopology
 ACTOR_CONCURRENCY = 16
 CONTROL_GROUP = "control"  # the Planner's calls that never wait: threads of their own (`PlannerActor`)
 TRAINER_GROUP = "trainer"  # the trainer's calls about steps it has reached (`PlannerActor`)
+LOADER_GROUP = "loaders"  # loaders' plan requests, which never wait for a loss report (`PlannerActor`)
 NO_FAULT_TOLERANCE = FaultToleranceConfig(restart=False)
 
 
@@ -108,10 +109,12 @@ class PlannerActor(ThreadStacks):
     # loss reports, each holding a thread of the default pool; 2 x constructors + loader actors of
     # them can be waiting. What the trainer needs to go on must not queue behind them: its reports
     # (`CONTROL_GROUP`, with the other calls that never wait) and its calls about steps it has reached
-    # (`TRAINER_GROUP`: rank 0's per-step plan summary, checkpoints, the cost model). In one pool
-    # the waiting calls held every thread until the report timeout, step after step.
+    # (`TRAINER_GROUP`: rank 0's per-step plan summary, checkpoints, the cost model), and the
+    # loaders' plan requests for the steps constructors fetch, already planned (`LOADER_GROUP`; their
+    # read-ahead asks without waiting). In one pool the waiting calls held every thread until the
+    # report timeout, step after step.
     RAY_OPTIONS = {"num_cpus": 0, "max_concurrency": ACTOR_CONCURRENCY}  # `runtime.ray_actor.actor` adds the rest
-    CONCURRENCY_GROUPS = {CONTROL_GROUP: 2, TRAINER_GROUP: 4}
+    CONCURRENCY_GROUPS = {CONTROL_GROUP: 2, TRAINER_GROUP: 4, LOADER_GROUP: 4}
 
     def __init__(self, config: ServiceConfig | Held, topology: ServiceTopology, loaders: AutoscalePlan | Held,
                  ft: FaultToleranceConfig | None = None, checkpoint_dir: str | None = None):
@@ -213,11 +216,15 @@ class PlannerActor(ThreadStacks):
     def loader_plan(self, step: int, source: int):
         return self._plan(step).loader_do_plan(source)
 
-    def loader_plans_ahead(self, step: int, sources: list[int], count: int) -> dict[int, dict]:
+    @ray.method(concurrency_group=LOADER_GROUP)
+    def loader_plans_ahead(self, step: int, sources: list[int], count: int, wait: bool = True) -> dict[int, dict]:
         """`step`'s LoaderPlans of `sources` (a loader group's members; a source absent has nothing
         in the step) and those of up to ``count - 1`` steps after it that can be planned without
         waiting (`Planner.planned_ahead`), ``{step: {source: LoaderPlan}}``: a loader group asks
-        once per `count` steps instead of once per step."""
+        once per `count` steps instead of once per step. ``wait=False`` (read-ahead): `step` too
+        only if it can be planned without waiting, else ``{}``; a fetch's step is planned already."""
+        if not wait and not self.planner.reports.ready(step):
+            return {}
         out = {step: self._plan(step).loader_do_plans(sources)}
         for plan in self.planner.planned_ahead(step + 1, count - 1):
             out[plan.step] = plan.loader_do_plans(sources)

@@ -65,9 +65,10 @@ _log = logging.getLogger(__name__)
 GetPlan = Callable[[int, int], LoaderPlan]
 GetPlans = Callable[[int, list[int]], Mapping[int, LoaderPlan]]
 """``(step, sources) -> {source: LoaderPlan}`` of the whole sources; a source left out has nothing in the step."""
-GetPlansAhead = Callable[[int, list[int], int], Mapping[int, Mapping[int, LoaderPlan]]]
-"""``(step, sources, count) -> {step: {source: LoaderPlan}}``: `step`'s plans and those of up to
-``count - 1`` steps after it that the Planner can make without waiting."""
+GetPlansAhead = Callable[..., Mapping[int, Mapping[int, LoaderPlan]]]
+"""``(step, sources, count, wait=True) -> {step: {source: LoaderPlan}}``: `step`'s plans and those of up
+to ``count - 1`` steps after it that the Planner can make without waiting; with ``wait=False`` `step`
+too only if it can be made without waiting (for a loss report), else nothing."""
 PLAN_STEPS = 64
 """Steps of plans a group keeps (read-ahead and re-reads of recent steps find them)."""
 PLANS_AHEAD = 4
@@ -102,6 +103,26 @@ class PlanCache:
     def drawn(self, step: int) -> list[int]:
         """The members with samples in `step` (asks the Planner once, as `get` does)."""
         return [s for s, plan in self._step(step).items() if len(plan.positions)]
+
+    def drawn_if_planned(self, step: int) -> list[int] | None:
+        """`drawn` for read-ahead, which must not wait: None when the Planner cannot make `step`'s
+        plans now (feedback mixing: a loss report not yet in). A Planner call that waited would
+        hold one of its threads for a step nobody needs yet."""
+        with self._lock:
+            plans = self._plans.get(step)
+        if plans is None:
+            if self.get_plans_ahead is None:
+                return self.drawn(step)
+            got = dict(self.get_plans_ahead(step, self.sources, self.ahead, wait=False))
+            with self._lock:
+                for s, p in sorted(got.items()):
+                    self._plans.setdefault(s, p)
+                while len(self._plans) > self.steps:
+                    self._plans.popitem(last=False)
+            plans = got.get(step)
+            if plans is None:
+                return None
+        return [s for s, plan in plans.items() if len(plan.positions)]
 
     def _step(self, step: int) -> Mapping[int, LoaderPlan]:
         """Every member's plan of `step`: cached, or asked for. A thread whose step an ask in
@@ -258,11 +279,11 @@ class LoaderGroup:
 
     def _read_ahead_step(self, step: int) -> None:
         try:
-            drawn = self.plans.drawn(step)
+            drawn = self.plans.drawn_if_planned(step)
         except Exception as exc:  # the constructor's own fetch asks again, and raises with its context
             _log.warning("read-ahead of step %d: its plans could not be had: %s", step, exc)
             return
-        for s in drawn:
+        for s in drawn or ():  # None: not plannable yet (a loss report to come): the fetch reads it
             if s not in self.loaders:
                 continue
             if self.workers > 1:  # costly transforms: each member on its own worker thread
@@ -319,11 +340,12 @@ class LoaderGroupActor(ThreadStacks):
         self.group = LoaderGroup(members, seed=seed, shuffle=shuffle, workers=workers,
                                  get_plans_ahead=self._get_plans_ahead, direct=direct)
 
-    def _get_plans_ahead(self, step: int, sources: list[int], count: int) -> Mapping[int, Mapping[int, LoaderPlan]]:
+    def _get_plans_ahead(self, step: int, sources: list[int], count: int,
+                         wait: bool = True) -> Mapping[int, Mapping[int, LoaderPlan]]:
         """Every member's plans of `step` and of the next steps the Planner has: one call for
         several steps (the group caches the answer)."""
         self.calls.add("loader>planner loader_plans")
-        return ray.get(self._planner.loader_plans_ahead.remote(step, sources, count))
+        return ray.get(self._planner.loader_plans_ahead.remote(step, sources, count, wait))
 
     def ready(self) -> dict[str, Any]:
         """Where the actor runs and what it serves (placement checks and readiness)."""

@@ -202,10 +202,11 @@ def test_a_client_whose_service_was_stopped_gets_one_named_error(specs, ray_loca
 
 
 def test_the_trainers_calls_are_answered_while_every_planner_thread_waits_for_its_report(specs, ray_local):
-    """Feedback mixing: constructors' and loaders' calls for step 3 wait for step 0's loss report. With
-    more of them than the Planner has threads, the trainer still gets the plan of a step it reached
-    and its report through (threads of their own); in one pool both queued behind the waiting calls
-    until the 600 s report timeout, and every waiting call failed."""
+    """Feedback mixing: constructors' calls for step 3 wait for step 0's loss report. With more of
+    them than the Planner has threads, the trainer still gets the plan of a step it reached and its
+    report through, and a loader the plans of a step it fetches (threads of their own), while a
+    loader's read-ahead of step 3 is answered at once with nothing; in one pool all queued behind the
+    waiting calls until the 600 s report timeout, and every waiting call failed."""
     from megascale_data_ext.runtime.actors import ACTOR_CONCURRENCY
 
     mixing = {"type": "feedback", "base_weights": [1.0] * len(specs), "lr": 0.5, "delay": 1}
@@ -216,6 +217,8 @@ def test_the_trainers_calls_are_answered_while_every_planner_thread_waits_for_it
         ready, _ = ray.wait(waiting, timeout=1)
         assert ready == []  # step 3 cannot be planned before step 0's report
         assert ray.get(svc.planner.plan.remote(0), timeout=120).step == 0  # rank 0's per-step summary
+        assert 0 in ray.get(svc.planner.loader_plans_ahead.remote(0, [0], 2), timeout=120)  # a loader's fetch
+        assert ray.get(svc.planner.loader_plans_ahead.remote(3, [0], 2, False), timeout=120) == {}  # read-ahead
         for step in range(3):
             ray.get(svc.planner.report_loss.remote(step, {s: 1.0 + s for s in range(len(specs))}), timeout=120)
         plans = ray.get(waiting, timeout=120)

@@ -167,3 +167,29 @@ def test_plan_cache_waits_only_for_an_ask_that_may_bring_its_step():
     slow.join(5)
     later.join(5)
     assert asked == [4, 2] and cache._step(7) == {0: 7}
+
+
+def test_read_ahead_never_waits_for_a_step_the_planner_cannot_make_yet():
+    """`drawn_if_planned` asks without waiting (``wait=False``): a step whose loss report is not in
+    gives None and is not cached, so the fetch of that step later asks (and waits) itself."""
+    from megascale_data_ext.runtime.loader_group import PlanCache
+    from megascale_data_ext.dataplane.plan import LoaderPlan
+
+    def plan(step, src, n):
+        idx = np.arange(n, dtype=np.int64)
+        return LoaderPlan(step=step, source=src, positions=idx, indices=idx, bucket=idx * 0)
+
+    asked = []
+
+    def ahead(step, sources, count, wait=True):
+        asked.append((step, wait))
+        if not wait and step >= 3:  # steps from 3 on need a report that is not in yet
+            return {}
+        last = max(step + 1, min(step + count, 3))  # the step asked for (once its report came), then what is ready
+        return {s: {0: plan(s, 0, 2), 1: plan(s, 1, 0)} for s in range(step, last)}
+
+    cache = PlanCache(None, [0, 1], get_plans_ahead=ahead, ahead=4)
+    assert cache.drawn_if_planned(1) == [0]  # source 1 has nothing in the step
+    assert cache.drawn_if_planned(3) is None and asked == [(1, False), (3, False)]
+    assert cache.drawn_if_planned(2) == [0] and len(asked) == 2  # brought by the first answer
+    assert cache.get(3, 0).step == 3 and asked[-1] == (3, True)  # the fetch asks, waiting
