@@ -56,7 +56,7 @@ from megascale_data_ext.runtime.topology import ServiceTopology
 ACTOR_CONCURRENCY = 16
 CONTROL_GROUP = "control"  # the Planner's calls that never wait: threads of their own (`PlannerActor`)
 TRAINER_GROUP = "trainer"  # the trainer's calls about steps it has reached (`PlannerActor`)
-LOADER_GROUP = "loaders"  # loaders' plan requests, which never wait for a loss report (`PlannerActor`)
+PLANNED_GROUP = "planned"  # calls about steps a constructor has the plans of: never wait (`PlannerActor`)
 NO_FAULT_TOLERANCE = FaultToleranceConfig(restart=False)
 
 
@@ -109,12 +109,12 @@ class PlannerActor(ThreadStacks):
     # loss reports, each holding a thread of the default pool; 2 x constructors + loader actors of
     # them can be waiting. What the trainer needs to go on must not queue behind them: its reports
     # (`CONTROL_GROUP`, with the other calls that never wait) and its calls about steps it has reached
-    # (`TRAINER_GROUP`: rank 0's per-step plan summary, checkpoints, the cost model), and the
-    # loaders' plan requests for the steps constructors fetch, already planned (`LOADER_GROUP`; their
-    # read-ahead asks without waiting). In one pool the waiting calls held every thread until the
-    # report timeout, step after step.
+    # (`TRAINER_GROUP`: rank 0's per-step plan summary, checkpoints, the cost model), nor what a
+    # constructor building a planned step needs (`PLANNED_GROUP`: its loaders' plans, its routes after
+    # a loader failure, its encoder rows; loaders' read-ahead asks without waiting). In one pool the
+    # waiting calls held every thread until the report timeout, step after step.
     RAY_OPTIONS = {"num_cpus": 0, "max_concurrency": ACTOR_CONCURRENCY}  # `runtime.ray_actor.actor` adds the rest
-    CONCURRENCY_GROUPS = {CONTROL_GROUP: 2, TRAINER_GROUP: 4, LOADER_GROUP: 4}
+    CONCURRENCY_GROUPS = {CONTROL_GROUP: 2, TRAINER_GROUP: 4, PLANNED_GROUP: 4}
 
     def __init__(self, config: ServiceConfig | Held, topology: ServiceTopology, loaders: AutoscalePlan | Held,
                  ft: FaultToleranceConfig | None = None, checkpoint_dir: str | None = None):
@@ -216,7 +216,7 @@ class PlannerActor(ThreadStacks):
     def loader_plan(self, step: int, source: int):
         return self._plan(step).loader_do_plan(source)
 
-    @ray.method(concurrency_group=LOADER_GROUP)
+    @ray.method(concurrency_group=PLANNED_GROUP)
     def loader_plans_ahead(self, step: int, sources: list[int], count: int, wait: bool = True) -> dict[int, dict]:
         """`step`'s LoaderPlans of `sources` (a loader group's members; a source absent has nothing
         in the step) and those of up to ``count - 1`` steps after it that can be planned without
@@ -257,6 +257,7 @@ class PlannerActor(ThreadStacks):
         return ConstructorStep(plans, sources, ids, encoder_rows(plan, buckets), fleet=self.scaler.fleet,
                                replicas=self.scaler.replicas(send))
 
+    @ray.method(concurrency_group=PLANNED_GROUP)
     def encoder_plan(self, step: int, buckets: list[int]) -> EncoderRows | None:
         """The EncoderPlan rows (images, their (source, position), encoder rank) of `buckets`' samples."""
         return encoder_rows(self._plan(step), buckets)
@@ -291,6 +292,7 @@ class PlannerActor(ThreadStacks):
                               "events": list(self.scaler.events)}}
 
     # -- the loaders it owns -----------------------------------------------------------
+    @ray.method(concurrency_group=PLANNED_GROUP)
     def routes(self, step: int, sources: list[int]) -> list[list[Replica]]:
         """Per source of `sources`, the loader actors (with shadows) holding its samples of `step`
         (shard k at index k): a constructor's whole step in one call."""
