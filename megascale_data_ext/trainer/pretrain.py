@@ -232,9 +232,12 @@ class TrainingSession:
         return ray.get(self.planner.plan.remote(step))
 
     def step_summary(self, step: int) -> dict:
-        """The step plan's summary (balance, per-source samples), asked of the Planner once per step."""
+        """The step plan's summary (balance, per-source samples), asked of the Planner once per step:
+        the summary, not the whole plan (every sample's rows) that `plan` sends."""
+        import ray
+
         if self._summary is None or self._summary[0] != step:
-            self._summary = (step, self.plan(step).summary())
+            self._summary = (step, ray.get(self.planner.plan_summary.remote(step)))
         return self._summary[1]
 
     def _scalar_log(self) -> Any:
