@@ -104,6 +104,16 @@ class PlanCache:
         """The members with samples in `step` (asks the Planner once, as `get` does)."""
         return [s for s, plan in self._step(step).items() if len(plan.positions)]
 
+    def _keep(self, got: Mapping[int, Mapping[int, LoaderPlan]]) -> dict[int, Mapping[int, LoaderPlan]]:
+        """Cache an answer's steps (the newest `steps` are kept); returns it as a dict."""
+        got = dict(got)
+        with self._lock:
+            for s, p in sorted(got.items()):
+                self._plans.setdefault(s, p)
+            while len(self._plans) > self.steps:
+                self._plans.popitem(last=False)
+        return got
+
     def drawn_if_planned(self, step: int) -> list[int] | None:
         """`drawn` for read-ahead, which must not wait: None when the Planner cannot make `step`'s
         plans now (feedback mixing: a loss report not yet in). A Planner call that waited would
@@ -113,12 +123,7 @@ class PlanCache:
         if plans is None:
             if self.get_plans_ahead is None:
                 return self.drawn(step)
-            got = dict(self.get_plans_ahead(step, self.sources, self.ahead, wait=False))
-            with self._lock:
-                for s, p in sorted(got.items()):
-                    self._plans.setdefault(s, p)
-                while len(self._plans) > self.steps:
-                    self._plans.popitem(last=False)
+            got = self._keep(self.get_plans_ahead(step, self.sources, self.ahead, wait=False))
             plans = got.get(step)
             if plans is None:
                 return None
@@ -142,14 +147,9 @@ class PlanCache:
             covering.wait()  # then look again: the answer may have stopped short of `step`
         try:
             if self.get_plans_ahead is not None:
-                got = dict(self.get_plans_ahead(step, self.sources, self.ahead))
+                got = self._keep(self.get_plans_ahead(step, self.sources, self.ahead))
             else:
-                got = {step: self.get_plans(step, self.sources)}
-            with self._lock:
-                for s, p in sorted(got.items()):
-                    self._plans.setdefault(s, p)
-                while len(self._plans) > self.steps:
-                    self._plans.popitem(last=False)
+                got = self._keep({step: self.get_plans(step, self.sources)})
             return got[step]
         finally:
             with self._lock:

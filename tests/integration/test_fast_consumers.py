@@ -182,6 +182,7 @@ def test_a_loaders_metadata_calls_are_answered_while_every_fetch_thread_waits(ra
 def _a_caller_that_gives_up_names_where_the_threads_wait(busy) -> None:
     """A loader call given up on (recovery timeout) raises one line, with the silent actor's thread
     stacks as a note: every service actor answers them on a thread of its own."""
+    import ray
     from ray.exceptions import GetTimeoutError
 
     from megascale_data_ext.errors import ServiceUnavailableError
@@ -192,6 +193,10 @@ def _a_caller_that_gives_up_names_where_the_threads_wait(busy) -> None:
     from megascale_data_ext.runtime.retry import Retry
 
     assert all(issubclass(c, ThreadStacks) for c in (PlannerActor, DataConstructorActor, LoaderGroupActor))
+    retry = Retry(120.0)
+    while ray.get(busy.thread_stacks.remote(), timeout=120).count("in fetch") < 2:  # both fetches started
+        assert not retry.expired(), "the actor's two fetches never both started"
+        retry.pause()
     with pytest.raises(ServiceUnavailableError) as got:
         raise_unless_recovering({busy: GetTimeoutError("silent")}, ["text-0"], "answer `summaries`", Retry(0.0))
     assert "\n" not in str(got.value) and "text-0" in str(got.value)
