@@ -188,10 +188,8 @@ def run(train: TrainFn, argv: Sequence[str] | None = None, *, config_name: str, 
         # Ours, raised here or inside a service actor (unwrapped from Ray's layers by the client):
         # one line naming the source or key and the fix, the whole chain in the log it names.
         # record() already wrote the same line to torchrun's error file.
-        cause = root_cause(e)
-        if not isinstance(cause, MegascaleDataError):
+        if not report_error(e, log):
             raise
-        say_error(error_line(cause, write_error_log(log, e)))
         return 1
     finally:
         early_start.stop_unclaimed()  # a config refused after the launch: nothing left running
@@ -219,6 +217,19 @@ def exit_process(code: int | str | None) -> NoReturn:
         ray.shutdown()
     gc.freeze()
     raise SystemExit(code)
+
+
+def report_error(e: BaseException, log: Path) -> bool:
+    """Say one of our errors once: its line on stderr, the whole chain in `log`; False for another
+    kind. A trainer says it before it stops the service it started (`pretrain`): a peer that sees
+    the service go ends the job, and torchrun may kill this rank before it gets to say why."""
+    cause = root_cause(e)
+    if not isinstance(cause, MegascaleDataError):
+        return False
+    if not getattr(e, "_megascale_reported", False):
+        say_error(error_line(cause, write_error_log(log, e)))
+        e._megascale_reported = True  # type: ignore[attr-defined]
+    return True
 
 
 def say_error(line: str) -> None:

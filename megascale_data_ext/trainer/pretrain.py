@@ -329,8 +329,13 @@ class TrainingSession:
                     entry["valid"] = self.evaluate(chunks, step + 1)
                     if scalars is not None:
                         scalars.write_valid(step + 1, entry["valid"]["loss"])
-        except BaseException:
+        except BaseException as exc:
             hooks.uninstall()  # no barrier: peers may be blocked in a collective; torchrun tears the job down
+            if self.service is not None:  # said before the service stops (`app.report_error`)
+                from megascale_data_ext.trainer.app import report_error
+                from megascale_data_ext.trainer.run_dir import error_log_path
+
+                report_error(exc, error_log_path(self.cfg))
             self._stop()
             raise
         finally:
