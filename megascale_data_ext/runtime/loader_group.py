@@ -102,7 +102,7 @@ class PlanCache:
 
     def drawn(self, step: int) -> list[int]:
         """The members with samples in `step` (asks the Planner once, as `get` does)."""
-        return [s for s, plan in self._step(step).items() if len(plan.positions)]
+        return _drawn(self._step(step))
 
     def _keep(self, got: Mapping[int, Mapping[int, LoaderPlan]]) -> dict[int, Mapping[int, LoaderPlan]]:
         """Cache an answer's steps (the newest `steps` are kept); returns it as a dict."""
@@ -127,7 +127,7 @@ class PlanCache:
             plans = got.get(step)
             if plans is None:
                 return None
-        return [s for s, plan in plans.items() if len(plan.positions)]
+        return _drawn(plans)
 
     def _step(self, step: int) -> Mapping[int, LoaderPlan]:
         """Every member's plan of `step`: cached, or asked for. A thread whose step an ask in
@@ -155,6 +155,11 @@ class PlanCache:
             with self._lock:
                 del self._asking[step]
             mine.set()
+
+
+def _drawn(plans: Mapping[int, LoaderPlan]) -> list[int]:
+    """The sources of one step's plans that have samples in it."""
+    return [s for s, plan in plans.items() if len(plan.positions)]
 
 
 def shard_of_plan(plan: LoaderPlan, shard: int, num_shards: int) -> LoaderPlan:
