@@ -287,6 +287,7 @@ class PlannerActor(ThreadStacks):
     def stats(self) -> dict:
         return {"next_step": self.planner.next_step, "restored_from": self.recovery.restored_from,
                 "rewinds": self.recovery.rewinds,
+                "report_waiters_most": self.planner.reports.most_waiting,  # calls that waited for a loss report at once
                 "failovers": self.scaler.suspects.failovers, "ray_calls": self.calls.snapshot(),
                 "autoscale": {"layouts": self.scaler.layout_table(), "live_actors": len(self.scaler.actors),
                               "events": list(self.scaler.events)}}

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from megascale_data_ext.dataplane.mixing import MixMode
+from megascale_data_ext.dataplane.mixing import MixMode, build_schedule
 from megascale_data_ext.dataplane.strategies import StrategyName
 from megascale_data_ext.errors import ConfigError
 from megascale_data_ext.runtime.fault_tolerance import FaultToleranceConfig
@@ -386,6 +386,14 @@ class ServiceConfig(BatchConfig):
     def feedback_mixing(self) -> bool:
         """Whether the mixture follows the trainer's per-source loss (a feedback schedule)."""
         return self.mixing_config().get("type") == "feedback"
+
+    @property
+    def report_delay(self) -> int | None:
+        """d of a feedback schedule (step k's loss report shapes step k + d: no step can be planned
+        more than d - 1 ahead of the trainer's); None when the mixture needs no reports."""
+        if not self.feedback_mixing:
+            return None
+        return build_schedule(self.mixing_config(), source_names=self.source_names).delay
 
     def mixing_config(self) -> dict[str, Any]:
         if self.mixing is not None:

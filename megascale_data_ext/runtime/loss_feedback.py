@@ -34,6 +34,7 @@ class LossReports:
         self.timeout_s, self.keep = timeout_s, keep
         self._reports: dict[int, list[float | None]] = {}
         self._cv = threading.Condition()
+        self.waiting = self.most_waiting = 0  # calls waiting for a report now, and at most at once
 
     @property
     def delay(self) -> int | None:
@@ -54,7 +55,16 @@ class LossReports:
         deadline = time.monotonic() + self.timeout_s  # one budget for the call, however many reports it needs
         for k in range(self.applied_through() + 1, step - delay + 1):
             with self._cv:
-                if not self._cv.wait_for(lambda k=k: k in self._reports, timeout=max(0.0, deadline - time.monotonic())):
+                if k in self._reports:
+                    continue
+                self.waiting += 1
+                self.most_waiting = max(self.most_waiting, self.waiting)
+                try:
+                    arrived = self._cv.wait_for(lambda k=k: k in self._reports,
+                                                timeout=max(0.0, deadline - time.monotonic()))
+                finally:
+                    self.waiting -= 1
+                if not arrived:
                     raise ReportTimeoutError(
                         f"planning step {step} needs the per-source loss of step {k} (feedback mixing, delay {delay}) "
                         f"but none arrived within {self.timeout_s:g} s: the trainer must report every step "

@@ -180,7 +180,8 @@ class RemoteConstructors:
             raise ConfigError(f"client prefetch {self._prefetch_steps} exceeds the service's "
                               f"fault_tolerance.client_prefetch={self.ft.client_prefetch} (its constructors' threads "
                               f"are sized for it): start the service with "
-                              f"data.fault_tolerance.client_prefetch={self._prefetch_steps}, or prefetch less")
+                              f"data.fault_tolerance.client_prefetch={self._prefetch_steps} (with feedback mixing, "
+                              "a delay above it), or prefetch less")
         return self._prefetch_steps
 
     def _handle(self, index: int, *, fresh: bool = False, step: int | None = None) -> Any:

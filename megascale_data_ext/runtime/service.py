@@ -83,7 +83,8 @@ class DataService:
         config: The service config.
         tree: The trainer's parallel layout.
         fault_tolerance: Restart, checkpoint, shadow and injection settings (default:
-            ``config.fault_tolerance``, i.e. the ``data.fault_tolerance`` node).
+            ``config.fault_tolerance``, i.e. the ``data.fault_tolerance`` node); under feedback mixing
+            its look-ahead is lowered to what can be planned (`FaultToleranceConfig.within_report_delay`).
         progress: Called with one line per start-up phase (None: silent).
     """
 
@@ -94,8 +95,14 @@ class DataService:
         self.topology = replace(ServiceTopology.of(config, tree),
                                 job=f"{config.ray.namespace}#{uuid.uuid4().hex[:8]}")  # see ServiceTopology.job
         self.tree = self.topology.tree
-        self.ft = fault_tolerance or config.fault_tolerance
+        asked = fault_tolerance or config.fault_tolerance
+        self.ft = asked.within_report_delay(config.report_delay, config.prefetch)  # see its docstring
         self.progress = progress
+        if self.ft is not asked and progress is not None:
+            progress(f"feedback mixing (delay {config.report_delay}): clients ask {self.ft.client_prefetch} steps "
+                     f"ahead and constructors build {self.ft.max_lead(config.prefetch)} ahead of their slowest rank "
+                     f"(client_prefetch {asked.client_prefetch}, max lead {asked.max_lead(config.prefetch)}): "
+                     "no step can be planned sooner")
         self.partition: Any = None  # the offline partition (``autoscale.enabled``)
         self.planner: Any = None
         self.constructors: list[Any] = []

@@ -77,6 +77,7 @@ def test_a_missing_report_is_a_named_error_not_a_hang(specs):
     planner.plan(0)
     with pytest.raises(PlanError, match=r"needs the per-source loss of step 0 .*install\(client, report_loss=True\)"):
         planner.plan(1)
+    assert (planner.reports.waiting, planner.reports.most_waiting) == (0, 1)  # counted, and no longer waiting
     with pytest.raises(PlanError, match="unknown source 'nope'"):
         planner.report_loss(0, {"nope": 1.0})
     planner.report_loss(0, loss(0))
@@ -123,3 +124,26 @@ def test_planning_ahead_stops_at_the_plan_cache_budget(specs):
     planner.plan_cache_bytes = 1 << 30
     assert [p.step for p in planner.planned_ahead(1, 4)] == [1, 2, 3, 4]
     assert [p.step for p in planner.planned_ahead(2, 2)] == [2, 3]  # planned ones are returned as they are
+
+
+def test_nothing_is_asked_for_or_built_before_it_can_be_planned(specs):
+    """Under feedback mixing of delay d a rank on step p can have steps up to p + d - 1 planned: the
+    service's clients ask at most d - 1 steps ahead and its constructors build at most d ahead of
+    their slowest rank, so no call waits in the Planner for a report the trainer has yet to make."""
+    from megascale_data_ext.runtime.fault_tolerance import FaultToleranceConfig
+
+    asked = FaultToleranceConfig()  # client_prefetch 4; max lead prefetch + 4 + 1
+    cfg = config(specs, delay=3)
+    assert cfg.report_delay == 3
+    ft = asked.within_report_delay(cfg.report_delay, cfg.prefetch)
+    assert (ft.client_prefetch, ft.max_lead(cfg.prefetch)) == (2, 3)
+    assert (asked.client_prefetch, asked.max_lead(2)) == (4, 7)  # what was asked is left as it was
+    one = asked.within_report_delay(1, 2)
+    assert (one.client_prefetch, one.max_lead(2)) == (0, 1)  # each step waits for the last one's loss
+    assert asked.within_report_delay(8, 2) is asked  # far enough: nothing to lower
+    assert asked.within_report_delay(None, 2) is asked  # no feedback: nothing waits for a report
+    tight = FaultToleranceConfig(max_lead_steps=2).within_report_delay(3, 2)
+    assert (tight.client_prefetch, tight.max_lead(2)) == (2, 2)  # a lower lead asked for stays
+    mixing = {k: v for k, v in cfg.mixing.items() if k != "delay"}
+    assert dataclasses.replace(cfg, mixing=mixing).report_delay == 3  # the schedule's own default
+    assert dataclasses.replace(cfg, mixing=None).report_delay is None  # the sources' weights: static
