@@ -228,6 +228,39 @@ def test_the_trainers_calls_are_answered_while_every_planner_thread_waits_for_it
     assert len(plans) == ACTOR_CONCURRENCY + 4 and all(len(p) == 1 for p in plans)
 
 
+def test_a_constructor_killed_under_feedback_mixing_costs_no_report_timeout(specs, ray_local):
+    """Feedback mixing (delay 3, the default prefetch) over 9 constructors, one killed mid-run: every
+    step is delivered and nothing waits for a report. Before, each constructor parked two calls in the
+    Planner for steps 3 and 4 ahead (18 for its 16 threads), the restarted one's call for the step the
+    trainer needed queued behind them, and the run stalled for the report timeout, step after step."""
+    from megascale_data_ext.runtime.fault_tolerance import FaultToleranceConfig
+    from megascale_data_ext.runtime.remote import RemoteConstructors
+
+    dp, kill_after = 9, 3
+    mixing = {"type": "feedback", "base_weights": [1.0] * len(specs), "lr": 0.5}  # delay: the schedule's 3
+    svc = DataService(config(specs, namespace="feedback-kill", mixing=mixing, samples_per_step=2 * dp,
+                             num_microbatches=2, constructor_group=1), ClientPlaceTree.from_sizes(dp=dp),
+                      fault_tolerance=FaultToleranceConfig(report_timeout_s=20.0))
+    handles = svc.start()
+    assert svc.topology.num_constructors == dp
+    clients = [RemoteConstructors(handles.topology) for _ in range(dp)]  # one per rank, each prefetching
+    loss = {s: 1.0 + s for s in range(len(specs))}
+    delivered = []
+    try:
+        for step in range(10):
+            for rank, client in enumerate(clients):  # ranks in lockstep
+                delivered += [k for j in range(2) for k in client.get(step, j, rank)[1]["samples"].tolist()]
+            clients[0].report_loss(step, loss)
+            if step == kill_after:
+                ray.kill(svc.constructors[2], no_restart=False)  # Ray restarts it
+        timed_out = [r for c in clients for r in c.recoveries if r["error"] == "ReportTimeoutError"]
+        assert timed_out == []  # before, in 4 runs of 5: steps 8 and 9 of most ranks, after 20 s each
+        assert ray.get(svc.planner.stats.remote(), timeout=120)["report_waiters_most"] == 0
+    finally:
+        svc.stop()
+    assert len(delivered) == 10 * svc.config.samples_per_step and len({tuple(k) for k in delivered}) == len(delivered)
+
+
 def test_a_pause_longer_than_the_report_timeout_loses_no_step_and_a_missing_report_is_named(specs, ray_local):
     """Feedback mixing of delay 1: the service asks for nothing before it can be planned (its client
     asks no step ahead, its constructor builds one), so a trainer's pause (a checkpoint save) longer
