@@ -284,6 +284,11 @@ class PlannerActor(ThreadStacks):
         self.recovery.report_loss(step, losses)
 
     @ray.method(concurrency_group=CONTROL_GROUP)
+    def missing_report(self, step: int) -> int | None:
+        """The step whose loss report planning `step` still waits for (feedback mixing), or None."""
+        return self.planner.reports.missing(step)
+
+    @ray.method(concurrency_group=CONTROL_GROUP)
     def stats(self) -> dict:
         return {"next_step": self.planner.next_step, "restored_from": self.recovery.restored_from,
                 "rewinds": self.recovery.rewinds,

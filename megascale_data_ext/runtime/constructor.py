@@ -172,6 +172,7 @@ class DataConstructor:
         # transformation reordering: images of sources with decode_images="constructor" are decoded here
         self.decode = DeferredDecoder.of(config.sources)
         self.split_loss = config.feedback_mixing  # per-token source ids so the loss splits per source
+        self.report_delay = config.report_delay  # feedback mixing: what can be planned (`plannable`)
         self.layout = topology.layout
         self.fetchers = {b: topology.fetchers(b) for b in self.buckets}
         self.get_encoder_plan = get_encoder_plan
@@ -323,10 +324,21 @@ class DataConstructor:
         with self._prefetch_lock:
             while True:
                 step = self._next_prefetch
-                if step > upto or not self.held.within_lead(step):
+                if step > upto or not self.held.within_lead(step) or not self.plannable(step):
                     return
                 self.held.get_or_build(step, self._build, prefetching=True)
                 self._next_prefetch = max(self._next_prefetch, step + 1)
+
+    def plannable(self, step: int) -> bool:
+        """Whether `step` can be planned without waiting for the trainer. Under feedback mixing of
+        delay d a fetcher on step p means the trainer reported step p - 1, so steps up to p + d - 1
+        of the most advanced fetcher can; prefetching further would only park a call in the Planner
+        (`FaultToleranceConfig.within_report_delay`). Counted from the most advanced fetcher, not the
+        slowest: a pipeline's last stage asks for a step only once its first stage has run it."""
+        if self.report_delay is None:
+            return True
+        leader = self.held.leader()
+        return leader is None or step < leader + self.report_delay
 
     def skip_to(self, step: int) -> None:
         """Prefetch from `step` on (a client asked for it: the steps before are built on request)."""

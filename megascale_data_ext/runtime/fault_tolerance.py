@@ -91,24 +91,20 @@ class FaultToleranceConfig:
         """Steps a constructor with `prefetch` builds ahead of its slowest consumer (`max_lead_steps`)."""
         return self.max_lead_steps if self.max_lead_steps is not None else prefetch + self.client_prefetch + 1
 
-    def within_report_delay(self, delay: int | None, prefetch: int) -> FaultToleranceConfig:
-        """These settings with nothing asked for or built before it can be planned.
+    def within_report_delay(self, delay: int | None) -> FaultToleranceConfig:
+        """These settings with no client asking for a step before it can be planned.
 
         Under feedback mixing of delay d, step s waits for the trainer's loss report of step s - d, so
-        a rank on step p can have steps up to p + d - 1 planned. A client asking further ahead, or a
-        constructor building further ahead of its slowest rank, only parks a call in the Planner until
-        the trainer reports; enough of them take every Planner thread, and a step the trainer needs
-        next then queues behind calls that wait for that very trainer (a constructor Ray restarted
-        asks for it last). So clients ask at most d - 1 steps ahead and constructors build at most d
-        ahead of their slowest rank; no data comes later for it, since none could be planned sooner.
+        a rank on step p can have steps up to p + d - 1 planned. A request further ahead only parks a
+        call in the Planner until the trainer reports; enough of them take every Planner thread, and
+        a step the trainer needs next then queues behind calls that wait for that very trainer (a
+        constructor Ray restarted asks for it last). So clients ask at most d - 1 steps ahead (and the
+        default `max_lead` follows); constructors prefetch no further either (`DataConstructor.plannable`).
+        No data comes later for it: a step further ahead could not have been planned sooner.
         """
-        if delay is None:
+        if delay is None or self.client_prefetch <= delay - 1:
             return self
-        lead = min(self.max_lead(prefetch), delay)
-        ahead = min(self.client_prefetch, delay - 1)
-        if (ahead, lead) == (self.client_prefetch, self.max_lead(prefetch)):
-            return self
-        return replace(self, client_prefetch=ahead, max_lead_steps=lead)
+        return replace(self, client_prefetch=delay - 1)
 
     def actor_options(self, *, retry_tasks: bool) -> dict[str, int]:
         """Ray restart options; `retry_tasks` re-runs calls in flight on the restarted actor

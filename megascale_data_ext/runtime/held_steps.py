@@ -69,6 +69,10 @@ class ConsumerPositions:
         """The slowest known step of the ranks `among`; None when none of them is known."""
         return min((p for r, p in self.positions.items() if r in among), default=None)
 
+    def leader(self, among: frozenset[int]) -> int | None:
+        """The most advanced known step of the ranks `among`; None when none of them is known."""
+        return max((p for r, p in self.positions.items() if r in among), default=None)
+
     def slowest(self, among: frozenset[int]) -> tuple[int, int, float] | None:
         """``(rank, step, seconds since its last request)`` of the slowest known rank of `among`."""
         known = [r for r in self.positions if r in among]
@@ -130,6 +134,11 @@ class HeldSteps(Generic[T]):
 
     def _floor(self) -> int | None:
         return self.consumers.floor(self.fetchers)
+
+    def leader(self) -> int | None:
+        """The most advanced fetcher's step (None: none heard of yet)."""
+        with self._cv:
+            return self.consumers.leader(self.fetchers)
 
     def _within_lead(self, step: int) -> bool:
         floor = self._floor()

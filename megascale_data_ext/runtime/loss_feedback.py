@@ -70,6 +70,15 @@ class LossReports:
                         f"but none arrived within {self.timeout_s:g} s: the trainer must report every step "
                         "(hooks: install(client, report_loss=True)), or use a static mixing schedule")
 
+    def missing(self, step: int) -> int | None:
+        """The first step whose report planning `step` needs and has not arrived (None: none)."""
+        delay = self.delay
+        if delay is None:
+            return None
+        with self._cv:
+            needed = range(self.applied_through() + 1, step - delay + 1)
+            return next((k for k in needed if k not in self._reports), None)
+
     def ready(self, step: int) -> bool:
         """Whether planning `step` would find every report it needs (`wait_for` would not wait)."""
         delay = self.delay

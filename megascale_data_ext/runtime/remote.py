@@ -250,6 +250,13 @@ class RemoteConstructors:
                 if report_wait is not None and timed_out and retry.expired():
                     raise self._report_missing(report_wait, rank, step, retry) from report_wait
                 if retry.attempts + (not timed_out) > ft.retries or retry.expired():
+                    if timed_out and (missing := self._missing_report(step)) is not None:
+                        raise ReportTimeoutError(
+                            f"step {step} cannot be planned: the per-source loss of step {missing} was never "
+                            f"reported (feedback mixing; rank {rank} waited {retry.elapsed():.0f} s, "
+                            f"fault_tolerance.recovery_timeout_s={ft.recovery_timeout_s:g}): the trainer must report "
+                            "every step (hooks: install(client, report_loss=True)), or use a static mixing "
+                            "schedule") from exc
                     error = ServiceUnavailableError(
                         f"constructor/{index} (serving rank {rank}) did not deliver step {step} after "
                         f"{retry.attempts + (not timed_out)} re-sends within {retry.elapsed():.1f} s "
@@ -265,6 +272,16 @@ class RemoteConstructors:
                 handle = self._handle(index, fresh=True, step=step)  # the restarted actor, by name
                 ref = handle.get_step.remote(step, rank, step, job=self.topology.job)
                 self._resend_failed(handle, rank, step)
+
+    def _missing_report(self, step: int) -> int | None:
+        """The report the Planner still waits for to plan `step` (None: none, or no answer): why a
+        live constructor delivered nothing when the trainer never reported a step."""
+        import ray
+
+        try:
+            return ray.get(self._planner.missing_report.remote(step), timeout=self.ft.rpc_timeout_s)
+        except Exception:  # noqa: BLE001 - the Planner gone or silent: the constructor's error says the rest
+            return None
 
     @staticmethod
     def _report_missing(exc: BaseException, rank: int, step: int, retry: Retry) -> ReportTimeoutError:

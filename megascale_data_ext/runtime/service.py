@@ -96,13 +96,12 @@ class DataService:
                                 job=f"{config.ray.namespace}#{uuid.uuid4().hex[:8]}")  # see ServiceTopology.job
         self.tree = self.topology.tree
         asked = fault_tolerance or config.fault_tolerance
-        self.ft = asked.within_report_delay(config.report_delay, config.prefetch)  # see its docstring
+        self.ft = asked.within_report_delay(config.report_delay)  # see its docstring
         self.progress = progress
         if self.ft is not asked and progress is not None:
             progress(f"feedback mixing (delay {config.report_delay}): clients ask {self.ft.client_prefetch} steps "
-                     f"ahead and constructors build {self.ft.max_lead(config.prefetch)} ahead of their slowest rank "
-                     f"(client_prefetch {asked.client_prefetch}, max lead {asked.max_lead(config.prefetch)}): "
-                     "no step can be planned sooner")
+                     f"ahead, not {asked.client_prefetch} (fault_tolerance.client_prefetch): no step can be planned "
+                     "sooner")
         self.partition: Any = None  # the offline partition (``autoscale.enabled``)
         self.planner: Any = None
         self.constructors: list[Any] = []

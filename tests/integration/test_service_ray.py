@@ -263,7 +263,7 @@ def test_a_constructor_killed_under_feedback_mixing_costs_no_report_timeout(spec
 
 def test_a_pause_longer_than_the_report_timeout_loses_no_step_and_a_missing_report_is_named(specs, ray_local):
     """Feedback mixing of delay 1: the service asks for nothing before it can be planned (its client
-    asks no step ahead, its constructor builds one), so a trainer's pause (a checkpoint save) longer
+    asks no step ahead, its constructor prefetches none), so a trainer's pause (a checkpoint save) longer
     than the report timeout leaves no call waiting for a report, nothing to ask again and no step
     lost. Before, the requests sent ahead waited in the Planner and timed out during the pause. A
     report that never comes is a named `ReportTimeoutError`, not a hang."""
@@ -274,7 +274,7 @@ def test_a_pause_longer_than_the_report_timeout_loses_no_step_and_a_missing_repo
     mixing = {"type": "feedback", "base_weights": [1.0] * len(specs), "lr": 0.5, "delay": 1}
     svc = DataService(config(specs, namespace="feedback-pause", mixing=mixing), ClientPlaceTree.from_sizes(dp=1),
                       fault_tolerance=FaultToleranceConfig(report_timeout_s=2.0))
-    assert (svc.ft.client_prefetch, svc.ft.max_lead(svc.config.prefetch)) == (0, 1)
+    assert svc.ft.client_prefetch == 0
     handles = svc.start()
     client = RemoteConstructors(handles.topology)
     loss = {s: 1.0 + s for s in range(len(specs))}
@@ -293,5 +293,28 @@ def test_a_pause_longer_than_the_report_timeout_loses_no_step_and_a_missing_repo
         client.get(8, 0, 0)  # step 8's report never comes
         with pytest.raises(ReportTimeoutError, match=r"loss of step 8 "):
             client.get(9, 0, 0)
+    finally:
+        svc.stop()
+
+
+def test_a_report_never_sent_is_named_when_the_client_gives_up_on_the_step(specs, ray_local):
+    """Feedback mixing with the report timeout longer than the client's recovery deadline (600 s
+    against 120 s by default): a trainer that never reports step 0 gets a `ReportTimeoutError` naming
+    step 0 when its client gives up on step 1, not a `ServiceUnavailableError` about a silent
+    constructor (the Planner says which report it waits for)."""
+    from megascale_data_ext.errors import ReportTimeoutError
+    from megascale_data_ext.runtime.fault_tolerance import FaultToleranceConfig
+    from megascale_data_ext.runtime.remote import RemoteConstructors
+
+    mixing = {"type": "feedback", "base_weights": [1.0] * len(specs), "lr": 0.5, "delay": 1}
+    svc = DataService(config(specs, namespace="feedback-missing", mixing=mixing), ClientPlaceTree.from_sizes(dp=1),
+                      fault_tolerance=FaultToleranceConfig(rpc_timeout_s=1.0, recovery_timeout_s=4.0))
+    handles = svc.start()
+    try:
+        client = RemoteConstructors(handles.topology)
+        client.get(0, 0, 0)  # step 0's loss is never reported
+        with pytest.raises(ReportTimeoutError, match=r"step 1 cannot be planned: the per-source loss of step 0 was "
+                                                     r"never reported .*recovery_timeout_s=4"):
+            client.get(1, 0, 0)
     finally:
         svc.stop()

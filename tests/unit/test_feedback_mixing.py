@@ -127,23 +127,37 @@ def test_planning_ahead_stops_at_the_plan_cache_budget(specs):
 
 
 def test_nothing_is_asked_for_or_built_before_it_can_be_planned(specs):
-    """Under feedback mixing of delay d a rank on step p can have steps up to p + d - 1 planned: the
-    service's clients ask at most d - 1 steps ahead and its constructors build at most d ahead of
-    their slowest rank, so no call waits in the Planner for a report the trainer has yet to make."""
+    """Under feedback mixing of delay d a fetcher on step p means step p - 1 was reported, so steps up
+    to p + d - 1 can be planned: the service's clients ask at most d - 1 steps ahead and constructors
+    prefetch no further than d - 1 past their most advanced fetcher, so no call waits in the Planner
+    for a report the trainer has yet to make. Counted from the most advanced fetcher: a pipeline's
+    last stage asks for a step only after its first stage ran it (from the slowest, delay 1 hung)."""
+    from megascale_data_ext.runtime.constructor import DataConstructor
     from megascale_data_ext.runtime.fault_tolerance import FaultToleranceConfig
+    from megascale_data_ext.runtime.topology import ServiceTopology
 
-    asked = FaultToleranceConfig()  # client_prefetch 4; max lead prefetch + 4 + 1
+    asked = FaultToleranceConfig()  # client_prefetch 4
     cfg = config(specs, delay=3)
     assert cfg.report_delay == 3
-    ft = asked.within_report_delay(cfg.report_delay, cfg.prefetch)
-    assert (ft.client_prefetch, ft.max_lead(cfg.prefetch)) == (2, 3)
-    assert (asked.client_prefetch, asked.max_lead(2)) == (4, 7)  # what was asked is left as it was
-    one = asked.within_report_delay(1, 2)
-    assert (one.client_prefetch, one.max_lead(2)) == (0, 1)  # each step waits for the last one's loss
-    assert asked.within_report_delay(8, 2) is asked  # far enough: nothing to lower
-    assert asked.within_report_delay(None, 2) is asked  # no feedback: nothing waits for a report
-    tight = FaultToleranceConfig(max_lead_steps=2).within_report_delay(3, 2)
-    assert (tight.client_prefetch, tight.max_lead(2)) == (2, 2)  # a lower lead asked for stays
+    assert asked.within_report_delay(3).client_prefetch == 2 and asked.client_prefetch == 4
+    one = asked.within_report_delay(1)
+    assert one.client_prefetch == 0 and one.max_lead(1) >= 2  # a first stage one step ahead never waits
+    assert asked.within_report_delay(8) is asked  # far enough: nothing to lower
+    assert asked.within_report_delay(None) is asked  # no feedback: nothing waits for a report
     mixing = {k: v for k, v in cfg.mixing.items() if k != "delay"}
     assert dataclasses.replace(cfg, mixing=mixing).report_delay == 3  # the schedule's own default
     assert dataclasses.replace(cfg, mixing=None).report_delay is None  # the sources' weights: static
+
+    pipeline = ClientPlaceTree.from_sizes(pp=2, dp=1)  # fetchers: rank 0 (first stage), rank 1 (last stage)
+    built = []
+
+    def constructor(c):
+        return DataConstructor([0], c, ServiceTopology.of(c, pipeline), get_plans=lambda s, b: built.append(s),
+                               fetch=None, pad_id=0, max_lead=FaultToleranceConfig().max_lead(c.prefetch))
+
+    made = constructor(cfg)
+    assert [made.plannable(s) for s in range(4)] == [True, True, True, False]  # both on step 0
+    made.held.arrive(0, 1)  # the first stage is on step 1 (step 0 reported), the last stage still on 0
+    assert [made.plannable(s) for s in range(5)] == [True, True, True, True, False]
+    assert made.held.within_lead(3)
+    assert constructor(dataclasses.replace(cfg, mixing=None)).plannable(100)  # static mixing: anything

@@ -24,6 +24,16 @@ def test_overrides_after_flags_reach_the_config(capsys: pytest.CaptureFixture[st
     assert "seq_lenght" in capsys.readouterr().err
 
 
+def test_feedback_mixing_is_refused_since_pretrain_gpt_reports_no_loss(tmp_path, capsys) -> None:
+    assert main(["demo-data", "--out", str(tmp_path), "--rows", "8"]) == 0
+    capsys.readouterr()
+    assert main(["serve", "--world-size", "2", "--tp", "1", "--pp", "1", f"data.data_root={tmp_path}",
+                 "data.mixing.type=feedback", "+data.mixing.params.base_weights=[1,1,1,1]"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "`data.mixing.type` feedback needs each step's per-source loss" in err[0]
+    assert "data.mixing.type=constant" in err[0]
+
+
 def test_stray_flags_are_still_refused(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         main(["serve", "--world-size", "2", "--nonsense"])
