@@ -222,7 +222,9 @@ class RemoteConstructors:
     def _take(self, ref: Any, index: int, step: int, rank: int) -> list:
         """Wait for `step`'s reply; re-send it (and the prefetched steps) to a restarted constructor,
         and once when it was sent ahead and timed out waiting for a loss report (`ReportTimeoutError`:
-        the trainer's own pause, e.g. a checkpoint save, outlasted ``report_timeout_s``)."""
+        a client given a longer look-ahead than its service's, `FaultToleranceConfig.within_report_delay`).
+        A live constructor that delivered nothing by the deadline because a report was never sent
+        is named by that report (the Planner says which it waits for)."""
         import ray
 
         from megascale_data_ext.runtime.failover import ACTOR_FAILURES

@@ -99,7 +99,8 @@ class DataService:
         self.ft = asked.within_report_delay(config.report_delay)  # see its docstring
         self.progress = progress
         if self.ft is not asked and progress is not None:
-            progress(f"feedback mixing (delay {config.report_delay}): clients ask {self.ft.client_prefetch} steps "
+            ahead = self.ft.client_prefetch
+            progress(f"feedback mixing (delay {config.report_delay}): clients ask {ahead} step{'s' * (ahead != 1)} "
                      f"ahead, not {asked.client_prefetch} (fault_tolerance.client_prefetch): no step can be planned "
                      "sooner")
         self.partition: Any = None  # the offline partition (``autoscale.enabled``)
