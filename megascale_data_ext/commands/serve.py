@@ -82,7 +82,8 @@ def build(args: argparse.Namespace) -> tuple[Any, Any, dict[str, int | None], Va
     if service_cfg.feedback_mixing:  # every plan after the first `delay` steps would wait for a report
         raise ConfigError("`data.mixing.type` feedback needs each step's per-source loss, which Megatron-LM's "
                           "pretrain_gpt.py does not report to the service: use a static schedule with serve "
-                          "(data.mixing.type=constant), or train with examples/pretrain_gpt.py, whose hooks report it")
+                          "(data.mixing.type=constant without data.mixing.params: the sources' weights), or train "
+                          "with examples/pretrain_gpt.py, whose hooks report it")
     validation = None
     if run.train is not None and run.train.eval_interval > 0:
         valid_cfg = data.validation_service_config()

@@ -337,8 +337,8 @@ class DataConstructor:
         slowest: a pipeline's last stage asks for a step only once its first stage has run it."""
         if self.report_delay is None:
             return True
-        leader = self.held.leader()
-        return leader is None or step < leader + self.report_delay
+        leader = self.held.leader()  # None: a restarted constructor no fetcher asked yet
+        return leader is not None and step < leader + self.report_delay
 
     def skip_to(self, step: int) -> None:
         """Prefetch from `step` on (a client asked for it: the steps before are built on request)."""

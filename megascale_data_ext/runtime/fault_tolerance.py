@@ -29,7 +29,8 @@ class FaultToleranceConfig:
         checkpoint_keep: Planner states kept on disk (the oldest step a restarted Planner can re-plan).
         shadow_loaders: Start a warm shadow beside every loader actor that serves while it is down
             (`runtime.shadows`).
-        client_prefetch: Steps a client keeps requested ahead (rides out a recovery; paper: 4).
+        client_prefetch: Steps a client keeps requested ahead (rides out a recovery; paper: 4); under
+            feedback mixing at most ``delay - 1`` (`within_report_delay`).
         max_lead_steps: Most steps a Data Constructor builds ahead of its slowest consumer; a
             consumer further ahead waits (backpressure bounds memory; nothing is dropped).
             None = what the prefetch settings need: ``prefetch + client_prefetch + 1``.
@@ -38,9 +39,9 @@ class FaultToleranceConfig:
         retries: Most re-resolutions of a dead actor per request before `ServiceUnavailableError`.
         hedge_s: A loader call unanswered this long is also sent to the shadow (first answer wins).
         suspect_s: After a loader failure, how long its shadow serves before the primary is tried again.
-        report_timeout_s: Longest a plan waits for a loss report its feedback mixing needs; a request a
-            client sent ahead that waited longer (the trainer paused: evaluation, a checkpoint save)
-            is sent again when the client takes it, and fails only if the report is still missing.
+        report_timeout_s: Longest a plan waits for a loss report its feedback mixing needs. Nothing is
+            asked for before its reports can exist, so this bounds only a report never sent, which
+            is then a `ReportTimeoutError` naming its step (or the client's, at its own deadline).
         inject: Fault schedule (see module docstring); ``MEGASCALE_FAULTS`` adds to it.
     """
 

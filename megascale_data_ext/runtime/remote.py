@@ -17,7 +17,7 @@ request carries the topology's ``job``; a constructor of another service refuses
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -160,8 +160,11 @@ class RemoteConstructors:
             self._planner = find_planner(self.topology.namespace)
         except ValueError as gone:
             raise self._gone("the Planner", "was asked for") from gone
+        service_ft = ray.get(self._planner.fault_tolerance.remote())
         if self.ft is None:
-            self.ft = ray.get(self._planner.fault_tolerance.remote())
+            self.ft = service_ft
+        elif self.ft.client_prefetch > service_ft.client_prefetch:  # what its constructors are sized for, and
+            self.ft = replace(self.ft, client_prefetch=service_ft.client_prefetch)  # what can be planned
         specs = self.ft.schedule()
         fetch_ranks = self.topology.fetch_ranks()
         if specs and self.injector is None:
@@ -281,7 +284,7 @@ class RemoteConstructors:
         import ray
 
         try:
-            return ray.get(self._planner.missing_report.remote(step), timeout=self.ft.rpc_timeout_s)
+            return ray.get(self._planner.missing_report.remote(step), timeout=min(5.0, self.ft.rpc_timeout_s))
         except Exception:  # noqa: BLE001 - the Planner gone or silent: the constructor's error says the rest
             return None
 

@@ -303,16 +303,16 @@ def test_a_report_never_sent_is_named_when_the_client_gives_up_on_the_step(specs
     step 0 when its client gives up on step 1, not a `ServiceUnavailableError` about a silent
     constructor (the Planner says which report it waits for)."""
     from megascale_data_ext.errors import ReportTimeoutError
-    from megascale_data_ext.runtime.fault_tolerance import FaultToleranceConfig
     from megascale_data_ext.runtime.remote import RemoteConstructors
 
     mixing = {"type": "feedback", "base_weights": [1.0] * len(specs), "lr": 0.5, "delay": 1}
-    svc = DataService(config(specs, namespace="feedback-missing", mixing=mixing), ClientPlaceTree.from_sizes(dp=1),
-                      fault_tolerance=FaultToleranceConfig(rpc_timeout_s=1.0, recovery_timeout_s=4.0))
+    svc = DataService(config(specs, namespace="feedback-missing", mixing=mixing), ClientPlaceTree.from_sizes(dp=1))
     handles = svc.start()
-    try:
-        client = RemoteConstructors(handles.topology)
+    try:  # the service keeps its defaults (its loaders' calls); only this client gives up early
+        client = RemoteConstructors(handles.topology, fault_tolerance=dataclasses.replace(
+            svc.ft, rpc_timeout_s=1.0, recovery_timeout_s=4.0, client_prefetch=4))
         client.get(0, 0, 0)  # step 0's loss is never reported
+        assert client.ft.client_prefetch == 0  # a client asks no further ahead than its service plans
         with pytest.raises(ReportTimeoutError, match=r"step 1 cannot be planned: the per-source loss of step 0 was "
                                                      r"never reported .*recovery_timeout_s=4"):
             client.get(1, 0, 0)

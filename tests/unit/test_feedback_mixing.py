@@ -151,9 +151,10 @@ def test_nothing_is_asked_for_or_built_before_it_can_be_planned(specs):
     pipeline = ClientPlaceTree.from_sizes(pp=2, dp=1)  # fetchers: rank 0 (first stage), rank 1 (last stage)
     built = []
 
-    def constructor(c):
+    def constructor(c, start_step=0):
         return DataConstructor([0], c, ServiceTopology.of(c, pipeline), get_plans=lambda s, b: built.append(s),
-                               fetch=None, pad_id=0, max_lead=FaultToleranceConfig().max_lead(c.prefetch))
+                               fetch=None, pad_id=0, max_lead=FaultToleranceConfig().max_lead(c.prefetch),
+                               start_step=start_step)
 
     made = constructor(cfg)
     assert [made.plannable(s) for s in range(4)] == [True, True, True, False]  # both on step 0
@@ -161,3 +162,4 @@ def test_nothing_is_asked_for_or_built_before_it_can_be_planned(specs):
     assert [made.plannable(s) for s in range(5)] == [True, True, True, True, False]
     assert made.held.within_lead(3)
     assert constructor(dataclasses.replace(cfg, mixing=None)).plannable(100)  # static mixing: anything
+    assert not constructor(cfg, start_step=None).plannable(0)  # restarted: nothing before a rank says where it is
