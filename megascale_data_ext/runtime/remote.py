@@ -225,7 +225,8 @@ class RemoteConstructors:
     def _take(self, ref: Any, index: int, step: int, rank: int) -> list:
         """Wait for `step`'s reply; re-send it (and the prefetched steps) to a restarted constructor,
         and once when it was sent ahead and timed out waiting for a loss report (`ReportTimeoutError`:
-        a client given a longer look-ahead than its service's, `FaultToleranceConfig.within_report_delay`).
+        a trainer loop that reports later than ``report_timeout_s``; nothing is asked for before it
+        can be planned, `FaultToleranceConfig.within_report_delay`).
         A live constructor that delivered nothing by the deadline because a report was never sent
         is named by that report (the Planner says which it waits for)."""
         import ray
