@@ -73,17 +73,17 @@ def build(args: argparse.Namespace) -> tuple[Any, Any, dict[str, int | None], Va
     tree, sizes = layout_tree(cfg, args, what="serve")
     if "data" not in cfg:
         raise ConfigError("the composed config has no `data` node; add `data: megascale` to its defaults list")
+    if cfg.data.get("mixing", {}).get("type") == "feedback":  # before the sources are checked: no use either way
+        raise ConfigError("`data.mixing.type` feedback needs each step's per-source loss, which Megatron-LM's "
+                          "pretrain_gpt.py does not report to the service: use a static schedule with serve "
+                          "(data.mixing.type=constant without data.mixing.params: the sources' weights), or train "
+                          "with examples/pretrain_gpt.py, whose hooks report it")
     data = load_config(cfg, context_parallel_size=int(sizes["cp"]))
     service_cfg = data.to_service_config()
     if service_cfg.strategy == "hybrid_cp":
         raise ConfigError("`data.strategy` hybrid_cp is trained by the reference trainer (examples/pretrain_gpt.py); "
                           "Megatron-LM's pretrain_gpt.py does not run a microbatch on its own CP group yet: use "
                           "strategy=llm_balance with serve")
-    if service_cfg.feedback_mixing:  # every plan after the first `delay` steps would wait for a report
-        raise ConfigError("`data.mixing.type` feedback needs each step's per-source loss, which Megatron-LM's "
-                          "pretrain_gpt.py does not report to the service: use a static schedule with serve "
-                          "(data.mixing.type=constant without data.mixing.params: the sources' weights), or train "
-                          "with examples/pretrain_gpt.py, whose hooks report it")
     validation = None
     if run.train is not None and run.train.eval_interval > 0:
         valid_cfg = data.validation_service_config()
