@@ -264,14 +264,14 @@ def test_a_constructor_killed_under_feedback_mixing_costs_no_report_timeout(spec
         assert len({tuple(k) for k in delivered}) == len(delivered)
 
         # rank 0 goes on alone (past what its first client took ahead: steps 10, 11) and step 10's loss
-        # is never reported; only this client gives up early
+        # is never reported; only the client of step 13 gives up early
+        RemoteConstructors(handles.topology).get(12, 0, 0)
         late = RemoteConstructors(handles.topology, fault_tolerance=dataclasses.replace(
-            svc.ft, rpc_timeout_s=1.0, recovery_timeout_s=4.0, client_prefetch=4))
-        late.get(12, 0, 0)
-        assert late.ft.client_prefetch == 2  # a client asks no further ahead than its service plans
+            svc.ft, rpc_timeout_s=2.0, recovery_timeout_s=6.0, client_prefetch=4))
         with pytest.raises(ReportTimeoutError, match=r"step 13 cannot be planned: the per-source loss of step 10 "
-                                                     r"was never reported .*recovery_timeout_s=4"):
+                                                     r"was never reported .*recovery_timeout_s=6"):
             late.get(13, 0, 0)
+        assert late.ft.client_prefetch == 2  # a client asks no further ahead than its service plans
     finally:
         svc.stop()
 
