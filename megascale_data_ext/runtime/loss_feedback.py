@@ -16,7 +16,11 @@ from typing import Any
 
 from megascale_data_ext.errors import PlanError, ReportTimeoutError
 
-__all__ = ["LossReports"]
+__all__ = ["REPORT_EVERY_STEP", "LossReports"]
+
+#: What to do about a loss report that never came (the Planner's wait and the client's deadline say it).
+REPORT_EVERY_STEP = ("the trainer must report every step (hooks: install(client, report_loss=True)), or use a "
+                     "static mixing schedule")
 
 
 class LossReports:
@@ -67,8 +71,7 @@ class LossReports:
                 if not arrived:
                     raise ReportTimeoutError(
                         f"planning step {step} needs the per-source loss of step {k} (feedback mixing, delay {delay}) "
-                        f"but none arrived within {self.timeout_s:g} s: the trainer must report every step "
-                        "(hooks: install(client, report_loss=True)), or use a static mixing schedule")
+                        f"but none arrived within {self.timeout_s:g} s: {REPORT_EVERY_STEP}")
 
     def missing(self, step: int) -> int | None:
         """The first step whose report planning `step` needs and has not arrived (None: none)."""

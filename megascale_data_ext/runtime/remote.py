@@ -26,6 +26,7 @@ from megascale_data_ext.errors import ConfigError, ReportTimeoutError, ServiceUn
 from megascale_data_ext.runtime.constructor import EncoderImages, merge_encoder_images
 from megascale_data_ext.runtime.fault_injection import FaultInjector
 from megascale_data_ext.runtime.fault_tolerance import FaultToleranceConfig
+from megascale_data_ext.runtime.loss_feedback import REPORT_EVERY_STEP
 from megascale_data_ext.runtime.retry import Retry
 from megascale_data_ext.runtime.topology import PLANNER_NAME, ServiceTopology
 
@@ -260,9 +261,8 @@ class RemoteConstructors:
                         raise ReportTimeoutError(
                             f"step {step} cannot be planned: the per-source loss of step {missing} was never "
                             f"reported (feedback mixing; rank {rank} waited {retry.elapsed():.0f} s, "
-                            f"fault_tolerance.recovery_timeout_s={ft.recovery_timeout_s:g}): the trainer must report "
-                            "every step (hooks: install(client, report_loss=True)), or use a static mixing "
-                            "schedule") from exc
+                            f"fault_tolerance.recovery_timeout_s={ft.recovery_timeout_s:g}): {REPORT_EVERY_STEP}"
+                        ) from exc
                     error = ServiceUnavailableError(
                         f"constructor/{index} (serving rank {rank}) did not deliver step {step} after "
                         f"{retry.attempts + (not timed_out)} re-sends within {retry.elapsed():.1f} s "

@@ -96,11 +96,12 @@ class DataService:
                                 job=f"{config.ray.namespace}#{uuid.uuid4().hex[:8]}")  # see ServiceTopology.job
         self.tree = self.topology.tree
         asked = fault_tolerance or config.fault_tolerance
-        self.ft = asked.within_report_delay(config.report_delay)  # see its docstring
+        delay = config.report_delay  # builds the mixing schedule: once
+        self.ft = asked.within_report_delay(delay)  # see its docstring
         self.progress = progress
         if self.ft is not asked and progress is not None:
             ahead = self.ft.client_prefetch
-            progress(f"feedback mixing (delay {config.report_delay}): clients ask {ahead} step{'s' * (ahead != 1)} "
+            progress(f"feedback mixing (delay {delay}): clients ask {ahead} step{'s' * (ahead != 1)} "
                      f"ahead, not {asked.client_prefetch} (fault_tolerance.client_prefetch): no step can be planned "
                      "sooner")
         self.partition: Any = None  # the offline partition (``autoscale.enabled``)
