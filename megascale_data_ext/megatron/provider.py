@@ -149,7 +149,7 @@ def remote_source(topology: ServiceTopology, config: ProviderConfig) -> Microbat
     return RemoteConstructors(topology, config.address)
 
 
-def find_topology(tree: ClientPlaceTree, config: ProviderConfig, *, trainer: str = "Megatron") -> ServiceTopology:
+def find_topology(tree: ClientPlaceTree, config: ProviderConfig, *, trainer: str = "Megatron-LM") -> ServiceTopology:
     """The configured topology, else the running service's; it must match the trainer's layout."""
     topology = config.topology
     if topology is None:
@@ -159,6 +159,12 @@ def find_topology(tree: ClientPlaceTree, config: ProviderConfig, *, trainer: str
     if topology.tree.layout() != tree.layout():
         raise ConfigError(f"the data service in namespace {config.namespace!r} plans for {topology.tree.layout()} "
                           f"but {trainer} runs {tree.layout()}: start the service with this job's parallel layout")
+    if topology.report_delay is not None:  # its training loop sends no per-source loss: step d would wait forever
+        raise ConfigError(f"the data service in namespace {config.namespace!r} mixes by loss feedback (delay "
+                          f"{topology.report_delay}: step s waits for the per-source loss of step s - "
+                          f"{topology.report_delay}), which {trainer}'s training loop does not report: start it with "
+                          "data.mixing.type=constant (without data.mixing.params), or train with "
+                          "examples/pretrain_gpt.py, whose hooks report it")
     return topology
 
 

@@ -92,11 +92,11 @@ class DataService:
                  fault_tolerance: FaultToleranceConfig | None = None,
                  progress: Callable[[str], None] | None = print_progress):
         self.config = config
-        self.topology = replace(ServiceTopology.of(config, tree),
+        delay = config.report_delay  # builds the mixing schedule: once
+        self.topology = replace(ServiceTopology.of(config, tree), report_delay=delay,
                                 job=f"{config.ray.namespace}#{uuid.uuid4().hex[:8]}")  # see ServiceTopology.job
         self.tree = self.topology.tree
         asked = fault_tolerance or config.fault_tolerance
-        delay = config.report_delay  # builds the mixing schedule: once
         self.ft = asked.within_report_delay(delay)  # see its docstring
         self.progress = progress
         if self.ft is not asked and progress is not None:

@@ -70,6 +70,9 @@ class ServiceTopology:
             and a constructor of another job refuses them (`JobMismatchError`).
         variable_counts: Each consumer runs its own number of microbatches a step (the
             strategy plans them so: hybrid CP); a client learns its count from the constructor.
+        report_delay: Feedback mixing: step s is planned only once the trainer reported the
+            per-source loss of step s - d (stamped by `DataService`); None: nothing to report.
+            A trainer loop that reports none refuses such a service (`provider.find_topology`).
     """
 
     tree: ClientPlaceTree
@@ -79,6 +82,7 @@ class ServiceTopology:
     namespace: str
     job: str = ""
     variable_counts: bool = False
+    report_delay: int | None = None
 
     @classmethod
     def of(cls, config: Any, tree: ClientPlaceTree, strategy: Any = None) -> ServiceTopology:

@@ -99,6 +99,28 @@ def test_topology_checks_name_the_override(specs) -> None:
         bridge.bridge_topology(vpp, ProviderConfig(namespace="x", topology=service(specs, vpp).topology))
 
 
+def test_a_feedback_mixing_service_is_refused_by_trainers_that_report_no_loss(specs) -> None:
+    """Megatron-LM's and Bridge's loops send no per-source loss: a service that mixes by loss feedback
+    would wait forever at step d; the topology `DataService` stamps says so and both providers refuse
+    it in one line naming the override."""
+    from megascale_data_ext.megatron.provider import find_topology
+    from megascale_data_ext.runtime.service import DataService
+
+    tree = ClientPlaceTree.from_sizes(dp=2)
+    mixing = {"type": "feedback", "base_weights": [1.0, 1.0], "delay": 3}
+    base = ServiceConfig(sources=specs, seed=3, samples_per_step=8, num_microbatches=2, seq_length=1024,
+                         strategy="llm_balance", strategy_args={"model": "gpt-tiny"}, buffer_size=32)
+    feedback = DataService(dataclasses.replace(base, mixing=mixing), tree, progress=None).topology
+    assert feedback.report_delay == 3
+    for trainer in ("Megatron-LM", "Megatron-Bridge"):
+        with pytest.raises(ConfigError, match=f"mixes by loss feedback .*which {trainer}'s training loop does not "
+                                              r"report: start it with data.mixing.type=constant"):
+            find_topology(tree, ProviderConfig(namespace="x", topology=feedback), trainer=trainer)
+    static = DataService(base, tree, progress=None).topology
+    assert static.report_delay is None and bridge.bridge_topology(tree, ProviderConfig(namespace="x",
+                                                                                       topology=static))
+
+
 @pytest.fixture
 def bridge_module(monkeypatch: pytest.MonkeyPatch):
     """``megatron.bridge.training.config`` as far as the provider uses it (Bridge 0.3.1's shapes)."""
