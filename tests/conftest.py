@@ -109,6 +109,8 @@ def pytest_sessionfinish(session, exitstatus):
     """Free the last Ray references while a core worker can still take them, then stop Ray, before
     the interpreter finalizes torch, pyarrow and Ray's C++ state in an order nobody chose."""
     _EXIT.append(int(exitstatus))
+    if "tests.dist.launch" in sys.modules:  # the rank zygote it started (`pytest_unconfigure` skips atexit)
+        sys.modules["tests.dist.launch"].ZygoteServer.stop()
     if "megascale_data_ext.runtime.ray_actor" in sys.modules:  # the ray.remote(cls) classes of the session
         sys.modules["megascale_data_ext.runtime.ray_actor"]._remote.cache_clear()
     gc.collect()

@@ -81,7 +81,7 @@ def rank_main(argv: list[str]) -> None:
 def job(handles, out: Path, dp: int, m: int, position: dict) -> dict[int, dict]:
     pos = json.dumps({"step": position["step"], "microbatch": position["microbatch"]})
     run_torchrun(Path(__file__), dp, [handles.address, handles.namespace, m, out, pos], env=handles.ray_env,
-                 timeout=540, lazy_compile=True)
+                 timeout=540, preloaded=True)
     return {json.loads(p.read_text())["rank"]: json.loads(p.read_text()) for p in out.glob("rank*.json")}
 
 

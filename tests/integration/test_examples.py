@@ -39,7 +39,7 @@ def run_example(data_root, ray_cluster):
     def run(log_dir: Path, *overrides: str, nproc: int = 4) -> dict[int, list[dict]]:
         ray_args = (f"data.ray.address={address}", f"data.ray.namespace=examples{next(RUNS)}")
         return launch.run_example("pretrain_gpt.py", data_root, log_dir, *ray_args, *overrides, nproc=nproc, env=env,
-                                  lazy_compile=True)[1]
+                                  preloaded=True)[1]
 
     return run
 

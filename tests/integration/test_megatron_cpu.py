@@ -262,7 +262,7 @@ def test_grad_clipping_scales_the_global_norm_down(one_process: Any) -> None:
 
 def _train(tmp_path: Path, name: str, nproc: int, *args: str, steps: int = STEPS) -> list[dict[str, Any]]:
     out = tmp_path / name
-    proc = run_torchrun(SCRIPT, nproc=nproc, timeout=540, lazy_compile=True,
+    proc = run_torchrun(SCRIPT, nproc=nproc, timeout=540, preloaded=True,
                         args=["--repeat", "--invariant-init", "--steps", str(steps), "--out", str(out), *args])
     records = [json.loads((out / f"rank{r}.json").read_text()) for r in range(nproc)]
     print(proc.stdout[-2000:])
@@ -384,7 +384,7 @@ def _cp_worker(out: Path) -> None:
 
 @pytest.mark.slow
 def test_cp2_thd_training_equals_cp1(tmp_path: Path) -> None:
-    run_torchrun(Path(__file__), nproc=2, timeout=180, args=[str(tmp_path)], env={"CP_WORKER": "1"}, lazy_compile=True)
+    run_torchrun(Path(__file__), nproc=2, timeout=180, args=[str(tmp_path)], env={"CP_WORKER": "1"}, preloaded=True)
     got = json.loads((tmp_path / "cp.json").read_text())
     packs = _cp_packs()
     # each CP rank holds half of every document padded to a multiple of 2*cp
@@ -505,7 +505,7 @@ def test_hybrid_cp_training_equals_fixed_cp_also_under_pp2(tmp_path: Path) -> No
     and grad norms as the fixed-CP run of the same documents. Then PP 2 x CP 2 in the same ranks
     (megatron-core's 1F1B schedule): groups aligned by index, fillers in the holes, fixed CP's losses."""
     run_torchrun(Path(__file__), nproc=4, timeout=300, args=[str(tmp_path)], env={"HYBRID_WORKER": "1"},
-                 lazy_compile=True)
+                 preloaded=True)
     got = json.loads((tmp_path / "hybrid.json").read_text())
     sizes = got["hybrid"]["sizes"]
     assert {s for rank in sizes for s in rank} == {1, 2, 4}  # whole, pairs and all four

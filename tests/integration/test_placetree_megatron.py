@@ -34,7 +34,7 @@ LAYOUTS = [
 @pytest.mark.slow
 def test_from_megatron_matches_parallel_state_for_every_layout() -> None:
     args = [a for layout in LAYOUTS for a in ("--layout", layout)]
-    proc = run_torchrun(SCRIPT, nproc=8, args=args, timeout=540, lazy_compile=True)
+    proc = run_torchrun(SCRIPT, nproc=8, args=args, timeout=540, preloaded=True)
     for layout in LAYOUTS:
         assert f"OK [{layout}]" in proc.stdout, proc.stdout[-4000:]
     # The non-default orders were inferred, not defaulted (Megatron does not store the order).

@@ -87,7 +87,8 @@ def test_serve_megatron_ranks_refusal_and_sigterm(tmp_path: Path, data_root: Pat
         out = tmp_path / "ranks"
         run_torchrun(RANK_SCRIPT, 2, ["--global-batch-size", 2 * MICROBATCHES, "--seq-length", SEQ, "--out", out,
                                       "--eval-interval", 1, "--eval-iters", 1],
-                     env={k: v for k, v in ranks_env.items() if k != "MEGASCALE_NUM_MICROBATCHES"}, timeout=300)
+                     env={k: v for k, v in ranks_env.items() if k != "MEGASCALE_NUM_MICROBATCHES"}, timeout=300,
+                     preloaded=True)
         logs = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
         for log in logs:  # Megatron's calculator agrees with the service: GBS 4 / (MBS 1 * DP 2) = 2
             assert log["num_microbatches"] == MICROBATCHES and len(log["batches"]) == MICROBATCHES

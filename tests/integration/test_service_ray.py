@@ -5,9 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -20,10 +17,9 @@ from megascale_data_ext.runtime.config import RayConfig, ServiceConfig
 from megascale_data_ext.runtime.service import DataService
 from megascale_data_ext.sources.demo_data import make_demo_data
 from megascale_data_ext.sources.tokenizer import ByteTokenizer
-from tests.dist.launch import LAZY_COMPILE, TORCHRUN
+from tests.dist.launch import run_preloaded
 
 pytestmark = pytest.mark.slow
-ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -44,15 +40,11 @@ def config(specs, namespace="t", **kw):
 
 
 def train_workers(handles, out, *args: str) -> dict[int, dict]:
-    """8 torchrun ranks of `trainer.train_worker` on the service; returns {rank: its log}.
-    (Started through tests/dist/lazy_compile.py: megatron's fusions compile on first call, not at import.)"""
-    cmd = [sys.executable, str(TORCHRUN), "--standalone", "--nproc_per_node=8", str(LAZY_COMPILE),
-           "-m", "megascale_data_ext.trainer.train_worker", *args, "--seq-length", "1024",
-           "--vocab-size", str(ByteTokenizer().vocab_size), "--namespace", handles.namespace,
-           "--address", handles.address, "--record-digests", "--out", str(out)]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=540)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    """8 ranks of `trainer.train_worker` on the service, as torchrun starts them (forked from the
+    session's preloaded process, `launch.run_preloaded`); returns {rank: its log}."""
+    run_preloaded(["-m", "megascale_data_ext.trainer.train_worker", *args, "--seq-length", "1024",
+                   "--vocab-size", ByteTokenizer().vocab_size, "--namespace", handles.namespace,
+                   "--address", handles.address, "--record-digests", "--out", out], 8, timeout=540)
     return {json.loads(p.read_text())["rank"]: json.loads(p.read_text()) for p in out.glob("rank*.json")}
 
 

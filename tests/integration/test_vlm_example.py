@@ -18,7 +18,7 @@ PATCH_DIM = 768  # conf/train_vlm.yaml vision.patch_dim (16 x 16 x 3)
 def test_vlm_example_encodes_over_world_and_trains_at_pp2_dp2(data_root, tmp_path):
     out, logs = launch.run_example("pretrain_vlm.py", data_root, tmp_path / "logs",
                                    "parallel.tensor_model_parallel_size=1", "parallel.pipeline_model_parallel_size=2",
-                                   "train.train_iters=3", timeout=540, lazy_compile=True)
+                                   "train.train_iters=3", timeout=540, preloaded=True)
     lines = [ln for ln in out.splitlines() if ln.startswith("step ")]
     assert len(lines) == 3 and all("encoder max/mean vanilla" in ln for ln in lines), out[-2000:]
     print("\n".join(lines))
