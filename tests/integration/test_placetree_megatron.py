@@ -8,6 +8,7 @@ itself (tests/dist/launch.py, lazy_compile.py, which the torchrun tests share) i
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -42,19 +43,43 @@ def test_from_megatron_matches_parallel_state_for_every_layout() -> None:
 
 
 @pytest.mark.slow
-def test_run_torchrun_raises_with_every_ranks_output(tmp_path: Path) -> None:
+@pytest.mark.parametrize("preloaded", [False, True], ids=["torchrun", "preloaded"])
+def test_run_torchrun_raises_with_every_ranks_output(tmp_path: Path, preloaded: bool) -> None:
+    """Both launchers: a failing rank fails the job with every rank's output; the preloaded one
+    (`rank_zygote`) also gives each rank torchrun's environment and kills a job past its timeout."""
     script = tmp_path / "fail_on_rank1.py"
     script.write_text(
         "import os, sys, time\n"
         "rank = int(os.environ['RANK'])\n"
-        "print(f'hello from rank {rank} threads={os.environ[\"OMP_NUM_THREADS\"]}', flush=True)\n"
-        "time.sleep(3 if rank == 1 else 0)  # rank 0 has printed before torchrun tears the job down\n"
+        "print(f'hello from rank {rank} of {os.environ[\"WORLD_SIZE\"]} local {os.environ[\"LOCAL_RANK\"]} '\n"
+        "      f'threads={os.environ[\"OMP_NUM_THREADS\"]} pid {os.getpid()} run {os.environ[\"TORCHELASTIC_RUN_ID\"]}',\n"
+        "      flush=True)\n"
+        "time.sleep(600 if 'hang' in sys.argv else 3 if rank == 1 else 0)  # rank 0 printed before the teardown\n"
         "sys.exit(3 if rank == 1 else 0)\n"
     )
     with pytest.raises(TorchrunError) as err:
-        run_torchrun(script, nproc=2, args=[], timeout=540)
+        run_torchrun(script, nproc=2, args=[], timeout=540, preloaded=preloaded)
     assert err.value.returncode not in (0, None)
-    assert "hello from rank 0 threads=1" in err.value.output and "hello from rank 1" in err.value.output
+    out = err.value.output
+    assert "hello from rank 0 of 2 local 0 threads=1" in out and "hello from rank 1 of 2 local 1" in out
+    assert len({line.split(" run ")[1] for line in out.splitlines() if line.startswith("hello")}) == 1  # one job
+    if preloaded:
+        with pytest.raises(TorchrunError, match="timed out after 5") as err:
+            run_torchrun(script, nproc=2, args=["hang"], timeout=5, preloaded=True)
+        assert err.value.returncode is None and "hello from rank 1 of 2" in err.value.output
+        pids = [int(line.split(" pid ")[1].split()[0]) for line in err.value.output.splitlines() if " pid " in line]
+        deadline = time.monotonic() + 60  # SIGKILLed: a process that imported torch takes a moment to exit
+        while any(_running(pid) for pid in pids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert len(pids) == 2 and not any(_running(pid) for pid in pids)  # the timeout killed the ranks too
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (a killed rank whose parent died may wait unreaped)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
 
 
 def test_lazy_compile_compiles_each_function_on_its_first_call_with_its_arguments() -> None:

@@ -1,5 +1,5 @@
 """The service on a real local Ray: real actors, real Parquet and .bin/.idx files, and
-trainer ranks under torchrun with Megatron's parallel_state consuming it."""
+trainer ranks (as torchrun starts them) with Megatron's parallel_state consuming it."""
 
 from __future__ import annotations
 
