@@ -223,7 +223,7 @@ class PlannerActor(ThreadStacks):
         waiting (`Planner.planned_ahead`), ``{step: {source: LoaderPlan}}``: a loader group asks
         once per `count` steps instead of once per step. ``wait=False`` (read-ahead): `step` too
         only if it can be planned without waiting, else ``{}``; a fetch's step is planned already."""
-        if not wait and not self.planner.reports.ready(step):
+        if not wait and not self.planner.ready(step):
             return {}
         out = {step: self._plan(step).loader_do_plans(sources)}
         for plan in self.planner.planned_ahead(step + 1, count - 1):

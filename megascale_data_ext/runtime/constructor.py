@@ -334,7 +334,11 @@ class DataConstructor:
         delay d a fetcher on step p means the trainer reported step p - 1, so steps up to p + d - 1
         of the most advanced fetcher can; prefetching further would only park a call in the Planner
         (`FaultToleranceConfig.within_report_delay`). Counted from the most advanced fetcher, not the
-        slowest: a pipeline's last stage asks for a step only once its first stage has run it."""
+        slowest: a pipeline's last stage asks for a step only once its first stage has run it.
+        In replay mode a step past the saved plans cannot be planned at all."""
+        replayed = self.topology.replay_steps
+        if replayed is not None and step >= replayed:
+            return False
         if self.report_delay is None:
             return True
         leader = self.held.leader()  # None: a restarted constructor no fetcher asked yet

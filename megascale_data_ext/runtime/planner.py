@@ -38,6 +38,7 @@ import numpy as np
 from megascale_data_ext.dataplane.dgraph import DGraph
 from megascale_data_ext.dataplane.mixing import Mixer, build_schedule
 from megascale_data_ext.dataplane.plan import LoaderPlan, StepPlan
+from megascale_data_ext.dataplane.placetree import ClientPlaceTree
 from megascale_data_ext.dataplane.plan_store import PlanStore
 from megascale_data_ext.dataplane.summary import BufferSummary, SourceSummary
 from megascale_data_ext.dataplane.traffic import plan_nbytes
@@ -58,6 +59,12 @@ SUMMARY_AHEAD_STEPS = 32
 """A source's metadata is fetched for its draws of the step and about this many more (`Planner._window`)."""
 SUMMARY_MIN_ROWS = 64
 """...and at least this many samples, so a rarely drawn source is not asked again every time."""
+
+
+def plan_fingerprint(config: ServiceConfig, tree: ClientPlaceTree) -> Fingerprint:
+    """What a saved state or replayed plan must have been planned with: the stream-deciding config
+    and the layout (checked by the Planner, and by `DataService` before it starts anything)."""
+    return Fingerprint.of({**config.fingerprint(), "world": tree.layout()})
 
 
 class Planner:
@@ -118,7 +125,7 @@ class Planner:
         self._floors: dict[int, int] | None = None if constructors is None else dict.fromkeys(range(constructors), 0)
         self.on_planned = on_planned
         self.reports = LossReports(self.mixer, names, timeout_s=report_timeout_s, keep=keep)
-        self._fingerprint = Fingerprint.of({**config.fingerprint(), "world": self.tree.layout()})
+        self._fingerprint = plan_fingerprint(config, self.tree)
         self.replay = PlanStore(config.replay_dir) if config.replay_dir else None
         if self.replay is not None:
             self.replay.check(self.fingerprint())
@@ -336,6 +343,14 @@ class Planner:
                 if self.next_step == target:
                     self._plan_next()
 
+    def ready(self, step: int) -> bool:
+        """Whether `step` can be planned without waiting: its loss reports are in (feedback
+        mixing), and in replay mode the saved plans reach it (past them it is an error, asked for
+        only by a trainer that runs longer, never by a read-ahead)."""
+        if self.replay is not None and step >= self.replay.num_steps:
+            return False
+        return self.reports.ready(step)
+
     def planned_ahead(self, step: int, count: int) -> list[StepPlan]:
         """The plans of up to `count` steps from `step` that exist or can be made now without
         waiting: planning stops at a step whose loss reports have not arrived (feedback mixing),
@@ -347,7 +362,7 @@ class Planner:
             with self._lock:
                 plan = self.plans.get(s)
                 if plan is None:
-                    if (s != self.next_step or not self.reports.ready(s)
+                    if (s != self.next_step or not self.ready(s)
                             or sum(self._plan_bytes.values()) > self.plan_cache_bytes):
                         break
                     try:

@@ -214,7 +214,10 @@ class RemoteConstructors:
                 self.injector.on_step(step)
             index = self.topology.constructor_of_rank(rank)
             handle = self._handle(index, step=step)
-            for ahead in range(step, step + 1 + self.prefetch_steps):  # `step` is where this rank is
+            last = step + self.prefetch_steps
+            if self.topology.replay_steps is not None:  # nothing to ask for past the replayed plans
+                last = max(step, min(last, self.topology.replay_steps - 1))
+            for ahead in range(step, last + 1):  # `step` is where this rank is
                 if (rank, ahead) not in self._pending:
                     self._pending[(rank, ahead)] = handle.get_step.remote(ahead, rank, step, job=self.topology.job)
             ref = self._pending.pop((rank, step))

@@ -33,11 +33,13 @@ from typing import Any
 import ray
 
 from megascale_data_ext.dataplane.placetree import ClientPlaceTree
+from megascale_data_ext.dataplane.plan_store import PlanStore
 from megascale_data_ext.runtime.actor_table import actor_rows, ask_all
 from megascale_data_ext.runtime.checkpoints import PlannerCheckpoints
 from megascale_data_ext.runtime.config import ServiceConfig
 from megascale_data_ext.runtime.fault_tolerance import FaultToleranceConfig
 from megascale_data_ext.runtime.handles import ServiceHandles
+from megascale_data_ext.runtime.planner import plan_fingerprint
 from megascale_data_ext.runtime.embedded_ray import init_ray
 from megascale_data_ext.runtime.ray_address import check_reachable
 from megascale_data_ext.runtime.ray_actor import Held
@@ -72,6 +74,16 @@ def print_progress(line: str) -> None:
     print(f"[megascale-data] {line}", file=sys.stderr, flush=True)
 
 
+def replay_steps(config: ServiceConfig, tree: ClientPlaceTree) -> int | None:
+    """How many steps the plans of ``config.replay_dir`` cover, after checking here, before any actor
+    starts, that they were made for this config and layout (one named error, not one per actor)."""
+    if not config.replay_dir:
+        return None
+    store = PlanStore(config.replay_dir)
+    store.check(plan_fingerprint(config, tree))
+    return store.num_steps
+
+
 class DataService:
     """Owns the actors of one data service; `start()` returns once every actor is ready.
 
@@ -94,6 +106,7 @@ class DataService:
         self.config = config
         delay = config.report_delay  # builds the mixing schedule: once
         self.topology = replace(ServiceTopology.of(config, tree), report_delay=delay,
+                                replay_steps=replay_steps(config, tree),
                                 job=f"{config.ray.namespace}#{uuid.uuid4().hex[:8]}")  # see ServiceTopology.job
         self.tree = self.topology.tree
         asked = fault_tolerance or config.fault_tolerance

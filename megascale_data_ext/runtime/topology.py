@@ -73,6 +73,8 @@ class ServiceTopology:
         report_delay: Feedback mixing: step s is planned only once the trainer reported the
             per-source loss of step s - d (stamped by `DataService`); None: nothing to report.
             A trainer loop that reports none refuses such a service (`provider.find_topology`).
+        replay_steps: Replay mode: the steps its saved plans cover (stamped by `DataService`);
+            nothing past them is prefetched or asked ahead for. None: planned live, no end.
     """
 
     tree: ClientPlaceTree
@@ -83,6 +85,7 @@ class ServiceTopology:
     job: str = ""
     variable_counts: bool = False
     report_delay: int | None = None
+    replay_steps: int | None = None
 
     @classmethod
     def of(cls, config: Any, tree: ClientPlaceTree, strategy: Any = None) -> ServiceTopology:

@@ -84,3 +84,21 @@ def test_plan_refuses_a_bad_out_or_step_count_in_one_line(tmp_path, capsys):
         PlanStore.create(tmp_path / "notes.txt", {})
     assert main(["plan", "--steps", "0", "--out", str(tmp_path / "p"), "--world-size", "1"]) == 2
     assert capsys.readouterr().err.strip() == "error: --steps must be >= 1, got 0"
+
+
+def test_a_service_checks_its_plans_before_starting_and_asks_for_nothing_past_them(data_dir, tmp_path):
+    """`DataService` checks the plans when it is made (in the trainer's process, one named error
+    rather than one per actor) and stamps how many steps they cover: its constructors prefetch
+    and its clients ask ahead no further (a healthy run of exactly those steps logs no error)."""
+    from megascale_data_ext.runtime.constructor import DataConstructor
+    from megascale_data_ext.runtime.service import DataService
+
+    plans = tmp_path / "plans"
+    assert main(["plan", *overrides(data_dir), "--steps", "3", "--out", str(plans), "--world-size", "4"]) == 0
+    config = live_service(data_dir, replay_dir=str(plans)).config
+    with pytest.raises(ConfigError, match=r"`world`: planned with"):
+        DataService(config, ClientPlaceTree.from_sizes(tp=2, world_size=8), progress=None)
+    topology = DataService(config, ClientPlaceTree.from_sizes(tp=2, world_size=4), progress=None).topology
+    assert topology.replay_steps == 3
+    made = DataConstructor([0], config, topology, get_plans=None, fetch=None, pad_id=0, max_lead=8)
+    assert [made.plannable(s) for s in range(5)] == [True, True, True, False, False]
