@@ -23,10 +23,30 @@ from pathlib import Path
 from typing import Any
 
 from megascale_data_ext.commands._config_args import fail, positive_int
-from megascale_data_ext.errors import ConfigError
+from megascale_data_ext.errors import ConfigError, ParallelLayoutError
 
 NAME = "demo"
 HELP = "run the end-to-end main job: sample data -> Ray service -> torchrun megatron-core GPT training"
+
+
+#: The demo's GPT (hidden, layers, attention heads), passed to every rank: the layout must split it.
+HIDDEN, LAYERS, HEADS = 64, 4, 4
+
+
+def layout_problems(args: argparse.Namespace) -> list[str]:
+    """What the ranks' model would refuse for this layout, said before any work starts."""
+    problems = []
+    if HEADS % args.tp:
+        fits = [t for t in range(1, HEADS + 1) if HEADS % t == 0]
+        problems.append(f"--tp {args.tp} does not divide the demo model's {HEADS} attention heads: pass --tp "
+                        + " or ".join(map(str, fits)))
+    if LAYERS % args.pp:
+        fits = [q for q in range(1, LAYERS + 1) if LAYERS % q == 0]
+        problems.append(f"--pp {args.pp} does not divide the demo model's {LAYERS} layers: pass --pp "
+                        + " or ".join(map(str, fits)))
+    if args.cp > 1 and args.attention == "dense":
+        problems.append(f"--cp {args.cp} needs per-document attention: pass --attention auto or flex, or --cp 1")
+    return problems
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -58,6 +78,9 @@ def run(args: argparse.Namespace) -> int:
     from megascale_data_ext.sources.demo_data import make_demo_data
     from megascale_data_ext.sources.tokenizer import load_tokenizer
 
+    problems = layout_problems(args)
+    if problems:
+        return fail(ParallelLayoutError("the demo cannot start: " + "; ".join(problems)))
     patches = 256  # image-text samples keep room for one image of <= 256 patches
     if args.seq_length < patches + 2:
         return fail(ConfigError(f"--seq-length {args.seq_length} leaves no room for text beside the demo's images "
@@ -101,6 +124,7 @@ def run(args: argparse.Namespace) -> int:
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
         "-m", "megascale_data_ext.trainer.train_worker",
         "--tp", str(args.tp), "--pp", str(args.pp), "--cp", str(args.cp), "--steps", str(args.steps),
+        "--hidden", str(HIDDEN), "--layers", str(LAYERS), "--heads", str(HEADS),
         "--attention", args.attention, *(["--bf16"] if args.bf16 else []),
         "--samples-per-step", str(args.samples_per_step),
         "--num-microbatches", str(args.num_microbatches), "--seq-length", str(args.seq_length),

@@ -199,3 +199,13 @@ def test_demo_refuses_a_context_without_room_for_its_images_and_a_workdir_that_i
     (tmp_path / "f").write_text("x")
     assert main(["demo", "--workdir", str(tmp_path / "f")]) == 2
     assert "File exists; name a directory" in capsys.readouterr().err
+
+
+def test_demo_refuses_a_layout_its_model_cannot_split_before_any_work(tmp_path, capsys):
+    """Before the data, the service or torchrun: one line with the flags that fit (it used to start
+    everything, then every rank printed a traceback)."""
+    assert main(["demo", "--tp", "3", "--pp", "3", "--dp", "1", "--workdir", str(tmp_path / "w")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == ("error: the demo cannot start: --tp 3 does not divide the demo model's 4 attention heads: pass "
+                   "--tp 1 or 2 or 4; --pp 3 does not divide the demo model's 4 layers: pass --pp 1 or 2 or 4")
+    assert not (tmp_path / "w").exists()  # nothing was made
