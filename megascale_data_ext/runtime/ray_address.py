@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import socket
+from pathlib import Path
 
 from megascale_data_ext.errors import ConfigError
 from megascale_data_ext.runtime.retry import Retry
@@ -45,10 +46,18 @@ def host_port(address: str) -> tuple[str, int] | None:
 def check_reachable(address: str | None, *, seconds: float = PROBE_SECONDS, key: str = "data.ray.address") -> None:
     """Raise `ConfigError` (naming `key`, where the address came from) if `address` accepts no TCP
     connection within `seconds`; a host name that does not resolve fails at once."""
+    embedded = ", or set data.ray.address=null for an embedded local Ray" if key == "data.ray.address" else ""
+    if address == "auto":
+        found = current_cluster()
+        if found is None:
+            raise ConfigError(f"`{key}` 'auto': no Ray cluster runs on this machine (no RAY_ADDRESS, no address "
+                              f"recorded by `ray start`, no GCS process); start one with `ray start --head`{embedded}")
+        if found == "auto":  # a GCS process without a recorded address: Ray finds it itself
+            return
+        address = found
     endpoint = None if address is None else host_port(address)
     if endpoint is None:
         return
-    embedded = ", or set data.ray.address=null for an embedded local Ray" if key == "data.ray.address" else ""
     retry = Retry(seconds, base_s=0.5, cap_s=0.5)
     last: OSError | None = None
     while not retry.expired():
@@ -67,6 +76,33 @@ def check_reachable(address: str | None, *, seconds: float = PROBE_SECONDS, key:
     raise ConfigError(f"`{key}` {address!r}: nothing answers at {endpoint[0]}:{endpoint[1]} after "
                       f"{seconds:g} s ({last}); start the Ray head there (`ray start --head`), fix the address"
                       f"{embedded}")
+
+
+def current_cluster() -> str | None:
+    """What ``ray.init(address="auto")`` joins, found as Ray finds it but without importing Ray:
+    ``RAY_ADDRESS``, else the GCS address the last ``ray start`` on this machine recorded
+    (``<RAY_TMPDIR or TMPDIR or /tmp>/ray/ray_current_cluster``), else "auto" when a GCS process
+    runs here (Ray's own last resort), else None."""
+    if os.environ.get("RAY_ADDRESS"):
+        return os.environ["RAY_ADDRESS"]
+    tmp = os.environ.get("RAY_TMPDIR") or os.environ.get("TMPDIR") or "/tmp"
+    try:
+        recorded = Path(tmp, "ray", "ray_current_cluster").read_text().strip()
+    except OSError:
+        recorded = ""
+    if recorded:
+        return recorded
+    return "auto" if _gcs_running() else None
+
+
+def _gcs_running() -> bool:
+    for comm in Path("/proc").glob("[0-9]*/comm"):
+        try:
+            if comm.read_text().strip() == "gcs_server":
+                return True
+        except OSError:  # the process ended while we looked
+            continue
+    return False
 
 
 def _speaks_grpc(sock: socket.socket, address: str, endpoint: tuple[str, int], seconds: float = H2_SECONDS, *,

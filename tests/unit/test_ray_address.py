@@ -66,8 +66,7 @@ def test_a_grpc_server_passes():
     server, address = _listening(bytes([0, 0, 0, 4, 0, 0, 0, 0, 0]))  # an HTTP/2 SETTINGS frame: what gRPC answers
     with server:
         check_reachable(address, seconds=2.0)
-    check_reachable(None)
-    check_reachable("auto")
+    check_reachable(None)  # an embedded Ray: nothing to probe
 
 
 @pytest.mark.parametrize(("reply", "said"), [(None, "said nothing"), (b"HTTP/1.1 400 Bad Request\r\n\r\n", "not gRPC")])
@@ -80,3 +79,26 @@ def test_tcp_without_ray_fails_within_30s_in_one_line_naming_the_key(reply, said
     message = str(err.value)
     assert "\n" not in message and message.startswith(f"`data.ray.address` {address!r}: ")
     assert "accepts TCP but is no Ray cluster" in message and said in message
+
+
+def test_auto_without_a_cluster_is_one_line_and_auto_resolves_as_ray_does(monkeypatch, tmp_path):
+    """`data.ray.address=auto` on a machine where no Ray runs was every rank's `ConnectionError`
+    traceback; it is found as `ray.init` finds it (RAY_ADDRESS, the address `ray start` recorded,
+    a GCS process) and what it finds is probed like any address."""
+    from megascale_data_ext.runtime import ray_address
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setenv("RAY_TMPDIR", str(tmp_path))
+    monkeypatch.setattr(ray_address, "_gcs_running", lambda: False)
+    with pytest.raises(ConfigError, match=r"^`data.ray.address` 'auto': no Ray cluster runs on this machine .* "
+                                          r"start one with `ray start --head`, or set data.ray.address=null"):
+        check_reachable("auto")
+    monkeypatch.setattr(ray_address, "_gcs_running", lambda: True)
+    assert ray_address.current_cluster() == "auto"
+    check_reachable("auto")  # a GCS runs without a recorded address: Ray finds it itself
+    (tmp_path / "ray").mkdir()
+    (tmp_path / "ray" / "ray_current_cluster").write_text("127.0.0.1:1\n")  # a stopped `ray start` left it
+    with pytest.raises(ConfigError, match=r"'127.0.0.1:1': nothing answers at 127.0.0.1:1"):
+        check_reachable("auto", seconds=0.5)
+    monkeypatch.setenv("RAY_ADDRESS", "10.1.2.3:6379")
+    assert ray_address.current_cluster() == "10.1.2.3:6379"
