@@ -163,7 +163,7 @@ def _check_tokenizer(s: Any, resolved: str, sp: str, problems: Problems) -> None
 
 def check_mixing(cfg: MegascaleDataConfig, path: str, problems: Problems) -> None:
     """Source weights that can mix, or a schedule ``build_schedule`` accepts."""
-    from megascale_data_ext.dataplane.mixing import build_schedule
+    from megascale_data_ext.dataplane.mixing import WEIGHT_KEYS, build_schedule, required_keys
 
     where = f"{path}.mixing"
     if problems.blocked(where) or problems.blocked(f"{path}.sources"):
@@ -176,6 +176,13 @@ def check_mixing(cfg: MegascaleDataConfig, path: str, problems: Problems) -> Non
         return
     if "type" in cfg.mixing.params:
         problems.add(f"{where}.params.type", f"the schedule type goes in `{where}.type`, not in params")
+        return
+    missing = [k for k in required_keys(cfg.mixing.type) if k not in cfg.mixing.params]
+    if missing:  # one override to paste per key: the sources' own weights where a weight per source goes
+        weights = "[" + ",".join(f"{s.weight:g}" for s in cfg.sources) + "]"
+        sets = " ".join(f"{where}.params.{k}=" + (weights if k in WEIGHT_KEYS else "<value>") for k in missing)
+        order = f" (a weight per source, in the order {names})" if any(k in WEIGHT_KEYS for k in missing) else ""
+        problems.add(f"{where}.params", f"type {cfg.mixing.type!r} needs {', '.join(missing)}: set `{sets}`{order}")
         return
     try:
         build_schedule({"type": cfg.mixing.type, **cfg.mixing.params}, source_names=names)

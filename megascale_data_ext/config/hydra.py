@@ -86,6 +86,20 @@ def hydra_scope(
         restore_gh_from_backup(backup)
 
 
+#: Free-form nodes: their keys are checked against the strategy's or the schedule's own arguments
+#: (`config.checks`), not by Hydra's struct mode, so an override adds one without Hydra's ``+``
+#: (``data.strategy.args.broadcast=[tp,cp]``, ``data.mixing.params={base_weights: [...]}``).
+OPEN_NODES = ("data.strategy.args", "data.mixing.params")
+
+
+def open_node_override(override: str) -> str:
+    """`override` as Hydra's ``++`` (set or add) when it sets a key inside one of `OPEN_NODES`."""
+    if override.startswith(("+", "~")):
+        return override
+    key = override.split("=", 1)[0]
+    return "++" + override if any(key == n or key.startswith(n + ".") for n in OPEN_NODES) else override
+
+
 def compose_config(
     overrides: Sequence[str] = (),
     config_name: str = "train_gpt",
@@ -113,6 +127,7 @@ def compose_config(
     from hydra.errors import HydraException, MissingConfigException
     from omegaconf.errors import OmegaConfBaseException
 
+    overrides = [open_node_override(o) for o in overrides]
     named = [i for i, o in enumerate(overrides) if named_source_override(o) is not None]
     if named:  # compose without them to learn the sources' order, then address each by index
         rest = [o for i, o in enumerate(overrides) if i not in named]
@@ -160,7 +175,13 @@ def _unknown_key_message(key: str, overrides: Sequence[str], config_name: str, c
         keys = []
     where = f"under `{parent}`" if parent else "at the top"
     have = f"; the keys {where} are {', '.join(keys)}" if keys else ""
-    return f"{given}: the config has no key `{key}`; {did_you_mean(leaf, keys)}check its spelling{have}"
+    close = difflib.get_close_matches(leaf, keys, n=1)
+    if close and "=" in given:  # the whole override with the misspelled part respelled: pasteable
+        parts, at = key.split("."), len(parent.split(".")) if parent else 0
+        fix = f"did you mean `{'.'.join([*parts[:at], close[0], *parts[at + 1:]])}={given.split('=', 1)[1]}`? "
+    else:
+        fix = did_you_mean(leaf, keys)
+    return f"{given}: the config has no key `{key}`; {fix}check its spelling{have}"
 
 
 def _missing_config_message(e: Any, config_name: str, where: str, overrides: Sequence[str]) -> str:

@@ -169,7 +169,7 @@ def test_prestart_workers_is_honoured_embedded_and_refused_for_a_cluster() -> No
                          "llm_balance, vanilla, vlm_balance (e.g. strategy=hybrid_cp)"),
      (["strategy=llm_balanc"], "(e.g. strategy=llm_balance)"),
      (["data.seq_lenght=2048"], "data.seq_lenght=2048: the config has no key `data.seq_lenght`; did you mean "
-                                "'seq_length'? check its spelling; the keys under `data` are "),
+                                "`data.seq_length=2048`? check its spelling; the keys under `data` are "),
      (["nope.x=1"], "the keys at the top are data, model, parallel, train"),
      (["data.seq_length=[1"], "cannot compose 'train_gpt'")],
 )

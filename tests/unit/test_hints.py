@@ -85,3 +85,27 @@ def test_bad_jsonl_rows_hints_each_pass_when_pasted(config_dir: Path) -> None:
     assert ["data.sources.code.on_bad_rows=skip"] in hints, str(err.value)
     for hint in hints[1:]:  # the first names the current budget (max_bad_fraction=0), not a fix
         start_sources(config_dir, ["data.sources.web.truncate=true", *hint])
+
+
+def test_a_schedule_missing_its_weights_hints_an_override_that_passes_when_pasted(config_dir: Path) -> None:
+    """`data.mixing.type=feedback` alone said "missing key `base_weights`" with nothing to paste."""
+    failing = ["data.mixing.type=feedback", "data.sources.web.truncate=true"]
+    with pytest.raises(ConfigError, match=r"needs base_weights: set `data.mixing.params.base_weights=\[1,1\]` \(a "
+                                          r"weight per source, in the order \['code', 'web'\]\)") as err:
+        start_sources(config_dir, failing)
+    (hint,) = overrides_in(str(err.value))
+    start_sources(config_dir, failing + hint)
+
+
+def test_keys_inside_free_form_nodes_are_set_without_a_plus() -> None:
+    """`data.strategy.args` and `data.mixing.params` take the strategy's and the schedule's own keys,
+    checked by the schema: the README's overrides work as written (Hydra's struct mode refused them)."""
+    cfg = compose_config(["data.strategy.args.broadcast=[tp,cp]", "data.mixing.type=feedback",
+                          "data.mixing.params={base_weights:[1,1,1,1],delay:2}"])
+    assert list(cfg.data.strategy.args.broadcast) == ["tp", "cp"] and cfg.data.mixing.params.delay == 2
+    assert compose_config(["data.mixing.params.lr=0.5"]).data.mixing.params.lr == 0.5
+    for typo in ("data.seq_lenght=512", "data.fault_tolrance.client_prefetch=2"):  # elsewhere: Hydra's struct error,
+        with pytest.raises(ConfigError, match="the config has no key") as err:  # with the override respelled
+            compose_config([typo])
+        (hint,) = overrides_in(str(err.value))
+        compose_config(hint)

@@ -17,7 +17,7 @@ schedules), `build` (`build_schedule`), `mixer`
 (`Mixer`, `MixMode`, `apportion`). Pure numpy: no Ray, no torch.
 """
 
-from megascale_data_ext.dataplane.mixing.build import build_schedule
+from megascale_data_ext.dataplane.mixing.build import WEIGHT_KEYS, build_schedule, required_keys
 from megascale_data_ext.dataplane.mixing.mixer import Mixer, MixMode, apportion
 from megascale_data_ext.dataplane.mixing.schedules import (
     ConstantSchedule,

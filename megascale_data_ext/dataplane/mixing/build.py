@@ -9,7 +9,7 @@ from megascale_data_ext.dataplane.mixing.checks import raise_problems
 from megascale_data_ext.dataplane.mixing import schedules as sch
 from megascale_data_ext.errors import ConfigError
 
-__all__ = ["build_schedule"]
+__all__ = ["WEIGHT_KEYS", "build_schedule", "required_keys"]
 
 # type -> (class, required keys, optional keys)
 _SPECS: dict[sch.ScheduleType, tuple[Callable[..., sch.MixingSchedule], tuple[str, ...], tuple[str, ...]]] = {
@@ -18,7 +18,7 @@ _SPECS: dict[sch.ScheduleType, tuple[Callable[..., sch.MixingSchedule], tuple[st
     sch.ScheduleType.RAMP: (sch.LinearRampSchedule, ("start", "end", "warmup_steps"), ("start_step",)),
     sch.ScheduleType.FEEDBACK: (sch.FeedbackSchedule, ("base_weights",), ("lr", "smoothing", "min_weight", "delay")),
 }
-_WEIGHT_KEYS = ("weights", "start", "end", "base_weights")
+WEIGHT_KEYS = ("weights", "start", "end", "base_weights")  # a weight per source (a list or {name: w})
 
 
 def _weights_from_mapping(key: str, value: Any, names: Sequence[str] | None, problems: list[str]) -> Any:
@@ -32,6 +32,14 @@ def _weights_from_mapping(key: str, value: Any, names: Sequence[str] | None, pro
     if unknown:
         problems.append(f"`{key}` names unknown sources {unknown} (sources: {list(names)})")
     return [float(value.get(n, 0.0)) for n in names]
+
+
+def required_keys(schedule_type: str) -> tuple[str, ...]:
+    """The arguments a schedule `schedule_type` cannot go without (none for an unknown type)."""
+    try:
+        return _SPECS[sch.ScheduleType(schedule_type)][1]
+    except ValueError:
+        return ()
 
 
 def build_schedule(config: Mapping[str, Any], *, source_names: Sequence[str] | None = None) -> sch.MixingSchedule:
@@ -56,7 +64,7 @@ def build_schedule(config: Mapping[str, Any], *, source_names: Sequence[str] | N
     problems = [f"unknown keys {unknown} for type {kind.value!r} (allowed: {allowed_keys})"] if unknown else []
     problems += [f"missing key `{k}` for type {kind.value!r}" for k in required if k not in config]
     args = {k: config[k] for k in (*required, *optional) if k in config}
-    for key in _WEIGHT_KEYS:
+    for key in WEIGHT_KEYS:
         if key in args:
             if kind is sch.ScheduleType.PIECEWISE:
                 args[key] = [_weights_from_mapping(f"{key}[{i}]", w, source_names, problems)
