@@ -97,6 +97,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         except ConfigError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2
+    from megascale_data_ext.trainer.app import quiet_imports
+
+    quiet_imports()  # megatron-core's TE/Apex fallback notices (demo-data, profile --model, bench gpu-balance)
     from megascale_data_ext.errors import MegascaleDataError
 
     try:

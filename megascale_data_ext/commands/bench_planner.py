@@ -156,7 +156,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"\nslowest ratio to the paper (median wall times): {worst:.1f}× faster (goal >= 5×: "
           f"{'met' if worst >= 5 else 'NOT met'}); by balance() CPU time: {cpu_worst:.1f}×; {repeats} repeats per setup")
     print(f"balance() by the min of the repeats, slowest row: {best_worst:.1f}× faster than the paper "
-          f"(issue 21's goal >= 10× on every row: {'met' if best_worst >= 10 else 'NOT met'})")
+          f"(target >= 10× the paper on every row: {'met' if best_worst >= 10 else 'NOT met'})")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"repeats": repeats, "fill": FILL, "rows": [asdict(r) for r in rows]},
