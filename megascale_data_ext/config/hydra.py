@@ -144,7 +144,7 @@ def compose_config(
         with hydra_scope(d, search_path):
             return compose(config_name=config_name, overrides=list(overrides), return_hydra_config=return_hydra_config)
     except MissingConfigException as e:
-        raise ConfigError(_missing_config_message(e, config_name, where, overrides)) from e
+        raise ConfigError(_missing_config_message(e, config_name, where, overrides, (d, *search_path))) from e
     except (HydraException, OmegaConfBaseException) as e:
         unknown = re.match(r"Could not override '([^']+)'", str(e))
         if unknown:
@@ -184,12 +184,17 @@ def _unknown_key_message(key: str, overrides: Sequence[str], config_name: str, c
     return f"{given}: the config has no key `{key}`; {fix}check its spelling{have}"
 
 
-def _missing_config_message(e: Any, config_name: str, where: str, overrides: Sequence[str]) -> str:
+def _missing_config_message(e: Any, config_name: str, where: str, overrides: Sequence[str],
+                            dirs: Sequence[str | Path] = ()) -> str:
     """One line for Hydra's missing config: the override that named it, the group's options, one to paste."""
     group, _, option = str(e.missing_cfg_file or "").rpartition("/")
     options = list(e.options or [])
     if not group:
-        return f"config {config_name!r} not found in {where}; check --config-name and --config-dir"
+        names = sorted({f.stem for d in dirs for f in Path(d).glob("*.yaml") if not f.stem.startswith("_")})
+        close = difflib.get_close_matches(config_name, names, n=1)
+        have = (f"; the configs there are {', '.join(names)}" + (f" (did you mean --config-name {close[0]}?)"
+                                                                  if close else "")) if names else ""
+        return f"config {config_name!r} not found in {where}{have}; check --config-name and --config-dir"
     given = next((o for o in overrides if o.lstrip("+~").split("=", 1)[0].split("@", 1)[0] == group),
                  f"{group}={option}")
     if not options:

@@ -109,3 +109,9 @@ def test_keys_inside_free_form_nodes_are_set_without_a_plus() -> None:
             compose_config([typo])
         (hint,) = overrides_in(str(err.value))
         compose_config(hint)
+
+
+def test_a_misspelled_config_name_lists_the_configs_there() -> None:
+    with pytest.raises(ConfigError, match=r"config 'train_gtp' not found in .*; the configs there are train_gpt, "
+                                          r"train_vlm \(did you mean --config-name train_gpt\?\)"):
+        compose_config([], "train_gtp")
