@@ -172,7 +172,7 @@ class DataConstructor:
         # transformation reordering: images of sources with decode_images="constructor" are decoded here
         self.decode = DeferredDecoder.of(config.sources)
         self.split_loss = config.feedback_mixing  # per-token source ids so the loss splits per source
-        self.report_delay = config.report_delay  # feedback mixing: what can be planned (`plannable`)
+        self.report_delay = topology.report_delay  # feedback mixing: what can be planned (`plannable`)
         self.layout = topology.layout
         self.fetchers = {b: topology.fetchers(b) for b in self.buckets}
         self.get_encoder_plan = get_encoder_plan

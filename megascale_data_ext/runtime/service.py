@@ -104,11 +104,10 @@ class DataService:
                  fault_tolerance: FaultToleranceConfig | None = None,
                  progress: Callable[[str], None] | None = print_progress):
         self.config = config
-        delay = config.report_delay  # builds the mixing schedule: once
-        self.topology = replace(ServiceTopology.of(config, tree), report_delay=delay,
-                                replay_steps=replay_steps(config, tree),
+        self.topology = replace(ServiceTopology.of(config, tree), replay_steps=replay_steps(config, tree),
                                 job=f"{config.ray.namespace}#{uuid.uuid4().hex[:8]}")  # see ServiceTopology.job
         self.tree = self.topology.tree
+        delay = self.topology.report_delay
         asked = fault_tolerance or config.fault_tolerance
         self.ft = asked.within_report_delay(delay)  # see its docstring
         self.progress = progress

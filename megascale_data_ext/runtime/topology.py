@@ -71,8 +71,9 @@ class ServiceTopology:
         variable_counts: Each consumer runs its own number of microbatches a step (the
             strategy plans them so: hybrid CP); a client learns its count from the constructor.
         report_delay: Feedback mixing: step s is planned only once the trainer reported the
-            per-source loss of step s - d (stamped by `DataService`); None: nothing to report.
-            A trainer loop that reports none refuses such a service (`provider.find_topology`).
+            per-source loss of step s - d; None: nothing to report. Constructors prefetch no step
+            that cannot be planned yet; a trainer loop that reports none refuses such a service
+            (`provider.find_topology`).
         replay_steps: Replay mode: the steps its saved plans cover (stamped by `DataService`);
             nothing past them is prefetched or asked ahead for. None: planned live, no end.
     """
@@ -96,7 +97,8 @@ class ServiceTopology:
         n, g = tree.buckets(dist.axis).num_buckets, config.constructor_group
         groups = tuple(tuple(range(i, min(i + g, n))) for i in range(0, n, g))
         return cls(tree=tree, distribution=dist, constructor_groups=groups, num_sources=len(config.sources),
-                   namespace=config.ray.namespace, variable_counts=bool(getattr(strategy, "variable_counts", False)))
+                   namespace=config.ray.namespace, variable_counts=bool(getattr(strategy, "variable_counts", False)),
+                   report_delay=config.report_delay)
 
     # -- distribution ----------------------------------------------------------------
     @property
